@@ -1,0 +1,145 @@
+"""Prompt datasets: a local ``.txt`` / ``.jsonl`` file or a Hugging Face dataset, tokenised once.
+
+Prompts are tokenised when the datamodule is set up (not per batch), cut to
+``data.max_prompt_length`` from the left (the end of a prompt is what the response continues) or
+refused, by ``data.truncation``. Batches are left-padded, as generation needs: every prompt then
+ends at the same column and the response starts right after it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ppo_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
+    """Prompts from ``.txt`` (one per non-empty line) or ``.jsonl`` (``field`` of each object)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data.path={str(path)!r}: no such file")
+    prompts: list[str] = []
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"data.path={str(path)!r} line {lineno}: not valid JSON ({e.msg}); "
+                                      "each line must be one JSON object") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+                    raise ConfigError(f"data.path={str(path)!r} line {lineno}: expected an object with a "
+                                      f"string {field!r} field (data.prompt_field={field!r})")
+                prompts.append(obj[field])
+    elif path.suffix in (".txt", ""):
+        prompts = [ln.rstrip("\n") for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    else:
+        raise ConfigError(f"data.path={str(path)!r}: unsupported extension {path.suffix!r}; use .txt "
+                          "(one prompt a line) or .jsonl")
+    if not prompts:
+        raise ConfigError(f"data.path={str(path)!r} holds no prompts; add one prompt per line")
+    return prompts
+
+
+def load_hf_prompts(name: str, split: str, field: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data.hf_dataset={name!r} needs the 'datasets' package: pip install datasets") from None
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network, missing split, bad name: all user-fixable
+        raise ConfigError(f"data.hf_dataset={name!r} (split {split!r}) could not be loaded: {e}. "
+                          "For offline use give a local file with data.path=...") from None
+    if field not in ds.column_names:
+        raise ConfigError(f"data.prompt_field={field!r} is not a column of {name!r}: {ds.column_names}")
+    return [str(x) for x in ds[field]]
+
+
+def tokenize_prompts(prompts: list[str], tokenizer, max_length: int, truncation: str,
+                     source: str) -> list[list[int]]:
+    """Token ids per prompt; longer than ``max_length``: keep the last tokens (one warning) or raise."""
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    too_long = [i for i, x in enumerate(ids) if len(x) > max_length]
+    if too_long:
+        i = too_long[0]
+        if truncation == "error":
+            raise ConfigError(f"{source}: prompt {i} has {len(ids[i])} tokens > data.max_prompt_length="
+                              f"{max_length}; raise data.max_prompt_length or set data.truncation=left")
+        log.warning("%d of %d prompts are longer than data.max_prompt_length=%d tokens; keeping their "
+                    "last %d tokens (data.truncation=left)", len(too_long), len(ids), max_length, max_length)
+        ids = [x[-max_length:] for x in ids]
+    empty = [i for i, x in enumerate(ids) if not x]
+    if empty:
+        raise ConfigError(f"{source}: prompt {empty[0]} tokenises to nothing; remove empty prompts")
+    return ids
+
+
+class PromptDataset(Dataset):
+    def __init__(self, token_ids: list[list[int]]):
+        self.token_ids = token_ids
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.token_ids[i]
+
+
+class LeftPadCollator:
+    """Pads a list of token-id lists on the left: ``input_ids``, ``attention_mask`` ``[B, P]``."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: list[list[int]]) -> dict[str, torch.Tensor]:
+        P = max(len(x) for x in batch)
+        input_ids = torch.full((len(batch), P), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), P), dtype=torch.long)
+        for i, x in enumerate(batch):
+            input_ids[i, P - len(x):] = torch.tensor(x, dtype=torch.long)
+            attention_mask[i, P - len(x):] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class PromptDataModule(L.LightningDataModule):
+    def __init__(self, cfg, tokenizer):
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.dataset: PromptDataset | None = None
+
+    def load(self) -> None:
+        """Read and tokenise the prompts; called before fitting so bad data fails early."""
+        if self.dataset is not None:
+            return
+        c = self.cfg
+        if c.path is not None:
+            prompts, source = read_prompts(c.path, c.prompt_field), f"data.path={c.path!r}"
+        else:
+            prompts, source = load_hf_prompts(c.hf_dataset, c.hf_split, c.prompt_field), f"data.hf_dataset={c.hf_dataset!r}"
+        ids = tokenize_prompts(prompts, self.tokenizer, c.max_prompt_length, c.truncation, source)
+        if len(ids) < c.batch_size:
+            raise ConfigError(f"{source} has {len(ids)} prompts, fewer than data.batch_size={c.batch_size}; "
+                              "add prompts or lower data.batch_size")
+        self.dataset = PromptDataset(ids)
+
+    def setup(self, stage: str | None = None) -> None:
+        self.load()
+
+    def train_dataloader(self) -> DataLoader:
+        # drop_last: every rollout has exactly batch_size rows, so minibatches divide it evenly
+        return DataLoader(self.dataset, batch_size=self.cfg.batch_size, shuffle=self.cfg.shuffle,
+                          drop_last=True, num_workers=self.cfg.num_workers,
+                          collate_fn=LeftPadCollator(self.tokenizer.pad_token_id),
+                          persistent_workers=self.cfg.num_workers > 0)

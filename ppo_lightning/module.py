@@ -1,0 +1,228 @@
+"""``PPOModule``: one PPO iteration per Lightning batch, in two parts.
+
+1. ``on_train_batch_start``: sample responses to the batch's prompts and score them
+   (``rollout.make_rollout``): old logprobs and values, reference logprobs, rewards, advantages.
+2. ``training_step``: ``ppo_epochs`` passes over shuffled minibatches of that rollout, one clipped
+   update each (manual optimisation), then metrics and the KL controller update.
+
+The module orchestrates; the math lives in ``ppo.py`` and ``rollout.py``. Lightning's
+``global_step`` counts PPO iterations (not the many optimizer steps inside one), so
+``trainer.max_steps``, checkpoint intervals and logger steps all speak in iterations.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+
+import lightning as L
+import torch
+from lightning.pytorch.core.optimizer import do_nothing_closure
+from torch import nn
+
+from ppo_lightning import ppo
+from ppo_lightning.kl_control import build_kl_controller
+from ppo_lightning.policy import PolicyWithValueHead
+from ppo_lightning.rollout import Rollout, make_rollout
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
+
+
+def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Multiplier of the base lr at PPO iteration ``step``: linear warmup, then the decay."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if scheduler == "linear":
+            decay = 1.0 - progress
+        else:  # cosine
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+    return f
+
+
+class PPOModule(L.LightningModule):
+    """PPO on a causal LM with a value head, against a frozen reference and a reward scorer.
+
+    ``policy``: trained; ``ref_lm``: frozen copy of the initial LM (KL anchor); ``reward_fn``:
+    ``(prompts, responses) -> scores``; ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` /
+    ``OptimizerConfig`` (see ``config.py``).
+    """
+
+    def __init__(self, policy: PolicyWithValueHead, ref_lm: nn.Module, reward_fn, tokenizer,
+                 ppo_cfg, optim_cfg, seed: int = 0):
+        super().__init__()
+        self.automatic_optimization = False
+        self.strict_loading = False  # the frozen reference and reward model are not checkpointed
+        self.policy = policy
+        self.ref_lm = ref_lm
+        self.reward_fn = reward_fn  # registered as a submodule when it is a reward model
+        self.tokenizer = tokenizer
+        self.ppo_cfg = ppo_cfg
+        self.optim_cfg = optim_cfg
+        self.seed = seed
+        self.kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target,
+                                          ppo_cfg.kl_horizon)
+        self.episode = 0  # prompts consumed, summed over ranks
+        self.generator: torch.Generator | None = None
+        self.rollout: Rollout | None = None
+        self._time_rollout = 0.0
+
+    # ------------------------------------------------------------------------- setup
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        kwargs = {"lr": o.lr, "weight_decay": o.weight_decay}
+        if o.name in ("adamw", "adam"):
+            kwargs.update(betas=tuple(o.betas), eps=o.eps)
+        optimizer = OPTIMIZERS[o.name](params, **kwargs)
+        total = self.trainer.max_steps if self.trainer.max_steps > 0 else 1
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(o.scheduler, o.warmup_steps, total, o.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        # Each rank samples with its own seed, or all ranks would draw correlated responses
+        # ([N+] "per-rank seeds"). Minibatch shuffling uses the same generator. A resumed run
+        # already has its generator, restored from the checkpoint.
+        if self.generator is None:
+            self.generator = torch.Generator(device=self.device)
+            self.generator.manual_seed(self.seed + 1000 * self.global_rank)
+        self.ref_lm.eval()
+
+    # ------------------------------------------------------------------------- part 1: rollout
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        c = self.ppo_cfg
+        t0 = time.perf_counter()
+        self.rollout = make_rollout(
+            policy=self.policy, ref_lm=self.ref_lm, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+            kl_coef=self.kl_ctl.value, gamma=c.gamma, lam=c.lam, kl_estimator=c.kl_estimator,
+            gen={"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
+                 "top_p": c.top_p, "stop_at_eos": c.stop_at_eos},
+            missing_eos_penalty=c.missing_eos_penalty, whiten_rewards=c.whiten_rewards,
+            forward_chunk_size=c.rollout_forward_batch_size, generator=self.generator)
+        self._time_rollout = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------- part 2: updates
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        c, r = self.ppo_cfg, self.rollout
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        t0 = time.perf_counter()
+        B = r.batch_size
+        n_updates = c.ppo_epochs * (B // c.minibatch_size)
+        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
+        step = 0
+        for _ in range(c.ppo_epochs):
+            perm = torch.randperm(B, generator=self.generator, device=self.device)
+            for mb_inds in perm.split(c.minibatch_size):
+                mb = r.index(mb_inds)
+                mask = mb.response_mask
+                logits, new_values = self.policy(mb.query_responses, mb.attention_mask,
+                                                 mb.position_ids, mb.context_length)
+                logits = logits / c.temperature  # the distribution the tokens were sampled from
+                new_logp = ppo.logprobs_from_logits(logits, mb.responses)
+                pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, mb.logprobs, mb.advantages, mask, c.clip)
+                vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, mb.values, mb.returns, mask, c.vf_clip)
+                with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
+                    entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.float()), mask)
+                loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
+
+                opt.zero_grad()
+                self.manual_backward(loss)
+                if c.max_grad_norm > 0:
+                    self.clip_gradients(opt, gradient_clip_val=c.max_grad_norm, gradient_clip_algorithm="norm")
+                step += 1
+                self._optimizer_step(opt, counts_as_global_step=step == n_updates)
+
+                with torch.no_grad():
+                    logratio = new_logp - mb.logprobs
+                    ratio = torch.exp(logratio)
+                    stats["policy/approxkl_avg"].append(ppo.approx_kl(new_logp, mb.logprobs, mask))
+                    stats["policy/clipfrac_avg"].append(pg_clipfrac)
+                    stats["policy/entropy_avg"].append(entropy.detach())
+                    stats["loss/policy_avg"].append(pg_loss.detach())
+                    stats["loss/value_avg"].append(vf_loss.detach())
+                    stats["val/clipfrac_avg"].append(vf_clipfrac)
+                    stats["val/ratio"].append(ppo.masked_mean(ratio, mask))
+                    stats["val/ratio_var"].append(ppo.masked_var(ratio, mask, unbiased=False))
+        sched.step()
+        time_update = time.perf_counter() - t0
+        self._log_iteration(r, stats, time_update)
+
+    def _optimizer_step(self, opt, counts_as_global_step: bool) -> None:
+        """Step the optimizer through Lightning's strategy (precision plugins, FSDP, hooks).
+
+        ``opt.step()`` would advance ``global_step`` on every minibatch; only the last update of
+        an iteration does, so one PPO iteration is one Lightning step.
+        """
+        if counts_as_global_step:
+            opt.step()
+        else:
+            self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure)
+
+    # ------------------------------------------------------------------------- metrics
+    def _log_iteration(self, r: Rollout, stats: dict, time_update: float) -> None:
+        mask = r.response_mask
+        n_tokens = mask.sum()
+        local = {
+            "objective/scores": r.scores.mean(),
+            "objective/kl": r.kl.sum(1).mean(),  # k1, summed over the response, mean over rows
+            "objective/entropy": (-r.logprobs * mask).sum(1).mean(),  # sampled-token estimate
+            "objective/non_score_reward": r.non_score_reward.mean(),
+            "objective/rlhf_reward": (r.scores + r.non_score_reward).mean(),
+            "value/explained_variance": ppo.explained_variance(r.values, r.returns, mask),
+            "rollout/response_length": mask.sum(1).mean(),
+            "val/num_eos_tokens": r.contains_eos.float().sum(),
+            "perf/tokens_per_s": n_tokens / (self._time_rollout + time_update),
+            **{k: torch.stack(v).mean() for k, v in stats.items()},
+        }
+        # one collective for all metrics: mean over ranks (num_eos_tokens and tokens/s: sums)
+        names = list(local)
+        values = torch.stack([local[k].float().detach() for k in names])
+        world = self.trainer.world_size
+        if world > 1:
+            values = self.trainer.strategy.reduce(values, reduce_op="mean")
+        metrics = {k: float(v) for k, v in zip(names, values.cpu())}
+        for k in ("val/num_eos_tokens", "perf/tokens_per_s"):
+            metrics[k] *= world
+        self.episode += r.batch_size * world
+        self.kl_ctl.update(metrics["objective/kl"], r.batch_size * world)
+        metrics.update({
+            "objective/kl_coef": self.kl_ctl.value,
+            "lr": self.lr_schedulers().get_last_lr()[0],
+            "episode": float(self.episode),
+            "perf/time_rollout_s": self._time_rollout,
+            "perf/time_update_s": time_update,
+        })
+        for k, v in metrics.items():
+            self.log(k, v, prog_bar=k in PROGRESS_BAR_METRICS, on_step=True, on_epoch=False,
+                     rank_zero_only=True, batch_size=r.batch_size)
+
+    # ------------------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The reference and reward model are frozen copies of their sources: rebuilt, not saved.
+        sd = checkpoint["state_dict"]
+        for k in [k for k in sd if k.startswith(("ref_lm.", "reward_fn."))]:
+            del sd[k]
+        checkpoint["ppo_state"] = {
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "episode": self.episode,
+            "generator": self.generator.get_state() if self.generator is not None else None,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("ppo_state", {})
+        if "kl_ctl" in state:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.episode = int(state.get("episode", 0))
+        if state.get("generator") is not None:
+            self.generator = torch.Generator(device=self.device)
+            self.generator.set_state(state["generator"])

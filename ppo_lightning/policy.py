@@ -1,0 +1,208 @@
+"""The policy (a Hugging Face causal LM with a value head), the frozen reference, load and save.
+
+One forward of ``PolicyWithValueHead`` gives both the next-token logits and a scalar value per
+position: the value head is a linear layer on the LM's final hidden states, sharing the backbone
+(the seed's design; cheaper than TRL's separate value model). Its output starts at exactly zero,
+so the first value loss is the raw return scale and the critic cannot mislead the first update.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from ppo_lightning.errors import ConfigError
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+DEFAULT_PAD_TOKEN = "<|pad|>"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- model sources
+def resolve_source(name_or_path: str, key: str) -> str:
+    """Check that ``name_or_path`` can be loaded, failing fast with a message naming ``key``.
+
+    A local directory is used as is. Anything else is a hub id: it works if it is in the local
+    HF cache or the hub answers within a few seconds. Without this check ``from_pretrained``
+    retries for half a minute and ends in a long traceback.
+    """
+    expanded = os.path.expanduser(str(name_or_path))
+    if os.path.isdir(expanded):
+        return expanded
+    # Hub ids are "name" or "org/name"; anything else that is not a directory is a bad path.
+    first = expanded.split("/")[0]
+    looks_like_path = (str(name_or_path).startswith((".", "/", "~")) or expanded.count("/") > 1
+                       or ("/" in expanded and os.path.isdir(first)))
+    if looks_like_path:
+        raise ConfigError(
+            f"{key}={name_or_path!r}: no such directory. Point {key} at a directory written by "
+            "save_pretrained (config.json, weights, tokenizer files), or at a Hugging Face hub id.")
+    if _in_hf_cache(expanded):
+        return expanded
+    if not _hub_reachable():
+        raise ConfigError(
+            f"{key}={name_or_path!r} is not a local directory and the Hugging Face hub cannot be "
+            "reached from this machine (and the model is not in the local HF cache). Point "
+            f"{key} at a local directory holding the model (one written by save_pretrained, e.g. "
+            f"{key}=/path/to/{expanded.split('/')[-1]}), or use model=tiny to build a small "
+            "GPT-2-architecture model offline.")
+    return expanded
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    try:
+        from huggingface_hub import constants
+
+        endpoint = urlparse(constants.ENDPOINT)
+        host, port = endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except (OSError, ImportError):
+        return False
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def load_tokenizer(name_or_path: str, key: str = "model.name_or_path", trust_remote_code: bool = False):
+    """Left-padding tokenizer with an EOS token and a pad token distinct from EOS.
+
+    A pad equal to EOS would make EOS indistinguishable from padding ([N+] detail), so a new
+    ``<|pad|>`` token is added when the tokenizer has no pad or reuses EOS; the caller must then
+    resize the embeddings (``PolicyWithValueHead`` loaders do).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve_source(name_or_path, key), padding_side="left", trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(
+            f"{key}={name_or_path!r}: the tokenizer has no EOS token, so responses cannot end. "
+            "Use a tokenizer that defines eos_token (tokenizer.eos_token = ...; save_pretrained).")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": DEFAULT_PAD_TOKEN})
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------- the policy
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off everywhere: logprobs must be a deterministic function of the weights, or the
+    PPO ratio is not 1 at the start of an update ([N+] "disable dropout")."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None:
+        for name, value in list(vars(config).items()):
+            if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop")):
+                setattr(config, name, 0.0)
+
+
+def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32",
+                   trust_remote_code: bool = False, key: str = "model.name_or_path"):
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_source(name_or_path, key)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    disable_dropout(model)
+    return model
+
+
+class PolicyWithValueHead(nn.Module):
+    """A causal LM and a value head on its last hidden state; one forward gives both."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        hidden = lm.config.get_text_config().hidden_size
+        # Kept in float32 whatever the LM's dtype: the value is a regression target.
+        self.v_head = nn.Linear(hidden, 1, dtype=torch.float32)
+        nn.init.zeros_(self.v_head.weight)  # V(s) = 0 at the start ([N+] value head init)
+        nn.init.zeros_(self.v_head.bias)
+        self._keep_kw = "logits_to_keep" in inspect.signature(lm.forward).parameters
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and values at the positions that predict response tokens.
+
+        ``input_ids`` is ``[B, T]`` = left-padded prompt (``context_length`` = P) + response (R).
+        Position ``t`` predicts token ``t + 1``, so the response is scored by positions
+        ``P-1 .. T-2``. Returns ``logits [B, R, V]`` (raw; divide by temperature for logprobs)
+        and ``values [B, R]`` (V of the state before each response token).
+        """
+        R = input_ids.shape[1] - context_length
+        kwargs = {"logits_to_keep": R + 1} if self._keep_kw else {}
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      output_hidden_states=True, use_cache=False, **kwargs)
+        logits = out.logits[:, -(R + 1):-1]  # [B, R, V]
+        hidden = out.hidden_states[-1][:, context_length - 1:-1]  # [B, R, H]
+        values = self.v_head(hidden.float()).squeeze(-1)  # [B, R]
+        return logits, values
+
+
+def make_reference(lm: nn.Module) -> nn.Module:
+    """A frozen copy of the initial policy LM: the anchor of the KL penalty."""
+    ref = copy.deepcopy(lm)
+    ref.requires_grad_(False)
+    ref.eval()
+    disable_dropout(ref)
+    return ref
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: the first real token is position 0 ([N+] detail)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------- save / load
+def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.PathLike) -> Path:
+    """An HF directory (safetensors + tokenizer + generation config) that plain
+    ``AutoModelForCausalLM.from_pretrained`` loads, with the value head beside it."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    policy.lm.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    save_file({k: v.detach().cpu().contiguous() for k, v in policy.v_head.state_dict().items()},
+              str(directory / VALUE_HEAD_FILE))
+    return directory
+
+
+def load_value_head(policy: PolicyWithValueHead, directory: str | os.PathLike) -> bool:
+    """Load ``value_head.safetensors`` from ``directory`` if present; returns whether it did."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / VALUE_HEAD_FILE
+    if not path.exists():
+        return False
+    policy.v_head.load_state_dict(load_file(str(path)))
+    return True

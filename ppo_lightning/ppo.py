@@ -1,0 +1,196 @@
+"""The PPO math, as pure tensor functions (no Lightning, no models).
+
+Shapes: ``B`` rows (episodes), ``R`` response positions. Every function takes a ``mask`` that is 1
+on real response tokens and 0 on prompt, pad and after-EOS positions; statistics are taken over
+masked positions only. Names follow the math and the seed tutorial; sources of each detail:
+
+- [N+] Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO".
+- [GAE] Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE".
+- [Z19] Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
+- [KL] J. Schulman, "Approximating KL Divergence" (k1/k2/k3 estimators), 2020.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------- masked statistics
+def _all_reduce_sum(*xs: Tensor) -> tuple[Tensor, ...]:
+    """Sum tensors across ranks when a process group is up (DDP); identity otherwise."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return xs
+    flat = torch.stack([x.detach().to(torch.float64) for x in xs])
+    dist.all_reduce(flat)
+    return tuple(flat.to(xs[0].dtype).unbind(0))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1 (0 if the mask is empty)."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, distributed: bool = False) -> Tensor:
+    """Variance of ``x`` over masked positions (Bessel-corrected by default, as the seed does).
+
+    With ``distributed=True`` the sums are all-reduced, giving the statistic over every rank's
+    batch: each rank then whitens with the same mean and std ([N+] "statistics across ranks").
+    """
+    mean, _, n = _masked_moments(x, mask, distributed)
+    var = _masked_moments((x - mean) ** 2, mask, distributed)[0]
+    if unbiased:
+        if n <= 1:
+            raise ValueError(f"masked_var needs at least 2 unmasked elements, got {int(n)}")
+        var = var * n / (n - 1)
+    return var
+
+
+def _masked_moments(x: Tensor, mask: Tensor, distributed: bool) -> tuple[Tensor, Tensor, Tensor]:
+    s, n = masked_sum(x, mask), mask.sum().to(x.dtype)
+    if distributed:
+        s, n = _all_reduce_sum(s, n)
+    return s / n.clamp(min=1), s, n
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, distributed: bool = False) -> Tensor:
+    """Normalise ``x`` to mean 0 / std 1 over masked positions; masked-out positions become 0.
+
+    Advantages are whitened over response tokens only ([N+] detail: prompt and pad positions
+    would otherwise drag the statistics). ``shift_mean=False`` keeps the mean (used for reward
+    whitening, where the sign of the reward carries information).
+    """
+    mean = _masked_moments(x, mask, distributed)[0]
+    var = masked_var(x, mask, distributed=distributed)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+# ----------------------------------------------------------------------------- advantages
+def next_values(values: Tensor, mask: Tensor) -> Tensor:
+    """V(s_{t+1}) for each position: the next masked value, 0 after the last real token.
+
+    Values at prompt, pad and after-EOS positions are never read ([N+]: GAE must not bootstrap
+    from positions that are not part of the response).
+    """
+    v = values * mask
+    return torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1) * mask
+
+
+def compute_gae(rewards: Tensor, values: Tensor, values_next: Tensor, resp_mask: Tensor,
+                gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation [GAE] over masked response tokens.
+
+    ``delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
+    with the recursion cut at masked positions, so A is 0 wherever ``resp_mask`` is 0 and the
+    last real token bootstraps from ``values_next`` (0 there, as the episode ends).
+    Returns ``(advantages, returns)`` with ``returns = advantages + values`` (the value target).
+    """
+    mask = resp_mask.to(values.dtype)
+    values = values * mask
+    deltas = (rewards * mask + gamma * values_next * mask - values) * mask  # [B, R]
+    advantages = torch.zeros_like(values)
+    lastgaelam = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        lastgaelam = (deltas[:, t] + gamma * lam * lastgaelam) * mask[:, t]
+        advantages[:, t] = lastgaelam
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+# ----------------------------------------------------------------------------- losses
+def ppo_policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    clip: float) -> tuple[Tensor, Tensor]:
+    """Clipped surrogate objective (as a loss to minimise) and the fraction of clipped tokens.
+
+    ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - clip, 1 + clip))``, averaged over response
+    tokens. ``clip_frac`` counts tokens where the clipped branch was the active (larger) one.
+    """
+    logratio = new_logp - old_logp
+    ratio = torch.exp(logratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    loss = masked_mean(torch.maximum(pg_loss1, pg_loss2), mask)
+    clip_frac = masked_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask)
+    return loss, clip_frac
+
+
+def ppo_value_loss(new_values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+                   vf_clip: float) -> tuple[Tensor, Tensor]:
+    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` and its clip fraction.
+
+    ``V_clip = V_old + clip(V - V_old, -vf_clip, vf_clip)`` keeps the value head from moving far
+    from the rollout's values in one phase ([N+] "value function loss clipping").
+    """
+    v_clipped = old_values + torch.clamp(new_values - old_values, -vf_clip, vf_clip)
+    vf_loss1 = (new_values - returns) ** 2
+    vf_loss2 = (v_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(vf_loss1, vf_loss2), mask)
+    clip_frac = masked_mean((vf_loss2 > vf_loss1).to(new_values.dtype), mask)
+    return loss, clip_frac
+
+
+# ----------------------------------------------------------------------------- KL and entropy
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = log p - log q: unbiased for KL(p||q) under samples of p, high variance, can be < 0."""
+    return logp - ref_logp
+
+
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = 0.5 (log p - log q)^2: biased, low variance, always >= 0 [KL]."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = (r - 1) - log r with r = q / p: unbiased, always >= 0 [KL]."""
+    log_r = ref_logp - logp
+    return torch.expm1(log_r) - log_r
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token KL(policy || reference) estimate used in the reward ([Z19] uses k1)."""
+    try:
+        return KL_ESTIMATORS[estimator](logp, ref_logp)
+    except KeyError:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+
+
+def approx_kl(new_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """Approximate KL(old || new) over a PPO update, the k3 estimator (as CleanRL logs it).
+
+    A monitor, not a loss: a value far above ~0.02 means the update moved the policy too far.
+    """
+    logratio = new_logp - old_logp
+    return masked_mean(torch.expm1(logratio) - logratio, mask)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical distribution at each position: ``logsumexp(z) - sum p z``."""
+    pd = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(-1)
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(logits)[token] at each position, in float32 for stability. [B, R, V] -> [B, R]"""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var[returns - values] / Var[returns] over masked tokens: 1 is perfect, <= 0 is useless."""
+    var_y = masked_var(returns, mask, unbiased=False)
+    return 1.0 - masked_var(returns - values, mask, unbiased=False) / var_y.clamp(min=1e-8)

@@ -1,0 +1,225 @@
+"""Rollouts: batched KV-cache sampling from left-padded prompts, then everything PPO needs to learn
+from those samples, gathered in one ``Rollout`` (a dataclass of tensors). No Lightning here.
+
+Layout of one rollout (``P`` prompt positions, ``R`` response positions, ``T = P + R``)::
+
+    query_responses  [B, T]   <pad><pad> prompt tokens | response tokens <eos> <pad> <pad>
+    attention_mask   [B, T]      0    0    1 ... 1     |   1  ...  1      1     0     0
+    response_mask    [B, R]                            |   1  ...  1      1     0     0
+
+Everything after the first EOS is masked out of every loss and statistic ([N+] detail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ppo_lightning import ppo
+from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One PPO batch: sampled responses and the old policy's view of them. All tensors share B."""
+
+    query_responses: Tensor  # [B, T] long
+    attention_mask: Tensor  # [B, T] long: prompt mask | response mask
+    position_ids: Tensor  # [B, T] long: left padding skipped
+    response_mask: Tensor  # [B, R] float: 1 on response tokens up to and including EOS
+    logprobs: Tensor  # [B, R] old policy log pi(a_t | s_t), logits / temperature
+    ref_logprobs: Tensor  # [B, R] reference model, same temperature
+    values: Tensor  # [B, R] old V(s_t)
+    kl: Tensor  # [B, R] per-token k1 = logprobs - ref_logprobs (for metrics)
+    rewards: Tensor  # [B, R] -beta * KL_t, plus the score at the last real token
+    non_score_reward: Tensor  # [B] sum over tokens of -beta * KL_t (the KL part of the return)
+    advantages: Tensor  # [B, R] GAE, whitened over response tokens
+    returns: Tensor  # [B, R] value targets: advantages (before whitening) + values
+    scores: Tensor  # [B] reward score of each full response (after missing-EOS penalty)
+    contains_eos: Tensor  # [B] bool
+    context_length: int  # P
+
+    @property
+    def batch_size(self) -> int:
+        return self.query_responses.shape[0]
+
+    @property
+    def responses(self) -> Tensor:
+        return self.query_responses[:, self.context_length:]
+
+    def index(self, idx: Tensor) -> "Rollout":
+        """The rows ``idx`` of every tensor: a minibatch."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Rollout(**{k: v[idx] if isinstance(v, Tensor) else v for k, v in fields.items()})
+
+
+# ----------------------------------------------------------------------------- sampling
+def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                      generator: torch.Generator | None = None, greedy: bool = False) -> Tensor:
+    """Sample one token per row from ``logits [B, V]`` after temperature, top-k and top-p."""
+    if greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token once the mass of the tokens before it already reaches top_p (keeps >= 1)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _cache_kwarg(lm) -> str:
+    """transformers >= 5.24 names the KV cache argument ``cache``; earlier, ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
+             eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
+             generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Sample responses to left-padded prompts with a KV cache.
+
+    Returns ``responses [B, R]`` (pad after the first EOS, ``R <= max_new_tokens``: the loop
+    stops once every row has emitted EOS) and ``response_mask [B, R]`` (1 up to and including
+    EOS). With ``stop_at_eos=False`` every row runs to ``max_new_tokens`` and EOS is an ordinary
+    token (benchmarks use this for a fixed workload).
+    """
+    from transformers import DynamicCache
+
+    B, P = input_ids.shape
+    device = input_ids.device
+    cache_kw = _cache_kwarg(lm)
+    cache = DynamicCache(config=lm.config)
+    full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=device)
+    full_mask[:, :P] = attention_mask
+    position_ids = position_ids_from_mask(attention_mask)
+    next_pos = position_ids[:, -1:] + 1  # [B, 1]
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(lm.forward).parameters else {}
+    out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+             use_cache=True, **{cache_kw: cache}, **keep)
+    responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    n = 0
+    for t in range(max_new_tokens):
+        token = sample_next_token(out.logits[:, -1, :], temperature, top_k, top_p, generator, greedy)
+        if stop_at_eos:
+            token = token.masked_fill(finished, pad_token_id)
+        responses[:, t] = token
+        n = t + 1
+        if stop_at_eos:
+            finished |= token == eos_token_id
+            # .all() syncs with the device; on GPU checking every few steps would save a little
+            if bool(finished.all()):
+                break
+        if t + 1 == max_new_tokens:
+            break
+        out = lm(input_ids=token[:, None], attention_mask=full_mask[:, :P + t + 1],
+                 position_ids=next_pos, use_cache=True, **{cache_kw: cache})
+        next_pos = next_pos + 1
+    responses = responses[:, :n]
+    if stop_at_eos:
+        response_mask = _mask_after_eos(responses, eos_token_id)
+    else:
+        response_mask = torch.ones_like(responses, dtype=torch.float32)
+    return responses, response_mask
+
+
+def _mask_after_eos(responses: Tensor, eos_token_id: int) -> Tensor:
+    """1 on tokens up to and including the first EOS, 0 after it."""
+    is_eos = (responses == eos_token_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before t
+    return (eos_before == 0).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------- scoring forwards
+@torch.no_grad()
+def forward_logprobs(policy: PolicyWithValueHead | None, lm, query_responses: Tensor,
+                     attention_mask: Tensor, position_ids: Tensor, context_length: int,
+                     temperature: float, chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Logprobs of the response tokens (and values, when ``policy`` is given), in row chunks.
+
+    Logits are divided by the sampling temperature before the log-softmax, so the logprobs are
+    those of the distribution the tokens were sampled from ([N+] detail).
+    """
+    B = query_responses.shape[0]
+    chunk_size = chunk_size or B
+    responses = query_responses[:, context_length:]
+    logps, values = [], []
+    for s in range(0, B, chunk_size):
+        sl = slice(s, s + chunk_size)
+        if policy is not None:
+            logits, v = policy(query_responses[sl], attention_mask[sl], position_ids[sl], context_length)
+            values.append(v)
+        else:
+            R = query_responses.shape[1] - context_length
+            logits = lm(input_ids=query_responses[sl], attention_mask=attention_mask[sl],
+                        position_ids=position_ids[sl], use_cache=False).logits[:, -(R + 1):-1]
+        logps.append(ppo.logprobs_from_logits(logits / temperature, responses[sl]))
+    return torch.cat(logps), (torch.cat(values) if values else None)
+
+
+# ----------------------------------------------------------------------------- the whole step
+@torch.no_grad()
+def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, tokenizer,
+                 input_ids: Tensor, attention_mask: Tensor, kl_coef: float, gen: dict,
+                 gamma: float, lam: float, kl_estimator: str = "k1",
+                 missing_eos_penalty: float | None = None, whiten_rewards: bool = False,
+                 forward_chunk_size: int | None = None, generator: torch.Generator | None = None,
+                 prompts: list[str] | None = None) -> Rollout:
+    """Sample, score and compute advantages for one batch of left-padded prompts.
+
+    ``gen`` holds ``max_new_tokens, temperature, top_k, top_p, stop_at_eos``. ``reward_fn`` maps
+    ``(prompts, responses)`` strings to one float score per row (a tensor or a list).
+    """
+    P = input_ids.shape[1]
+    temperature = gen["temperature"]
+    responses, response_mask = generate(
+        policy.lm, input_ids, attention_mask, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, generator=generator, **gen)
+    query_responses = torch.cat([input_ids, responses], dim=1)  # [B, T]
+    full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
+    position_ids = position_ids_from_mask(full_mask)
+
+    logprobs, values = forward_logprobs(policy, None, query_responses, full_mask, position_ids, P,
+                                        temperature, forward_chunk_size)
+    ref_logprobs, _ = forward_logprobs(None, ref_lm, query_responses, full_mask, position_ids, P,
+                                       temperature, forward_chunk_size)
+
+    # score the decoded text; the reward model may use a tokenizer of its own
+    if prompts is None:
+        prompts = tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+    texts = tokenizer.batch_decode(responses.masked_fill(response_mask == 0, tokenizer.pad_token_id),
+                                   skip_special_tokens=True)
+    scores = torch.as_tensor(reward_fn(prompts, texts), dtype=torch.float32).to(values.device)
+    contains_eos = ((responses == tokenizer.eos_token_id) & (response_mask > 0)).any(1)
+    if missing_eos_penalty is not None and gen.get("stop_at_eos", True):
+        scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
+
+    mask = response_mask
+    values = values * mask
+    kl = ppo.kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
+    per_token_kl = kl if kl_estimator == "k1" else ppo.kl_penalty(logprobs, ref_logprobs, kl_estimator) * mask
+    rewards = -kl_coef * per_token_kl
+    non_score_reward = rewards.sum(1)
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # index of the last real response token
+    rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
+    if whiten_rewards:
+        rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
+    advantages, returns = ppo.compute_gae(rewards, values, ppo.next_values(values, mask), mask, gamma, lam)
+    advantages = ppo.whiten(advantages, mask, distributed=True)
+    return Rollout(query_responses=query_responses, attention_mask=full_mask,
+                   position_ids=position_ids, response_mask=mask, logprobs=logprobs,
+                   ref_logprobs=ref_logprobs, values=values, kl=kl, rewards=rewards, non_score_reward=non_score_reward,
+                   advantages=advantages, returns=returns, scores=scores,
+                   contains_eos=contains_eos, context_length=P)

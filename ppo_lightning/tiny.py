@@ -1,0 +1,136 @@
+"""Tiny models and a byte-level tokenizer built offline.
+
+No machine here reaches a model hub, so tests, benchmarks and ``model=tiny`` build their models
+from code and ``save_pretrained`` them to a directory. Everything downstream then goes through the
+real ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` path, exactly as
+a hub model would.
+
+The tokenizer maps every byte to one token (ids 0..255), plus ``<|endoftext|>`` (EOS, id 256) and
+``<|pad|>`` (id 257): a pad token distinct from EOS, as PPO needs (N+ details, Huang et al. 2024).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+BYTE_VOCAB_SIZE = 258  # 256 bytes + EOS + pad
+
+
+def build_byte_tokenizer():
+    """A byte-level ``PreTrainedTokenizerFast``: 256 byte tokens, EOS = 256, pad = 257."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    # ByteLevel.alphabet() is unordered; order it by the byte each symbol stands for.
+    byte_to_symbol = _bytes_to_unicode()
+    vocab = {byte_to_symbol[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    vocab[EOS_TOKEN] = 256
+    vocab[PAD_TOKEN] = 257
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS_TOKEN, PAD_TOKEN])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        padding_side="left",
+        model_max_length=1_000_000,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode map (the one ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def gpt2_config(n_layer: int = 2, n_head: int = 2, n_embd: int = 64, n_positions: int = 256,
+                num_labels: int | None = None):
+    """A GPT-2 config over the byte vocabulary, dropout off (PPO wants deterministic forwards)."""
+    from transformers import GPT2Config
+
+    kwargs = {} if num_labels is None else {"num_labels": num_labels}
+    return GPT2Config(
+        vocab_size=BYTE_VOCAB_SIZE,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=256,
+        eos_token_id=256,
+        pad_token_id=257,
+        **kwargs,
+    )
+
+
+def save_tiny_causal_lm(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,
+                        n_embd: int = 64, n_positions: int = 256, seed: int = 0) -> Path:
+    """Write a randomly initialised GPT-2 causal LM + byte tokenizer to ``path``.
+
+    The write is atomic (a temp dir renamed into place), so concurrent builders (DDP ranks, pytest
+    workers) never see a half-written directory.
+    """
+    from transformers import GPT2LMHeadModel
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(gpt2_config(n_layer, n_head, n_embd, n_positions))
+        model.generation_config.pad_token_id = 257
+        model.save_pretrained(tmp)
+        build_byte_tokenizer().save_pretrained(tmp)
+
+    return _atomic_build(Path(path), build)
+
+
+def save_tiny_reward_model(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,
+                           n_embd: int = 64, n_positions: int = 256, seed: int = 1) -> Path:
+    """Write a randomly initialised GPT-2 sequence classifier (1 label) + byte tokenizer."""
+    from transformers import GPT2ForSequenceClassification
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(seed)
+        model = GPT2ForSequenceClassification(
+            gpt2_config(n_layer, n_head, n_embd, n_positions, num_labels=1))
+        model.save_pretrained(tmp)
+        build_byte_tokenizer().save_pretrained(tmp)
+
+    return _atomic_build(Path(path), build)
+
+
+def _atomic_build(path: Path, build) -> Path:
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process won the race; theirs is identical
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
