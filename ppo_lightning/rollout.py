@@ -207,7 +207,7 @@ def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, to
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
 
     mask = response_mask
-    values = values * mask
+    logprobs, ref_logprobs, values = logprobs * mask, ref_logprobs * mask, values * mask
     kl = ppo.kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
     per_token_kl = kl if kl_estimator == "k1" else ppo.kl_penalty(logprobs, ref_logprobs, kl_estimator) * mask
     rewards = -kl_coef * per_token_kl

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny offline models and Hydra configs composed exactly as train.py composes them."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """Where ``model=tiny`` builds its model once per test session."""
+    return tmp_path_factory.mktemp("ppo_cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(cache_dir) -> Path:
+    from ppo_lightning.tiny import save_tiny_causal_lm
+
+    return save_tiny_causal_lm(cache_dir / "tiny-lm")
+
+
+@pytest.fixture(scope="session")
+def tiny_rm_dir(cache_dir) -> Path:
+    from ppo_lightning.tiny import save_tiny_reward_model
+
+    return save_tiny_reward_model(cache_dir / "tiny-rm")
+
+
+def compose_cfg(overrides: list[str], output_dir: Path, cache_dir: Path):
+    """``train.yaml`` composed with the real Hydra compose API (schemas and all)."""
+    import ppo_lightning.config  # noqa: F401  registers the schema
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=[f"paths.output_dir={output_dir}",
+                                           f"paths.cache_dir={cache_dir}", *overrides])
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """Rows of a CSVLogger ``metrics.csv`` as floats (empty cells dropped)."""
+    with open(path) as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]

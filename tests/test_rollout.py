@@ -1,0 +1,105 @@
+"""Rollouts: KV-cache sampling under left padding, and logprobs that a fresh forward reproduces."""
+
+from __future__ import annotations
+
+import torch
+
+from ppo_lightning.policy import (PolicyWithValueHead, load_causal_lm, load_tokenizer,
+                                  make_reference, position_ids_from_mask)
+from ppo_lightning.rewards.rules import char_fraction
+from ppo_lightning.rollout import generate, make_rollout
+
+PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]
+GEN = dict(max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.95, stop_at_eos=True)
+
+
+def _setup(tiny_lm_dir):
+    tok = load_tokenizer(str(tiny_lm_dir))
+    lm = load_causal_lm(str(tiny_lm_dir), tok)
+    return tok, lm, PolicyWithValueHead(lm), make_reference(lm)
+
+
+def _rollout(tok, policy, ref, eos_bias: float = 0.0, seed: int = 0):
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    if eos_bias:  # make EOS likely so some rows stop early and get padded
+        policy.lm.lm_head.weight.data[tok.eos_token_id] += eos_bias
+    g = torch.Generator().manual_seed(seed)
+    return enc, make_rollout(policy=policy, ref_lm=ref, reward_fn=char_fraction, tokenizer=tok,
+                             input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                             kl_coef=0.05, gen=GEN, gamma=1.0, lam=0.95, generator=g)
+
+
+def test_rollout_logprobs_equal_unpadded_fresh_forward(tiny_lm_dir):
+    """Each row alone, with no padding at all, gives the logprobs the padded batch gave."""
+    tok, lm, policy, ref = _setup(tiny_lm_dir)
+    enc, r = _rollout(tok, policy, ref, eos_bias=0.05)
+    assert (enc.attention_mask == 0).any(), "prompts must be left-padded for this test"
+    for i in range(len(PROMPTS)):
+        ids = r.query_responses[i][r.attention_mask[i].bool()][None]  # drop left pads and after-EOS
+        P = int(enc.attention_mask[i].sum())
+        with torch.no_grad():
+            logits = lm(ids).logits[0, P - 1:-1] / GEN["temperature"]
+        fresh = torch.log_softmax(logits, -1).gather(1, ids[0, P:, None]).squeeze(1)
+        got = r.logprobs[i][r.response_mask[i].bool()]
+        torch.testing.assert_close(got, fresh, atol=1e-5, rtol=1e-5)
+        ref_logits = ref(ids).logits[0, P - 1:-1] / GEN["temperature"]
+        ref_fresh = torch.log_softmax(ref_logits, -1).gather(1, ids[0, P:, None]).squeeze(1)
+        torch.testing.assert_close(r.ref_logprobs[i][r.response_mask[i].bool()], ref_fresh, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_generation_matches_full_forward_greedy(tiny_lm_dir):
+    """Greedy decoding with the cache equals re-running the whole padded sequence each step."""
+    tok, lm, _, _ = _setup(tiny_lm_dir)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    resp, mask = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=10,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          greedy=True, stop_at_eos=False)
+    ids, am = enc.input_ids, enc.attention_mask
+    with torch.no_grad():
+        for _ in range(10):
+            nxt = lm(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits[:, -1].argmax(-1)
+            ids = torch.cat([ids, nxt[:, None]], 1)
+            am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
+    assert torch.equal(ids[:, enc.input_ids.shape[1]:], resp)
+    assert mask.shape == resp.shape and bool(mask.all())
+
+
+def test_everything_after_eos_is_masked_and_scored_at_last_token(tiny_lm_dir):
+    tok, _, policy, ref = _setup(tiny_lm_dir)
+    _, r = _rollout(tok, policy, ref, eos_bias=0.08)
+    eos = tok.eos_token_id
+    assert r.contains_eos.any() and (~r.contains_eos).any() or r.contains_eos.all()
+    for i in range(r.batch_size):
+        row, m = r.responses[i], r.response_mask[i]
+        n = int(m.sum())
+        if r.contains_eos[i]:
+            assert row[n - 1] == eos and not (row[:n - 1] == eos).any()
+            assert (row[n:] == tok.pad_token_id).all()
+        for t in (r.logprobs, r.values, r.rewards, r.advantages, r.returns, r.kl):
+            assert (t[i][n:] == 0).all()
+        # reward = -beta * KL_t everywhere, plus the score at the last real token
+        expected = -0.05 * r.kl[i]
+        expected[n - 1] += r.scores[i]
+        torch.testing.assert_close(r.rewards[i], expected)
+    # advantages are whitened over response tokens only
+    m = r.response_mask.bool()
+    assert abs(float(r.advantages[m].mean())) < 1e-5
+    assert abs(float(r.advantages[m].std()) - 1) < 1e-3
+
+
+def test_missing_eos_penalty(tiny_lm_dir):
+    tok, lm, policy, ref = _setup(tiny_lm_dir)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    common = dict(policy=policy, ref_lm=ref, reward_fn=char_fraction, tokenizer=tok,
+                  input_ids=enc.input_ids, attention_mask=enc.attention_mask, kl_coef=0.0,
+                  gen=GEN, gamma=1.0, lam=0.95)
+    a = make_rollout(**common, generator=torch.Generator().manual_seed(3))
+    b = make_rollout(**common, generator=torch.Generator().manual_seed(3), missing_eos_penalty=1.0)
+    assert torch.equal(a.responses, b.responses)
+    torch.testing.assert_close(b.scores, a.scores - (~a.contains_eos).float())
+
+
+def test_value_head_starts_at_zero(tiny_lm_dir):
+    tok, _, policy, ref = _setup(tiny_lm_dir)
+    _, r = _rollout(tok, policy, ref)
+    assert (r.values == 0).all()
