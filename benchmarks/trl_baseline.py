@@ -34,7 +34,9 @@ Usage::
 
     PYTHONPATH=. python benchmarks/trl_baseline.py --workload tiny [--model-dir DIR] [--threads N]
 
-prints exactly one JSON line on stdout; all other output (TRL's logs, progress bar) goes to stderr.
+prints exactly one JSON line on stdout; all other output (TRL's logs, progress bar, and this
+script's per-iteration rollout/update/RSS trace) goes to stderr. ``peak_rss_mb`` is the process's
+``ru_maxrss`` (so it includes model loading).
 """
 
 from __future__ import annotations

@@ -29,15 +29,21 @@ def _all_reduce_sum(*xs: Tensor) -> tuple[Tensor, ...]:
     return tuple(flat.to(xs[0].dtype).unbind(0))
 
 
+def _select(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` where ``mask`` is 1, else 0: selected, not multiplied, so an inf or NaN at a masked
+    position (an overflowing ratio on a pad token) cannot leak into a statistic."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    return _select(x, mask).sum() if dim is None else _select(x, mask).sum(dim)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1 (0 if the mask is empty)."""
     if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+        return _select(x, mask).sum() / mask.sum().clamp(min=1)
+    return _select(x, mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, distributed: bool = False) -> Tensor:
@@ -48,9 +54,7 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, distributed: bool
     """
     mean, _, n = _masked_moments(x, mask, distributed)
     var = _masked_moments((x - mean) ** 2, mask, distributed)[0]
-    if unbiased:
-        if n <= 1:
-            raise ValueError(f"masked_var needs at least 2 unmasked elements, got {int(n)}")
+    if unbiased and n > 1:  # Bessel's correction; a single element has variance 0 either way
         var = var * n / (n - 1)
     return var
 

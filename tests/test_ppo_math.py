@@ -74,12 +74,24 @@ def test_masked_mean_and_var_match_naive():
         assert row_means[b].item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
-def test_masked_var_needs_two_elements():
+def test_masked_var_of_one_element_is_zero_and_whiten_stays_finite():
+    """A batch with a single response token (EOS sampled first) must not crash or blow up."""
     x = torch.tensor([[1e6, 3.0, -1e6]], dtype=F64)
     one = torch.tensor([[0.0, 1.0, 0.0]], dtype=F64)
-    with pytest.raises(ValueError, match="at least 2"):
-        ppo.masked_var(x, one)
+    assert ppo.masked_var(x, one).item() == 0.0
     assert ppo.masked_var(x, one, unbiased=False).item() == 0.0
+    assert torch.equal(ppo.whiten(x, one), torch.zeros_like(x))
+
+
+def test_masked_statistics_ignore_inf_and_nan_at_masked_positions():
+    """An overflowing ratio on a pad token (exp(100) = inf in float32) must not poison a mean."""
+    new = torch.tensor([[0.0, 100.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    assert ppo.approx_kl(new, torch.zeros(1, 2), mask).item() == 0.0
+    x = torch.tensor([[1.0, float("nan"), 3.0, float("inf")]])
+    m = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    assert ppo.masked_mean(x, m).item() == 2.0
+    assert ppo.masked_var(x, m).item() == 2.0
 
 
 # ============================================================================ whiten
