@@ -28,6 +28,8 @@ from ppo_lightning.rollout import Rollout, make_rollout
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
+# also in trainer.callback_metrics (checkpoint monitors); every metric goes to the loggers
+CALLBACK_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "episode")
 
 
 def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
@@ -73,6 +75,7 @@ class PPOModule(L.LightningModule):
         self.episode = 0  # prompts consumed, summed over ranks
         self.generator: torch.Generator | None = None
         self.rollout: Rollout | None = None
+        self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
         self._time_rollout = 0.0
 
     # ------------------------------------------------------------------------- setup
@@ -82,7 +85,8 @@ class PPOModule(L.LightningModule):
         kwargs = {"lr": o.lr, "weight_decay": o.weight_decay}
         if o.name in ("adamw", "adam"):
             kwargs.update(betas=tuple(o.betas), eps=o.eps)
-        optimizer = OPTIMIZERS[o.name](params, **kwargs)
+        # foreach: one fused kernel per op over all tensors (the default on GPU, not on CPU)
+        optimizer = OPTIMIZERS[o.name](params, foreach=True, **kwargs)
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 1
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(o.scheduler, o.warmup_steps, total, o.min_lr_ratio))
@@ -114,6 +118,7 @@ class PPOModule(L.LightningModule):
     # ------------------------------------------------------------------------- part 2: updates
     def training_step(self, batch: dict, batch_idx: int) -> None:
         c, r = self.ppo_cfg, self.rollout
+        iteration = self.global_step  # 0-based PPO iteration; the loggers' step
         opt, sched = self.optimizers(), self.lr_schedulers()
         t0 = time.perf_counter()
         B = r.batch_size
@@ -155,7 +160,7 @@ class PPOModule(L.LightningModule):
                     stats["val/ratio_var"].append(ppo.masked_var(ratio, mask, unbiased=False))
         sched.step()
         time_update = time.perf_counter() - t0
-        self._log_iteration(r, stats, time_update)
+        self._log_iteration(iteration, r, stats, time_update)
 
     def _optimizer_step(self, opt, counts_as_global_step: bool) -> None:
         """Step the optimizer through Lightning's strategy (precision plugins, FSDP, hooks).
@@ -169,7 +174,7 @@ class PPOModule(L.LightningModule):
             self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure)
 
     # ------------------------------------------------------------------------- metrics
-    def _log_iteration(self, r: Rollout, stats: dict, time_update: float) -> None:
+    def _log_iteration(self, iteration: int, r: Rollout, stats: dict, time_update: float) -> None:
         mask = r.response_mask
         n_tokens = mask.sum()
         local = {
@@ -202,9 +207,15 @@ class PPOModule(L.LightningModule):
             "perf/time_rollout_s": self._time_rollout,
             "perf/time_update_s": time_update,
         })
-        for k, v in metrics.items():
-            self.log(k, v, prog_bar=k in PROGRESS_BAR_METRICS, on_step=True, on_epoch=False,
-                     rank_zero_only=True, batch_size=r.batch_size)
+        self.last_metrics = metrics
+        # Straight to the loggers: one call per logger instead of ~25 `self.log` calls, which
+        # cost ~0.3 ms each (a tenth of an iteration on small models). `self.log` carries only
+        # the few metrics the progress bar and checkpoint monitors read.
+        for lg in self.loggers:
+            lg.log_metrics(metrics, step=iteration)
+        for k in CALLBACK_METRICS:
+            self.log(k, metrics[k], prog_bar=k in PROGRESS_BAR_METRICS, logger=False, on_step=True,
+                     on_epoch=False, batch_size=r.batch_size)
 
     # ------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:

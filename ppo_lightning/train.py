@@ -80,7 +80,9 @@ def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward)
 
-    module = PPOModule(policy, ref_lm, reward_fn, tokenizer, cfg.ppo, cfg.optimizer, seed=cfg.seed)
+    # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
+    ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
+    module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed)
     loggers = instantiate_dict(cfg.get("logger"), "logger")
     callbacks = instantiate_dict(cfg.get("callbacks"), "callbacks")
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
@@ -90,10 +92,10 @@ def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run PPO as configured; returns the last logged value of every metric."""
+    """Run PPO as configured; returns every metric of the last iteration."""
     module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     if cfg.export_dir and trainer.is_global_zero:
         path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
         log.info("policy exported to %s (loads with AutoModelForCausalLM.from_pretrained)", path)
-    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return dict(module.last_metrics)

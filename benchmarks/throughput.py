@@ -1,0 +1,164 @@
+"""PPO throughput of ppo_lightning on a named workload: one JSON line on stdout.
+
+    python benchmarks/throughput.py --workload tiny
+    python benchmarks/throughput.py --workload small --compare-generate
+
+The run is the real thing: ``train.py``'s config composed by Hydra, the reward-model path
+(``reward=model`` on a random GPT-2 sequence classifier), a Lightning Trainer, ``max_steps``
+PPO iterations. Reported: ``episodes_per_s`` and ``generated_tokens_per_s`` over ``trainer.fit``
+(model loading excluded), ``rollout_s`` / ``update_s`` summed from the module's per-iteration
+timers, and peak RSS.
+
+``--compare-generate`` also times generation alone on one rollout batch, alternating our
+KV-cache sampler (``rollout.generate``) with a bare ``model.generate(use_cache=True)`` on the same
+prompts and lengths, and reports the ratio (median of ``--repeats`` alternations; both measured in
+this process, so machine noise hits both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from workloads import WORKLOADS, Workload, build_models, make_prompts  # noqa: E402
+
+
+class PerfTotals(L.Callback):
+    """Sums the module's per-iteration rollout / update timers."""
+
+    def __init__(self):
+        self.rollout_s = 0.0
+        self.update_s = 0.0
+        self.iterations = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        m = pl_module.last_metrics
+        self.rollout_s += float(m["perf/time_rollout_s"])
+        self.update_s += float(m["perf/time_update_s"])
+        self.iterations += 1
+
+
+def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path, out_dir: Path):
+    import ppo_lightning.config  # noqa: F401
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    overrides = [
+        f"model.name_or_path={policy_dir}", "model.build_tiny=null",
+        "reward=model", f"reward.name_or_path={reward_dir}", f"reward.batch_size={w.rollout_batch}",
+        f"data.path={prompts_file}", f"data.batch_size={w.rollout_batch}",
+        f"data.max_prompt_length={w.prompt_tokens}",
+        f"ppo.minibatch_size={w.minibatch_size}", f"ppo.ppo_epochs={w.ppo_epochs}",
+        f"ppo.max_new_tokens={w.response_tokens}", "ppo.stop_at_eos=false",
+        f"trainer.max_steps={w.iterations}", "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false", "trainer.enable_checkpointing=false",
+        "logger=none", "callbacks=none", "export_dir=null",
+        f"paths.output_dir={out_dir}", f"paths.cache_dir={out_dir}",
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("train", overrides=overrides)
+
+
+def run_ppo(w: Workload, model_root: Path, out_dir: Path) -> dict:
+    from ppo_lightning.train import build
+
+    policy_dir, reward_dir = build_models(w, model_root)
+    prompts_file = out_dir / "prompts.txt"
+    prompts_file.write_text("\n".join(make_prompts(w)) + "\n")
+    module, datamodule, trainer = build(compose(w, policy_dir, reward_dir, prompts_file, out_dir))
+    totals = PerfTotals()
+    trainer.callbacks.append(totals)
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule)
+    total = time.perf_counter() - t0
+    assert totals.iterations == w.iterations, (totals.iterations, w.iterations)
+    episodes = w.iterations * w.rollout_batch
+    return {
+        "episodes": episodes,
+        "episodes_per_s": episodes / total,
+        "generated_tokens_per_s": episodes * w.response_tokens / total,
+        "rollout_s": totals.rollout_s,
+        "update_s": totals.update_s,
+        "total_s": total,
+    }
+
+
+def compare_generate(w: Workload, model_root: Path, repeats: int) -> dict:
+    """Our sampler vs bare HF ``generate`` on one rollout batch, alternated ``repeats`` times."""
+    from ppo_lightning.policy import load_causal_lm, load_tokenizer
+    from ppo_lightning.rollout import generate
+
+    policy_dir, _ = build_models(w, model_root)
+    tok = load_tokenizer(str(policy_dir))
+    lm = load_causal_lm(str(policy_dir), tok).eval()
+    enc = tok(make_prompts(w)[: w.rollout_batch], return_tensors="pt", padding=True)
+    n_tokens = w.rollout_batch * w.response_tokens
+    g = torch.Generator().manual_seed(0)
+
+    def ours():
+        resp, _ = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=w.response_tokens,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                           stop_at_eos=False, generator=g)
+        assert resp.shape[1] == w.response_tokens
+
+    def hf():
+        with torch.no_grad():
+            out = lm.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                              do_sample=True, use_cache=True, max_new_tokens=w.response_tokens,
+                              min_new_tokens=w.response_tokens, top_k=0, top_p=1.0, temperature=1.0,
+                              pad_token_id=tok.pad_token_id)
+        assert out.shape[1] == enc.input_ids.shape[1] + w.response_tokens
+
+    times = {"ours": [], "hf": []}
+    ours(), hf()  # warm-up
+    for _ in range(repeats):
+        for name, fn in (("ours", ours), ("hf", hf)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    ours_tps = n_tokens / statistics.median(times["ours"])
+    hf_tps = n_tokens / statistics.median(times["hf"])
+    return {"generate_tokens_per_s_ours": ours_tps, "generate_tokens_per_s_hf": hf_tps,
+            "generate_ratio_ours_over_hf": ours_tps / hf_tps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--compare-generate", action="store_true",
+                    help="also time generation alone against bare model.generate(use_cache=True)")
+    ap.add_argument("--repeats", type=int, default=5, help="alternations for --compare-generate")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    w = WORKLOADS[args.workload]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_root = Path(args.model_dir) if args.model_dir else Path(tmp) / "models"
+        out_dir = Path(tmp) / "run"
+        out_dir.mkdir()
+        result = {"impl": "ppo_lightning", "workload": w.name, **run_ppo(w, model_root, out_dir)}
+        if args.compare_generate:
+            result.update(compare_generate(w, model_root, args.repeats))
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["threads"] = torch.get_num_threads()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

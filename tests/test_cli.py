@@ -1,0 +1,72 @@
+"""``train.py`` as a user runs it: composition, fast failures with short messages, sweeps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, read_metrics
+
+TINY_RUN = ["trainer.max_steps=2", "ppo.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
+            "ppo.ppo_epochs=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+def run(args: list[str], cache_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir),
+           "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cfg_job_prints_composed_config(cache_dir):
+    p = run(["model=gpt2", "ppo.clip=0.2", "--cfg", "job"], cache_dir)
+    assert p.returncode == 0, p.stderr
+    assert "name_or_path: gpt2" in p.stdout and "clip: 0.2" in p.stdout
+
+
+def test_hub_model_offline_fails_fast_with_a_fix(cache_dir, tmp_path):
+    t0 = time.monotonic()
+    p = run(["model=gpt2", f"hydra.run.dir={tmp_path}"], cache_dir)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 1
+    assert "model.name_or_path='gpt2'" in p.stderr and "local directory" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert elapsed < 60, f"took {elapsed:.0f}s"  # interpreter + imports; the check itself is < 3 s
+
+
+@pytest.mark.parametrize("override, key", [
+    ("ppo.clip=abc", "ppo.clip"),
+    ("ppo.clpi=0.1", "clpi"),
+    ("trainer=nope", "trainer"),
+])
+def test_bad_overrides_fail_at_composition(cache_dir, override, key):
+    p = run([override, "--cfg", "job"], cache_dir)
+    assert p.returncode == 1
+    assert key in p.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ppo.clip=0", "ppo.clip=0.0: must be > 0"),
+    ("ppo.lam=1.5", "ppo.lam=1.5: must be in [0, 1]"),
+    ("ppo.minibatch_size=5", "ppo.minibatch_size=5: must divide data.batch_size=16"),
+    ("reward.fn=no_such_pkg.fn", "reward.fn='no_such_pkg.fn': cannot import module 'no_such_pkg'"),
+])
+def test_bad_values_fail_before_loading_models(cache_dir, tmp_path, override, message):
+    p = run([override, f"hydra.run.dir={tmp_path}"], cache_dir)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert message in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_sweep_runs_every_job_and_logs_metrics(cache_dir, tmp_path):
+    p = run(["-m", "ppo.clip=0.1,0.3", *TINY_RUN, f"hydra.sweep.dir={tmp_path}"], cache_dir)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for job in ("0", "1"):
+        rows = read_metrics(tmp_path / job / "metrics.csv")
+        assert len(rows) == 2 and "objective/scores" in rows[0]
+    assert "clip: 0.3" in (tmp_path / "1" / ".hydra" / "config.yaml").read_text()

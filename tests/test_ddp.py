@@ -1,0 +1,28 @@
+"""Two CPU processes under DDP (gloo): the run completes and both ranks hold identical weights."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.conftest import read_metrics
+from tests.test_cli import TINY_RUN, run
+
+
+def test_ddp_cpu_two_ranks_end_with_identical_weights(cache_dir, tmp_path):
+    weights = tmp_path / "weights"
+    p = run(["trainer=ddp_cpu", *TINY_RUN, "trainer.max_steps=3", "optimizer.lr=1e-3",
+             f"hydra.run.dir={tmp_path / 'run'}",
+             "+callbacks.rank_weights._target_=tests.helpers.SaveRankWeights",
+             f"+callbacks.rank_weights.dir={weights}"], cache_dir, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    w0 = torch.load(weights / "rank0.pt", weights_only=True)
+    w1 = torch.load(weights / "rank1.pt", weights_only=True)
+    assert w0.keys() == w1.keys()
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    # the weights moved, so the ranks agree on an update, not just on the initialisation
+    from transformers import AutoModelForCausalLM
+    init = AutoModelForCausalLM.from_pretrained(cache_dir / "tiny-gpt2-l2-h2-d64").state_dict()
+    assert not torch.equal(init["transformer.h.0.attn.c_attn.weight"], w0["lm.transformer.h.0.attn.c_attn.weight"])
+    rows = read_metrics(tmp_path / "run" / "metrics.csv")
+    assert [r["episode"] for r in rows] == [16.0, 32.0, 48.0]  # 8 prompts x 2 ranks per iteration
