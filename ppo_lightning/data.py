@@ -42,7 +42,8 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
                                       f"string {field!r} field (data.prompt_field={field!r})")
                 prompts.append(obj[field])
     elif path.suffix in (".txt", ""):
-        prompts = [ln.rstrip("\n") for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        # split on "\n" only: str.splitlines would also split a prompt at form feeds or U+2028
+        prompts = [ln.rstrip("\r") for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
     else:
         raise ConfigError(f"data.path={str(path)!r}: unsupported extension {path.suffix!r}; use .txt "
                           "(one prompt a line) or .jsonl")

@@ -8,6 +8,7 @@ and the first bad row.
 
 from __future__ import annotations
 
+import numbers
 from typing import Protocol, Sequence
 
 import torch
@@ -39,7 +40,8 @@ def check_scores(scores, prompts: list[str], source: str, allow_nonfinite: bool 
             raise RewardError(f"reward {source} returned {len(items)} scores for {n} responses; "
                               "return exactly one float per response")
         for i, x in enumerate(items):
-            if isinstance(x, bool) or not isinstance(x, (int, float)) and not (
+            # numbers.Real covers Python and numpy scalars (numpy registers its types there)
+            if isinstance(x, bool) or not isinstance(x, numbers.Real) and not (
                     isinstance(x, torch.Tensor) and x.numel() == 1):
                 raise RewardError(f"reward {source} returned {x!r} (a {type(x).__name__}) for prompt "
                                   f"{i} {prompts[i][:60]!r}; return a float per response")

@@ -44,6 +44,7 @@ class RewardModel(nn.Module):
         self.model.eval()
         self.batch_size, self.max_length, self.label_index = batch_size, max_length, label_index
         self.gain, self.bias = float(gain), float(bias)
+        self.train(False)
 
     def train(self, mode: bool = True):  # frozen: never switch to train mode
         return super().train(False)

@@ -1,0 +1,260 @@
+"""Rewards: ``FunctionReward`` / ``build_reward`` (kind=function), ``RewardModel`` (kind=model), rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ppo_lightning.config import RewardConfig
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.rewards import FunctionReward, RewardError, RewardModel, build_reward
+from ppo_lightning.rewards.rules import char_fraction, exact_answer, keyword, target_length
+
+HERE = __name__  # "tests.test_rewards" under pytest (tests/ is a package)
+
+PROMPTS = ["Once upon", "The cat", "Hello there"]
+RESPONSES = [" a time", " sat down", "!"]
+
+# ---------------------------------------------------------------------------------------------
+# Callables imported by dotted path from this module.
+
+CALLS: list[dict] = []
+NOT_CALLABLE = 42
+
+
+def recording_fn(prompts, responses, offset=0.0, scale=1.0):
+    """Records what it was called with; scores = scale * len(response) + offset."""
+    CALLS.append({"prompts": list(prompts), "responses": list(responses), "offset": offset,
+                  "scale": scale})
+    return [scale * len(r) + offset for r in responses]
+
+
+def misbehaving_fn(prompts, responses, mode="ok"):
+    """Returns a deliberately bad output selected by ``mode`` (passed through reward.kwargs)."""
+    n = len(responses)
+    if mode == "ok":
+        return [0.5] * n
+    if mode == "short":
+        return [0.5] * (n - 1)
+    if mode == "long":
+        return [0.5] * (n + 1)
+    if mode == "string":
+        return [0.5, "0.7", 0.5][:n]
+    if mode == "none":
+        return [0.5, 0.5, None][:n]
+    if mode == "nan":
+        return [0.5, float("nan"), 0.5][:n]
+    if mode == "inf":
+        return [0.5, 0.5, float("inf")][:n]
+    if mode == "tensor_nan":
+        return torch.tensor([0.5, 0.5, float("nan")][:n], dtype=torch.float64)
+    if mode == "scalar":
+        return 3.0
+    if mode == "tensor":
+        return torch.tensor([1, 2, 3][:n], dtype=torch.int64)
+    raise AssertionError(mode)
+
+
+def _fn_reward(mode: str) -> FunctionReward:
+    return build_reward(RewardConfig(kind="function", fn=f"{HERE}.misbehaving_fn",
+                                     kwargs={"mode": mode}))
+
+
+# ---------------------------------------------------------------------------------------------
+# kind=function
+
+
+def test_function_reward_calls_fn_with_texts_and_kwargs():
+    CALLS.clear()
+    reward = build_reward(RewardConfig(kind="function", fn=f"{HERE}.recording_fn",
+                                       kwargs={"offset": 0.25, "scale": 2.0}))
+    assert isinstance(reward, FunctionReward)
+    scores = reward(PROMPTS, RESPONSES)
+    assert CALLS == [{"prompts": PROMPTS, "responses": RESPONSES, "offset": 0.25, "scale": 2.0}]
+    assert isinstance(scores, torch.Tensor)
+    assert scores.dtype == torch.float32 and scores.shape == (3,)
+    torch.testing.assert_close(scores, torch.tensor([14.25, 18.25, 2.25]))
+
+
+def test_function_reward_colon_path_and_no_kwargs():
+    CALLS.clear()
+    reward = FunctionReward(f"{HERE}:recording_fn")
+    scores = reward(PROMPTS, RESPONSES)
+    assert CALLS[0]["offset"] == 0.0 and CALLS[0]["scale"] == 1.0
+    torch.testing.assert_close(scores, torch.tensor([7.0, 9.0, 1.0]))
+
+
+def test_function_reward_tensor_output_becomes_float32():
+    scores = _fn_reward("tensor")(PROMPTS, RESPONSES)
+    assert scores.dtype == torch.float32
+    torch.testing.assert_close(scores, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_build_reward_builtin_rule_via_compose(tmp_path, cache_dir):
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["reward=char_fraction"], tmp_path, cache_dir)
+    scores = build_reward(cfg.reward)(["p", "p"], ["abc", "A1"])
+    torch.testing.assert_close(scores, torch.tensor([1.0, 0.0]))
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("tests.no_such_module_xyz.fn", ["reward.fn", "tests.no_such_module_xyz", "cannot import"]),
+    (f"{HERE}.no_such_attr", ["reward.fn", "no_such_attr", HERE]),
+    (f"{HERE}.NOT_CALLABLE", ["reward.fn", "NOT_CALLABLE", "not a callable"]),
+    ("nodots", ["reward.fn", "nodots", "dotted path"]),
+])
+def test_function_reward_import_errors(path, expected):
+    with pytest.raises(ConfigError) as e:
+        build_reward(RewardConfig(kind="function", fn=path))
+    for s in expected:
+        assert s in str(e.value), (s, str(e.value))
+
+
+def test_build_reward_empty_fn_and_bad_kind():
+    with pytest.raises(ConfigError, match="reward.fn"):
+        build_reward(RewardConfig(kind="function", fn=None))
+    with pytest.raises(ConfigError, match="reward.kind='bogus'"):
+        build_reward(RewardConfig(kind="bogus"))
+    with pytest.raises(ConfigError, match="reward.name_or_path"):
+        build_reward(RewardConfig(kind="model", name_or_path=None))
+
+
+@pytest.mark.parametrize("mode, n", [("short", 2), ("long", 4)])
+def test_function_reward_wrong_length(mode, n):
+    with pytest.raises(RewardError) as e:
+        _fn_reward(mode)(PROMPTS, RESPONSES)
+    msg = str(e.value)
+    assert "misbehaving_fn" in msg and f"returned {n} scores for 3 responses" in msg
+
+
+@pytest.mark.parametrize("mode, index, shown", [("string", 1, "'0.7'"), ("none", 2, "None")])
+def test_function_reward_non_number_element(mode, index, shown):
+    with pytest.raises(RewardError) as e:
+        _fn_reward(mode)(PROMPTS, RESPONSES)
+    msg = str(e.value)
+    assert "misbehaving_fn" in msg
+    assert shown in msg
+    assert f"prompt {index} {PROMPTS[index]!r}" in msg
+
+
+@pytest.mark.parametrize("mode, index, shown", [("nan", 1, "nan"), ("inf", 2, "inf"),
+                                                ("tensor_nan", 2, "nan")])
+def test_function_reward_nonfinite(mode, index, shown):
+    with pytest.raises(RewardError) as e:
+        _fn_reward(mode)(PROMPTS, RESPONSES)
+    msg = str(e.value)
+    assert "misbehaving_fn" in msg and "finite" in msg
+    assert f"returned {shown} for prompt {index} {PROMPTS[index]!r}" in msg
+
+
+def test_function_reward_nonfinite_allowed_when_asked():
+    reward = FunctionReward(f"{HERE}.misbehaving_fn", {"mode": "nan"}, allow_nonfinite=True)
+    scores = reward(PROMPTS, RESPONSES)
+    assert math.isnan(scores[1].item()) and scores[0].item() == 0.5
+
+
+def test_function_reward_non_iterable():
+    with pytest.raises(RewardError) as e:
+        _fn_reward("scalar")(PROMPTS, RESPONSES)
+    msg = str(e.value)
+    assert "misbehaving_fn" in msg and "float" in msg and "not a list" in msg
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64"])
+def test_check_scores_numpy_arrays(dtype):
+    import numpy as np
+
+    from ppo_lightning.rewards import check_scores
+
+    scores = check_scores(np.array([1, 0], dtype=dtype), ["a", "b"], "numpy_fn")
+    torch.testing.assert_close(scores, torch.tensor([1.0, 0.0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# kind=model
+
+
+@pytest.fixture(scope="module")
+def rm_texts():
+    # mixed lengths so every batch has right padding
+    prompts = ["Hi", "The quick brown fox", "a", "Once upon a time there was", "xyz"]
+    responses = [" there", " jumps over the lazy dog again", "b", " a cat.", ""]
+    return prompts, responses
+
+
+def _manual_scores(rm_dir, prompts, responses):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    out = []
+    with torch.no_grad():
+        for p, r in zip(prompts, responses):
+            enc = tok(p + r, return_tensors="pt")  # one row: no padding at all
+            out.append(model(**enc).logits[0, 0].float())
+    return torch.stack(out)
+
+
+def test_reward_model_matches_unpadded_forward(tiny_rm_dir, rm_texts):
+    prompts, responses = rm_texts
+    expected = _manual_scores(tiny_rm_dir, prompts, responses)
+    rm = build_reward(RewardConfig(kind="model", name_or_path=str(tiny_rm_dir), batch_size=32))
+    assert isinstance(rm, RewardModel)
+    assert rm.tokenizer.padding_side == "right"
+    scores = rm(prompts, responses)
+    assert scores.dtype == torch.float32 and scores.shape == (5,)
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
+    # small batches (2 + 2 + 1) give the same scores as one batch
+    rm.batch_size = 2
+    torch.testing.assert_close(rm(prompts, responses), scores, atol=1e-5, rtol=0)
+    # gain and bias
+    rm2 = RewardModel(str(tiny_rm_dir), batch_size=2, gain=2.0, bias=-0.5)
+    torch.testing.assert_close(rm2(prompts, responses), 2.0 * expected - 0.5, atol=1e-5, rtol=0)
+
+
+def test_reward_model_frozen_and_eval(tiny_rm_dir):
+    rm = RewardModel(str(tiny_rm_dir))
+    # the wrapped classifier starts in eval (the wrapper's own flag is only fixed by .train()/.eval())
+    assert not any(m.training for m in rm.model.modules())
+    ret = rm.train()
+    assert ret is rm
+    assert not rm.training and not any(m.training for m in rm.modules())
+    rm.train(True)
+    assert not any(m.training for m in rm.modules())
+    assert all(not p.requires_grad for p in rm.parameters())
+    assert sum(1 for _ in rm.parameters()) > 0
+
+
+def test_reward_model_missing_dir(tmp_path):
+    missing = tmp_path / "no_such_rm"
+    with pytest.raises(ConfigError) as e:
+        build_reward(RewardConfig(kind="model", name_or_path=str(missing)))
+    assert "reward.name_or_path" in str(e.value) and str(missing) in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# rules
+
+
+def test_char_fraction():
+    assert char_fraction(["p"] * 4, ["abc", "aB1 ", "", "XYZ"]) == [1.0, 0.5, 0.0, 0.0]
+    assert char_fraction(["p"], ["aab"], chars="a") == [pytest.approx(2 / 3)]
+
+
+def test_keyword():
+    assert keyword(["p"] * 3, ["very GOOD", "bad", "goodness"]) == [1.0, 0.0, 1.0]
+    assert keyword(["p"] * 2, ["Yes!", "no"], word="YES") == [1.0, 0.0]
+
+
+def test_target_length():
+    assert target_length(["p"] * 3, ["a" * 32, "a" * 16, "a" * 48]) == [0.0, -0.5, -0.5]
+    assert target_length(["p"] * 2, ["abcd", ""], target=4) == [0.0, -1.0]
+
+
+def test_exact_answer():
+    prompts = ["12+7=", "12+7=", "3*4=", "5-9=", "12+7=", "no arithmetic here"]
+    responses = ["19", "20", " 12 apples", "-4", "nineteen", "19"]
+    assert exact_answer(prompts, responses) == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
