@@ -85,7 +85,7 @@ class OptimizerConfig:
     scheduler: str = "constant"
     """constant | linear | cosine, applied per PPO iteration after ``warmup_steps``."""
     warmup_steps: int = 0
-    """PPO iterations of linear warmup from 0 to ``lr``."""
+    """PPO iterations of linear warmup: iteration i < w uses lr (i + 1) / (w + 1)."""
     min_lr_ratio: float = 0.0
     """Final lr / lr for linear and cosine decay."""
 
@@ -123,17 +123,21 @@ class PPOConfig:
     whiten_rewards: bool = False
     """Whiten per-token rewards (keeping the mean) before GAE."""
     missing_eos_penalty: Optional[float] = None
-    """Subtracted from the score of responses that never emit EOS."""
+    """Subtracted from the score of responses that never emit EOS (only with stop_at_eos)."""
     max_new_tokens: int = 32
     """Response length limit."""
     temperature: float = 1.0
-    """Sampling temperature; logprobs use logits / temperature too."""
+    """Sampling temperature; logprobs use logits / temperature too (top-k/top-p truncation is
+    not applied to logprobs, as in TRL and OpenAI's RLHF code)."""
     top_k: int = 0
     """Sample from the k most likely tokens (0 = off)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off)."""
     stop_at_eos: bool = True
     """Stop a response at EOS. False runs every response to max_new_tokens (benchmarks)."""
+    max_nonfinite_iterations: int = 3
+    """Stop the run after this many PPO iterations in a row with a non-finite reward, loss or
+    gradient (each such update is skipped, weights untouched, and counted)."""
     rollout_forward_batch_size: Optional[int] = None
     """Rows per scoring forward during the rollout (bounds memory; null = whole batch)."""
 
@@ -175,6 +179,8 @@ class TrainerConfig:
     deterministic: Any = False
     default_root_dir: Optional[str] = None
     num_sanity_val_steps: int = 0
+    use_distributed_sampler: bool = False
+    """Off: the prompt loader shards over ranks itself, in an order a resumed run can replay."""
     limit_val_batches: Any = 0
 
 
@@ -201,7 +207,7 @@ class TrainConfig:
     """Named Lightning callbacks, each with a ``_target_``."""
     task_name: str = "ppo"
     seed: int = 42
-    """Global seed; each DDP rank samples with seed + rank."""
+    """Global seed: data order, weight init of new heads; rank r samples with seed + 1000 r."""
     ckpt_path: Optional[str] = None
     """Resume from this Lightning checkpoint."""
     export_dir: Optional[str] = "${paths.output_dir}/policy"
@@ -236,6 +242,7 @@ def validate(cfg) -> None:
     _check(p.kl_estimator in ("k1", "k2", "k3"), "ppo.kl_estimator", p.kl_estimator, "choose k1, k2 or k3")
     _check(p.kl_target > 0, "ppo.kl_target", p.kl_target, "must be > 0")
     _check(p.kl_horizon > 0, "ppo.kl_horizon", p.kl_horizon, "must be > 0")
+    _check(p.max_nonfinite_iterations >= 1, "ppo.max_nonfinite_iterations", p.max_nonfinite_iterations, "must be >= 1")
     _check(p.ppo_epochs >= 1, "ppo.ppo_epochs", p.ppo_epochs, "must be >= 1")
     _check(p.minibatch_size >= 1, "ppo.minibatch_size", p.minibatch_size, "must be >= 1")
     _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "must be >= 1")
@@ -257,6 +264,8 @@ def validate(cfg) -> None:
            "choose float32, bfloat16 or float16")
     _check(cfg.reward.kind in ("function", "model"), "reward.kind", cfg.reward.kind,
            "choose function or model")
+    _check(cfg.reward.dtype in ("float32", "bfloat16", "float16"), "reward.dtype", cfg.reward.dtype,
+           "choose float32, bfloat16 or float16")
     _check(cfg.trainer.max_steps >= 1, "trainer.max_steps", cfg.trainer.max_steps,
            "must be >= 1 (the number of PPO iterations)")
     if d.path is None and d.hf_dataset is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ppo_lightning.errors import ConfigError
 
@@ -113,11 +113,63 @@ class LeftPadCollator:
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+class PromptBatches:
+    """Batches of prompts in an order fixed by ``(seed, epoch)``, sharded over ranks.
+
+    Stateless by design, so that a resumed run continues exactly where the killed one stopped:
+    every batch is one PPO iteration, so the number of batches already consumed is the trainer's
+    ``global_step``, read through ``consumed()`` when an epoch starts. (A counter kept in the
+    loader would be off by Lightning's one-batch prefetch.) Under DDP every rank draws the same
+    permutation and takes every ``world_size``-th prompt, so ranks never overlap; Lightning's
+    distributed sampler is not used (``trainer.use_distributed_sampler=false``).
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, collate, shuffle: bool = True,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, consumed=None):
+        self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
+        self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
+        self.consumed = consumed  # () -> batches consumed so far (global_step); None: count here
+        self._epochs_started = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.world_size // self.batch_size  # drop_last
+
+    def order(self, epoch: int) -> list[int]:
+        """This rank's prompt indices for ``epoch``, batch after batch."""
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            perm = torch.randperm(n, generator=g).tolist()
+        else:
+            perm = list(range(n))
+        return perm[self.rank::self.world_size][: len(self) * self.batch_size]
+
+    def __iter__(self):
+        if len(self) == 0:
+            return
+        done = self.consumed() if self.consumed is not None else self._epochs_started * len(self)
+        self._epochs_started += 1
+        epoch, start = divmod(done, len(self))
+        order = self.order(epoch)
+        for b in range(start, len(self)):
+            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            yield self.collate([self.dataset[i] for i in idx])
+
+    # Lightning treats loaders with these as resumable (no mid-epoch warning); the position
+    # itself comes from global_step, see the class docstring.
+    def state_dict(self) -> dict:
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class PromptDataModule(L.LightningDataModule):
-    def __init__(self, cfg, tokenizer):
+    def __init__(self, cfg, tokenizer, seed: int = 0):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.seed = seed
         self.dataset: PromptDataset | None = None
 
     def load(self) -> None:
@@ -138,9 +190,13 @@ class PromptDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self.load()
 
-    def train_dataloader(self) -> DataLoader:
-        # drop_last: every rollout has exactly batch_size rows, so minibatches divide it evenly
-        return DataLoader(self.dataset, batch_size=self.cfg.batch_size, shuffle=self.cfg.shuffle,
-                          drop_last=True, num_workers=self.cfg.num_workers,
-                          collate_fn=LeftPadCollator(self.tokenizer.pad_token_id),
-                          persistent_workers=self.cfg.num_workers > 0)
+    def train_dataloader(self):
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        if len(self.dataset) < self.cfg.batch_size * world:
+            raise ConfigError(f"{len(self.dataset)} prompts cannot fill data.batch_size={self.cfg.batch_size} "
+                              f"on each of {world} ranks; add prompts or lower data.batch_size")
+        consumed = (lambda: trainer.global_step) if trainer is not None else None
+        return PromptBatches(self.dataset, self.cfg.batch_size, LeftPadCollator(self.tokenizer.pad_token_id),
+                             shuffle=self.cfg.shuffle, seed=self.seed, rank=rank, world_size=world,
+                             consumed=consumed)

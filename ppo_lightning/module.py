@@ -12,6 +12,7 @@ The module orchestrates; the math lives in ``ppo.py`` and ``rollout.py``. Lightn
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
@@ -26,10 +27,18 @@ from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.policy import PolicyWithValueHead
 from ppo_lightning.rollout import Rollout, make_rollout
 
+log = logging.getLogger(__name__)
+
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
 # also in trainer.callback_metrics (checkpoint monitors); every metric goes to the loggers
 CALLBACK_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "episode")
+UPDATE_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
+                  "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many PPO iterations in a row produced non-finite rewards, losses or gradients."""
 
 
 def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
@@ -73,6 +82,9 @@ class PPOModule(L.LightningModule):
         self.kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target,
                                           ppo_cfg.kl_horizon)
         self.episode = 0  # prompts consumed, summed over ranks
+        self.skipped_updates = 0  # updates skipped for a non-finite loss or gradient
+        self.nonfinite_streak = 0  # consecutive iterations with a skip
+        self._last_nonfinite = ""
         self.generator: torch.Generator | None = None
         self.rollout: Rollout | None = None
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
@@ -120,61 +132,106 @@ class PPOModule(L.LightningModule):
         c, r = self.ppo_cfg, self.rollout
         iteration = self.global_step  # 0-based PPO iteration; the loggers' step
         opt, sched = self.optimizers(), self.lr_schedulers()
+        lr = sched.get_last_lr()[0]  # the rate this iteration trains with
         t0 = time.perf_counter()
         B = r.batch_size
-        n_updates = c.ppo_epochs * (B // c.minibatch_size)
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
-        step = 0
-        for _ in range(c.ppo_epochs):
-            perm = torch.randperm(B, generator=self.generator, device=self.device)
-            for mb_inds in perm.split(c.minibatch_size):
-                mb = r.index(mb_inds)
-                mask = mb.response_mask
-                logits, new_values = self.policy(mb.query_responses, mb.attention_mask,
-                                                 mb.position_ids, mb.context_length)
-                logits = logits / c.temperature  # the distribution the tokens were sampled from
-                new_logp = ppo.logprobs_from_logits(logits, mb.responses)
-                pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, mb.logprobs, mb.advantages, mask, c.clip)
-                vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, mb.values, mb.returns, mask, c.vf_clip)
-                with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
-                    entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.float()), mask)
-                loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
-
-                opt.zero_grad()
-                self.manual_backward(loss)
-                if c.max_grad_norm > 0:
-                    self.clip_gradients(opt, gradient_clip_val=c.max_grad_norm, gradient_clip_algorithm="norm")
-                step += 1
-                self._optimizer_step(opt, counts_as_global_step=step == n_updates)
-
-                with torch.no_grad():
-                    logratio = new_logp - mb.logprobs
-                    ratio = torch.exp(logratio)
-                    stats["policy/approxkl_avg"].append(ppo.approx_kl(new_logp, mb.logprobs, mask))
-                    stats["policy/clipfrac_avg"].append(pg_clipfrac)
-                    stats["policy/entropy_avg"].append(entropy.detach())
-                    stats["loss/policy_avg"].append(pg_loss.detach())
-                    stats["loss/value_avg"].append(vf_loss.detach())
-                    stats["val/clipfrac_avg"].append(vf_clipfrac)
-                    stats["val/ratio"].append(ppo.masked_mean(ratio, mask))
-                    stats["val/ratio_var"].append(ppo.masked_var(ratio, mask, unbiased=False))
-        sched.step()
-        time_update = time.perf_counter() - t0
-        self._log_iteration(iteration, r, stats, time_update)
-
-    def _optimizer_step(self, opt, counts_as_global_step: bool) -> None:
-        """Step the optimizer through Lightning's strategy (precision plugins, FSDP, hooks).
-
-        ``opt.step()`` would advance ``global_step`` on every minibatch; only the last update of
-        an iteration does, so one PPO iteration is one Lightning step.
-        """
-        if counts_as_global_step:
-            opt.step()
+        skipped = 0
+        if not self._all_ranks(bool(r.is_finite())):
+            skipped = c.ppo_epochs * (B // c.minibatch_size)  # every update would be NaN
+            self._last_nonfinite = self._describe_nonfinite(r)
         else:
-            self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure)
+            for _ in range(c.ppo_epochs):
+                perm = torch.randperm(B, generator=self.generator, device=self.device)
+                for mb_inds in perm.split(c.minibatch_size):
+                    mb = r.index(mb_inds)
+                    mask = mb.response_mask
+                    logits, new_values = self.policy(mb.query_responses, mb.attention_mask,
+                                                     mb.position_ids, mb.context_length)
+                    logits = logits / c.temperature  # as in the rollout's logprobs
+                    new_logp = ppo.logprobs_from_logits(logits, mb.responses)
+                    pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, mb.logprobs, mb.advantages, mask, c.clip)
+                    vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, mb.values, mb.returns, mask, c.vf_clip)
+                    with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
+                        entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.float()), mask)
+                    loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
+
+                    opt.zero_grad()
+                    if not self._all_ranks(bool(torch.isfinite(loss))):
+                        skipped += 1
+                        self._last_nonfinite = f"loss {loss.item()}"
+                        continue
+                    self.manual_backward(loss)
+                    if c.max_grad_norm > 0:
+                        self.clip_gradients(opt, gradient_clip_val=c.max_grad_norm, gradient_clip_algorithm="norm")
+                    if not self._all_ranks(self._grads_finite()):
+                        opt.zero_grad()  # weights untouched
+                        skipped += 1
+                        self._last_nonfinite = "gradient norm"
+                        continue
+                    # Through the strategy (precision plugin, FSDP, hooks) but without
+                    # LightningOptimizer.step(), which would count a global step per minibatch.
+                    self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure)
+
+                    with torch.no_grad():
+                        ratio = torch.exp(new_logp - mb.logprobs)
+                        stats["policy/approxkl_avg"].append(ppo.approx_kl(new_logp, mb.logprobs, mask))
+                        stats["policy/clipfrac_avg"].append(pg_clipfrac)
+                        stats["policy/entropy_avg"].append(entropy.detach())
+                        stats["loss/policy_avg"].append(pg_loss.detach())
+                        stats["loss/value_avg"].append(vf_loss.detach())
+                        stats["val/clipfrac_avg"].append(vf_clipfrac)
+                        stats["val/ratio"].append(ppo.masked_mean(ratio, mask))
+                        stats["val/ratio_var"].append(ppo.masked_var(ratio, mask, unbiased=False))
+        self._advance_global_step(opt)
+        sched.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # count queued kernels in the timers
+        time_update = time.perf_counter() - t0
+        self.skipped_updates += skipped
+        self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
+        self._log_iteration(iteration, r, stats, time_update, lr)
+        if skipped:
+            log.warning("PPO iteration %d: skipped %d update(s) with non-finite %s; weights untouched",
+                        iteration, skipped, self._last_nonfinite)
+        if self.nonfinite_streak >= c.max_nonfinite_iterations:
+            raise NonFiniteError(
+                f"{self.nonfinite_streak} PPO iterations in a row had non-finite values (last: "
+                f"{self._last_nonfinite}); stopping (ppo.max_nonfinite_iterations="
+                f"{c.max_nonfinite_iterations}). Checkpoints written so far are intact. Check the "
+                "reward function, or lower optimizer.lr.")
+
+    def _all_ranks(self, ok: bool) -> bool:
+        """True only if ``ok`` on every rank: a skip must happen everywhere, or DDP's gradient
+        all-reduce would wait forever for the rank that skipped its backward."""
+        if self.trainer.world_size == 1:
+            return ok
+        return bool(self.trainer.strategy.reduce_boolean_decision(ok, all=True))
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))) if grads else True
+
+    def _describe_nonfinite(self, r: Rollout) -> str:
+        bad = (~torch.isfinite(r.scores)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            prompt = self.tokenizer.decode(r.query_responses[i, :r.context_length], skip_special_tokens=True)
+            return f"reward {r.scores[i].item()} for prompt {prompt[:60]!r}"
+        return "logprobs, values or advantages in the rollout"
+
+    def _advance_global_step(self, opt) -> None:
+        """One PPO iteration = one Lightning step, however many updates (or skips) it took.
+
+        These are the two progress hooks ``LightningOptimizer.step()`` runs around a step; calling
+        them once here makes ``global_step``, ``max_steps`` and checkpoint intervals count
+        iterations.
+        """
+        opt._on_before_step()
+        opt._on_after_step()
 
     # ------------------------------------------------------------------------- metrics
-    def _log_iteration(self, iteration: int, r: Rollout, stats: dict, time_update: float) -> None:
+    def _log_iteration(self, iteration: int, r: Rollout, stats: dict, time_update: float, lr: float) -> None:
         mask = r.response_mask
         n_tokens = mask.sum()
         local = {
@@ -189,6 +246,8 @@ class PPOModule(L.LightningModule):
             "perf/tokens_per_s": n_tokens / (self._time_rollout + time_update),
             **{k: torch.stack(v).mean() for k, v in stats.items()},
         }
+        for k in UPDATE_METRICS:  # an iteration whose updates were all skipped has none
+            local.setdefault(k, torch.tensor(float("nan"), device=mask.device))
         # one collective for all metrics: mean over ranks (num_eos_tokens and tokens/s: sums)
         names = list(local)
         values = torch.stack([local[k].float().detach() for k in names])
@@ -199,14 +258,16 @@ class PPOModule(L.LightningModule):
         for k in ("val/num_eos_tokens", "perf/tokens_per_s"):
             metrics[k] *= world
         self.episode += r.batch_size * world
-        self.kl_ctl.update(metrics["objective/kl"], r.batch_size * world)
         metrics.update({
-            "objective/kl_coef": self.kl_ctl.value,
-            "lr": self.lr_schedulers().get_last_lr()[0],
+            "objective/kl_coef": self.kl_ctl.value,  # the beta this rollout's rewards used
+            "health/skipped_updates": float(self.skipped_updates),
+            "lr": lr,
             "episode": float(self.episode),
             "perf/time_rollout_s": self._time_rollout,
             "perf/time_update_s": time_update,
         })
+        if math.isfinite(metrics["objective/kl"]):
+            self.kl_ctl.update(metrics["objective/kl"], r.batch_size * world)
         self.last_metrics = metrics
         # Straight to the loggers: one call per logger instead of ~25 `self.log` calls, which
         # cost ~0.3 ms each (a tenth of an iteration on small models). `self.log` carries only
@@ -226,6 +287,8 @@ class PPOModule(L.LightningModule):
         checkpoint["ppo_state"] = {
             "kl_ctl": self.kl_ctl.state_dict(),
             "episode": self.episode,
+            "skipped_updates": self.skipped_updates,
+            "nonfinite_streak": self.nonfinite_streak,
             "generator": self.generator.get_state() if self.generator is not None else None,
         }
 
@@ -234,6 +297,8 @@ class PPOModule(L.LightningModule):
         if "kl_ctl" in state:
             self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.episode = int(state.get("episode", 0))
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         if state.get("generator") is not None:
             self.generator = torch.Generator(device=self.device)
             self.generator.set_state(state["generator"])

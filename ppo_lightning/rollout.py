@@ -51,6 +51,11 @@ class Rollout:
     def responses(self) -> Tensor:
         return self.query_responses[:, self.context_length:]
 
+    def is_finite(self) -> Tensor:
+        """Whether every score, logprob, value and advantage is finite (a 0-dim bool tensor)."""
+        return torch.stack([torch.isfinite(t).all() for t in (
+            self.scores, self.logprobs, self.ref_logprobs, self.values, self.advantages, self.returns)]).all()
+
     def index(self, idx: Tensor) -> "Rollout":
         """The rows ``idx`` of every tensor: a minibatch."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

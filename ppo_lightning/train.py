@@ -14,6 +14,7 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_lightning.checkpoint import AtomicCheckpointIO
 from ppo_lightning.config import validate
 from ppo_lightning.data import PromptDataModule
 from ppo_lightning.errors import ConfigError
@@ -26,12 +27,21 @@ from ppo_lightning.tiny import save_tiny_causal_lm
 log = logging.getLogger(__name__)
 
 
-def ensure_model_source(model_cfg) -> None:
-    """Build the tiny offline model at ``model.name_or_path`` when ``model.build_tiny`` asks."""
+def ensure_model_source(model_cfg, cache_dir: str) -> None:
+    """Build the tiny offline model at ``model.name_or_path`` when ``model.build_tiny`` asks.
+
+    Only inside ``paths.cache_dir``: a user who points ``model.name_or_path`` at a directory of
+    their own gets that directory loaded (or a "no such directory" error), never a random model
+    written there.
+    """
     t = model_cfg.build_tiny
-    if t is not None and not (Path(model_cfg.name_or_path) / "config.json").exists():
-        log.info("building tiny GPT-2 (%d layers, %d dims) at %s", t.n_layer, t.n_embd, model_cfg.name_or_path)
-        save_tiny_causal_lm(model_cfg.name_or_path, t.n_layer, t.n_head, t.n_embd, t.n_positions, t.seed)
+    target = Path(model_cfg.name_or_path).resolve()
+    if t is None or (target / "config.json").exists():
+        return
+    if not target.is_relative_to(Path(cache_dir).resolve()):
+        return  # resolve_source will report the missing directory
+    log.info("building tiny GPT-2 (%d layers, %d dims) at %s", t.n_layer, t.n_embd, target)
+    save_tiny_causal_lm(target, t.n_layer, t.n_head, t.n_embd, t.n_positions, t.seed)
 
 
 def _context_length(lm) -> int | None:
@@ -59,10 +69,10 @@ def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     reward_fn = build_reward(cfg.reward) if cfg.reward.kind == "function" else None  # import early
 
-    ensure_model_source(cfg.model)
+    ensure_model_source(cfg.model, cfg.paths.cache_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path,
                                trust_remote_code=cfg.model.trust_remote_code)
-    datamodule = PromptDataModule(cfg.data, tokenizer)
+    datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed)
     datamodule.load()
 
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
@@ -85,7 +95,8 @@ def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
     module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed)
     loggers = instantiate_dict(cfg.get("logger"), "logger")
     callbacks = instantiate_dict(cfg.get("callbacks"), "callbacks")
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
+                                      plugins=[AtomicCheckpointIO()])
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     return module, datamodule, trainer
@@ -94,7 +105,7 @@ def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run PPO as configured; returns every metric of the last iteration."""
     module, datamodule, trainer = build(cfg)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     if cfg.export_dir and trainer.is_global_zero:
         path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
         log.info("policy exported to %s (loads with AutoModelForCausalLM.from_pretrained)", path)

@@ -142,18 +142,33 @@ def test_function_reward_non_number_element(mode, index, shown):
 
 @pytest.mark.parametrize("mode, index, shown", [("nan", 1, "nan"), ("inf", 2, "inf"),
                                                 ("tensor_nan", 2, "nan")])
-def test_function_reward_nonfinite(mode, index, shown):
+def test_function_reward_nonfinite_refused_when_asked(mode, index, shown):
     with pytest.raises(RewardError) as e:
-        _fn_reward(mode)(PROMPTS, RESPONSES)
+        FunctionReward(f"{HERE}.misbehaving_fn", {"mode": mode}, allow_nonfinite=False)(PROMPTS, RESPONSES)
     msg = str(e.value)
     assert "misbehaving_fn" in msg and "finite" in msg
     assert f"returned {shown} for prompt {index} {PROMPTS[index]!r}" in msg
 
 
-def test_function_reward_nonfinite_allowed_when_asked():
-    reward = FunctionReward(f"{HERE}.misbehaving_fn", {"mode": "nan"}, allow_nonfinite=True)
-    scores = reward(PROMPTS, RESPONSES)
+def test_function_reward_nonfinite_passes_through_by_default():
+    """PPO skips (and counts) an iteration with a NaN score rather than dying on it."""
+    scores = _fn_reward("nan")(PROMPTS, RESPONSES)
     assert math.isnan(scores[1].item()) and scores[0].item() == 0.5
+
+
+def raises_on_long_prompts(prompts, responses):
+    """Fails for one specific row, as a buggy parser would."""
+    return [1.0 / (len(p) < 12) for p in prompts]
+
+
+def test_function_reward_that_raises_names_the_prompt():
+    reward = FunctionReward(f"{HERE}.raises_on_long_prompts")
+    prompts = ["short", "a much longer prompt", "tiny"]
+    with pytest.raises(RewardError) as e:
+        reward(prompts, ["x", "y", "z"])
+    msg = str(e.value)
+    assert "raises_on_long_prompts raised ZeroDivisionError" in msg
+    assert "prompt 1 'a much longer prompt'" in msg
 
 
 def test_function_reward_non_iterable():

@@ -12,7 +12,7 @@ import importlib
 from typing import Any, Callable
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.rewards.base import check_scores
+from ppo_lightning.rewards.base import RewardError, check_scores
 
 
 def import_callable(path: str, key: str = "reward.fn") -> Callable:
@@ -35,12 +35,30 @@ def import_callable(path: str, key: str = "reward.fn") -> Callable:
 
 
 class FunctionReward:
-    """Wraps a callable; validates every batch of scores it returns (length, numbers, finite)."""
+    """Wraps a callable; validates every batch of scores it returns (length, numbers).
 
-    def __init__(self, fn: str, kwargs: dict[str, Any] | None = None, allow_nonfinite: bool = False):
+    NaN or inf scores pass through by default: the PPO step skips that iteration, counts it and
+    names the prompt, and stops the run if it keeps happening (``ppo.max_nonfinite_iterations``).
+    """
+
+    def __init__(self, fn: str, kwargs: dict[str, Any] | None = None, allow_nonfinite: bool = True):
         self.name = fn
         self.fn = functools.partial(import_callable(fn), **(kwargs or {}))
         self.allow_nonfinite = allow_nonfinite
 
     def __call__(self, prompts: list[str], responses: list[str]):
-        return check_scores(self.fn(prompts, responses), prompts, self.name, self.allow_nonfinite)
+        try:
+            scores = self.fn(prompts, responses)
+        except Exception as e:
+            raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e} "
+                              f"({self._culprit(prompts, responses)})") from e
+        return check_scores(scores, prompts, self.name, self.allow_nonfinite)
+
+    def _culprit(self, prompts: list[str], responses: list[str]) -> str:
+        """Find the first row that fails on its own, so the message can name the prompt."""
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            try:
+                self.fn([p], [r])
+            except Exception:
+                return f"on prompt {i} {p[:60]!r} with response {r[:60]!r}"
+        return f"on a batch of {len(prompts)} that fails only as a whole"

@@ -60,4 +60,4 @@ class RewardModel(nn.Module):
             logits = self.model(**enc).logits  # [b, num_labels]
             out.append(logits[:, self.label_index].float())
         scores = torch.cat(out) * self.gain + self.bias
-        return check_scores(scores, prompts, f"model {self.name}")
+        return check_scores(scores, prompts, f"model {self.name}", allow_nonfinite=True)

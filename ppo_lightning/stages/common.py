@@ -1,0 +1,302 @@
+"""What the SFT and reward-model stages share: records from a file, a list or a HF dataset, the
+validation split, model sources, the optimizer, data loaders that shard themselves under DDP.
+
+Records are read once, checked field by field, and normalised to plain dicts keyed by *role*
+(``prompt``, ``response`` / ``chosen``, ``rejected``) whatever the source columns are called, so
+every error can name the line or record and the config key that chose the column.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ppo_lightning.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+# ----------------------------------------------------------------------------- configs
+def as_config(cfg: Any, cls: type, key_prefix: str):
+    """``cfg`` as a ``cls`` dataclass: None (defaults), a ``cls``, a dict or a DictConfig.
+
+    An unknown key fails here, naming it (Hydra's structured configs fail earlier, at composition).
+    """
+    if isinstance(cfg, cls):
+        return cfg
+    if cfg is None:
+        return cls()
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            obj = OmegaConf.to_object(cfg)
+            if isinstance(obj, cls):
+                return obj
+            cfg = obj
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{key_prefix}: expected a mapping of {cls.__name__} keys, got {type(cfg).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(cfg) - names)
+    if unknown:
+        raise ConfigError(f"{key_prefix}.{unknown[0]}: unknown key; {cls.__name__} has {sorted(names)}")
+    return cls(**dict(cfg))
+
+
+def get(cfg: Any, name: str, default: Any) -> Any:
+    """``cfg.name`` for a dataclass / DictConfig / dict / None, ``default`` when absent or null."""
+    if cfg is None:
+        return default
+    value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
+    return default if value is None else value
+
+
+def check(ok: bool, key: str, value: Any, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {what}")
+
+
+def check_common(cfg, key_prefix: str) -> None:
+    """Range checks of the keys both stage configs have."""
+    p = key_prefix
+    check(0.0 <= cfg.val_fraction < 1.0, f"{p}.val_fraction", cfg.val_fraction,
+          "must be in [0, 1) (0 turns validation off)")
+    check(cfg.val_batch_size is None or cfg.val_batch_size >= 1, f"{p}.val_batch_size",
+          cfg.val_batch_size, "must be >= 1 (or null: data.batch_size)")
+    check(cfg.max_grad_norm is None or cfg.max_grad_norm >= 0, f"{p}.max_grad_norm", cfg.max_grad_norm,
+          "must be >= 0 (0 or null turns clipping off)")
+    if cfg.path is not None and cfg.hf_dataset is not None:
+        raise ConfigError(f"{p}.path={cfg.path!r} and {p}.hf_dataset={cfg.hf_dataset!r} are both set; "
+                          "choose one")
+
+
+def check_optimizer(optim_cfg) -> None:
+    name = get(optim_cfg, "name", "adamw")
+    check(name in OPTIMIZERS, "optimizer.name", name, "choose adamw, adam or sgd")
+    check(get(optim_cfg, "lr", 1e-5) > 0, "optimizer.lr", get(optim_cfg, "lr", 1e-5), "must be > 0")
+    sched = get(optim_cfg, "scheduler", "constant")
+    check(sched in ("constant", "linear", "cosine"), "optimizer.scheduler", sched,
+          "choose constant, linear or cosine")
+    check(get(optim_cfg, "warmup_steps", 0) >= 0, "optimizer.warmup_steps",
+          get(optim_cfg, "warmup_steps", 0), "must be >= 0")
+
+
+# ----------------------------------------------------------------------------- records
+def read_records(roles: dict[str, tuple[str, str]], *, path: str | None, hf_dataset: str | None,
+                 hf_split: str, records: Sequence[Mapping] | None,
+                 key_prefix: str) -> tuple[list[dict[str, str]], str]:
+    """Records as ``{role: text}`` dicts from exactly one source, and a name for that source.
+
+    ``roles`` maps each role to ``(config key, column)``, e.g. ``{"prompt": ("task.prompt_field",
+    "question")}``; errors name both. Sources, in order: ``records`` (an in-memory list of dicts),
+    ``path`` (a local ``.jsonl``, one object a line), ``hf_dataset`` (a Hugging Face dataset name).
+    """
+    if records is not None:
+        source = "records"
+        out = [_record(r, roles, f"records[{i}]") for i, r in enumerate(records)]
+    elif path is not None:
+        source = f"{key_prefix}.path={str(path)!r}"
+        out = _read_jsonl(Path(path), roles, source)
+    elif hf_dataset is not None:
+        source = f"{key_prefix}.hf_dataset={hf_dataset!r}"
+        out = _read_hf(hf_dataset, hf_split, roles, source)
+    else:
+        raise ConfigError(f"{key_prefix}.path and {key_prefix}.hf_dataset are both null: set "
+                          f"{key_prefix}.path=data.jsonl (one JSON object a line with "
+                          f"{', '.join(repr(c) for _, c in roles.values())} fields) or "
+                          f"{key_prefix}.hf_dataset=<name>")
+    if not out:
+        raise ConfigError(f"{source} holds no records")
+    return out, source
+
+
+def _record(obj: Any, roles: dict[str, tuple[str, str]], where: str) -> dict[str, str]:
+    if not isinstance(obj, Mapping):
+        raise ConfigError(f"{where}: expected a JSON object / dict with fields "
+                          f"{[c for _, c in roles.values()]}, got {type(obj).__name__}")
+    missing = [(k, c) for k, c in roles.values() if c not in obj]
+    if missing:
+        names = ", ".join(repr(c) for _, c in missing)
+        keys = ", ".join(f"{k}={c!r}" for k, c in missing)
+        raise ConfigError(f"{where}: missing field(s) {names} ({keys}); it has {sorted(map(str, obj))}")
+    out = {}
+    for role, (k, c) in roles.items():
+        v = obj[c]
+        if not isinstance(v, str):
+            raise ConfigError(f"{where}: field {c!r} ({k}) must be a string, got {type(v).__name__}")
+        out[role] = v
+    return out
+
+
+def _read_jsonl(path: Path, roles: dict[str, tuple[str, str]], source: str) -> list[dict[str, str]]:
+    if not path.is_file():
+        raise ConfigError(f"{source}: no such file")
+    if path.suffix != ".jsonl":
+        raise ConfigError(f"{source}: unsupported extension {path.suffix!r}; give a .jsonl file, one "
+                          f"JSON object a line with {', '.join(repr(c) for _, c in roles.values())} fields")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{source} line {lineno}: not valid JSON ({e.msg}); each line must be "
+                                  "one JSON object") from None
+            out.append(_record(obj, roles, f"{source} line {lineno}"))
+    return out
+
+
+def _read_hf(name: str, split: str, roles: dict[str, tuple[str, str]], source: str) -> list[dict[str, str]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{source} needs the 'datasets' package: pip install datasets "
+                          "(or give a local .jsonl with path=...)") from None
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network, missing split, bad name: all user-fixable
+        raise ConfigError(f"{source} (split {split!r}) could not be loaded: {e}. For offline use "
+                          "give a local .jsonl with path=...") from None
+    missing = [(k, c) for k, c in roles.values() if c not in ds.column_names]
+    if missing:
+        raise ConfigError(f"{source}: no column(s) {', '.join(repr(c) for _, c in missing)} "
+                          f"({', '.join(f'{k}={c!r}' for k, c in missing)}); columns: {ds.column_names}")
+    cols = {role: ds[c] for role, (_, c) in roles.items()}
+    out = []
+    for i in range(len(ds)):
+        row = {c: cols[role][i] for role, (_, c) in roles.items()}
+        out.append(_record(row, roles, f"{source} row {i}"))
+    return out
+
+
+def split_indices(n: int, val_fraction: float, seed: int, source: str,
+                  key_prefix: str) -> tuple[list[int], list[int]]:
+    """Deterministic train / validation indices: a permutation by ``seed``, the first
+    ``max(1, round(n * val_fraction))`` go to validation (none when ``val_fraction`` is 0)."""
+    if val_fraction <= 0:
+        return list(range(n)), []
+    n_val = max(1, round(n * val_fraction))
+    if n - n_val < 1:
+        raise ConfigError(f"{source} has {n} records: too few for {key_prefix}.val_fraction={val_fraction} "
+                          "to leave any for training; add records or lower it")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+# ----------------------------------------------------------------------------- loaders
+class ListDataset(Dataset):
+    def __init__(self, items: list):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]
+
+
+class ShardSampler(DistributedSampler):
+    """This rank's share of a dataset in order, without the padding ``DistributedSampler`` adds
+    (validation sums stay exact). A ``DistributedSampler``, so Lightning leaves it in place."""
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
+
+
+def make_loader(dataset: Dataset, batch_size: int, collate, *, train: bool, shuffle: bool, seed: int,
+                num_workers: int, trainer=None) -> DataLoader:
+    """A loader that shards itself over DDP ranks, so it works whatever
+    ``trainer.use_distributed_sampler`` says; the training order is fixed by ``seed``."""
+    world = trainer.world_size if trainer is not None else 1
+    kwargs: dict[str, Any] = {}
+    if world > 1:
+        rank = trainer.global_rank
+        if train:
+            kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank,
+                                                   shuffle=shuffle, seed=seed)
+        else:
+            kwargs["sampler"] = ShardSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+    elif train and shuffle:
+        kwargs["shuffle"] = True
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
+                      persistent_workers=num_workers > 0, **kwargs)
+
+
+def pad_rows(rows: list[list[int]], pad: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` ids padded with ``pad`` on ``side``, and the attention mask."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(0, len(r)) if side == "right" else slice(T - len(r), T)
+        ids[i, sl] = torch.tensor(r, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------- models
+def ensure_tiny_source(model_cfg) -> None:
+    """Build the tiny offline causal LM at ``model.name_or_path`` when ``model.build_tiny`` asks."""
+    from ppo_lightning.tiny import save_tiny_causal_lm
+
+    t = get(model_cfg, "build_tiny", None)
+    path = get(model_cfg, "name_or_path", None)
+    if t is not None and path and not (Path(path) / "config.json").exists():
+        log.info("building tiny GPT-2 at %s", path)
+        save_tiny_causal_lm(path, get(t, "n_layer", 2), get(t, "n_head", 2), get(t, "n_embd", 64),
+                            get(t, "n_positions", 256), get(t, "seed", 0))
+
+
+def context_length(model) -> int | None:
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if isinstance(getattr(c, name, None), int):
+            return getattr(c, name)
+    return None
+
+
+def check_context(model, max_length: int, key: str) -> None:
+    ctx = context_length(model)
+    if ctx is not None and max_length > ctx:
+        raise ConfigError(f"{key}={max_length} exceeds the model's context of {ctx} tokens; lower it")
+
+
+def configure_optimizers(module, params, optim_cfg) -> dict:
+    """The optimizer ``optimizer.*`` names, with ``optimizer.scheduler`` per step (warmup, decay)."""
+    from ppo_lightning.module import lr_lambda
+
+    name = get(optim_cfg, "name", "adamw")
+    kwargs = {"lr": get(optim_cfg, "lr", 1e-5), "weight_decay": get(optim_cfg, "weight_decay", 0.0)}
+    if name in ("adamw", "adam"):
+        kwargs.update(betas=tuple(get(optim_cfg, "betas", (0.9, 0.999))), eps=get(optim_cfg, "eps", 1e-5))
+    optimizer = OPTIMIZERS[name](params, foreach=True, **kwargs)
+    trainer = module.trainer
+    total = trainer.max_steps if trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(get(optim_cfg, "scheduler", "constant"), get(optim_cfg, "warmup_steps", 0),
+                             max(1, total), get(optim_cfg, "min_lr_ratio", 0.0)))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def reduce_sum(module, t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (identity on one process)."""
+    if module._trainer is not None and module.trainer.world_size > 1:
+        return module.trainer.strategy.reduce(t, reduce_op="sum")
+    return t

@@ -1,0 +1,332 @@
+"""Supervised fine-tuning: prompt-masked cross-entropy on (prompt, response) pairs.
+
+The stage before PPO: it teaches a causal LM the response format, and its output directory is the
+PPO policy (``model.name_or_path=<dir>``).
+
+Examples are built so that training sees what PPO will later see. The prompt is tokenised alone
+without special tokens (as ``ppo_lightning.data`` tokenises PPO prompts), the response alone with
+EOS appended (PPO samples response tokens after the prompt tokens and stops at EOS), and the two are
+concatenated. Labels are -100 on prompt and pad positions, so the loss is the mean cross-entropy
+over response tokens (EOS included). Batches are right-padded; position ids come from the
+attention mask, so left padding (the PPO policy's) gives the same loss.
+
+Truncation (``truncation=truncate``, the default): the prompt keeps its last
+``max_prompt_length`` tokens (its end is what the response continues), then the response is cut
+from its end to fit ``max_length``; a cut response loses its EOS, so the model is never taught to
+stop where the text was cut. ``drop`` skips such examples, ``error`` refuses them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
+from ppo_lightning.stages.common import (ListDataset, as_config, check, check_common, check_context,
+                                         check_optimizer, configure_optimizers, ensure_tiny_source, get,
+                                         make_loader, pad_rows, read_records, reduce_sum, split_indices)
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+TRUNCATION = ("truncate", "drop", "error")
+
+
+@dataclass
+class SFTConfig:
+    """Keys of the SFT stage. Batch size, shuffling and loader workers come from ``data.*``."""
+
+    path: Optional[str] = None
+    """Local ``.jsonl`` of (prompt, response) pairs, one JSON object a line."""
+    hf_dataset: Optional[str] = None
+    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
+    hf_split: str = "train"
+    """Split of ``hf_dataset`` to read; the validation split is carved out of it."""
+    prompt_field: str = "prompt"
+    """JSON field / dataset column holding the prompt."""
+    response_field: str = "response"
+    """JSON field / dataset column holding the target response."""
+    max_length: int = 512
+    """Tokens per example: prompt + response + EOS (at most the model's context)."""
+    max_prompt_length: int = 256
+    """Prompt tokens kept (the last ones); must be < ``max_length``."""
+    truncation: str = "truncate"
+    """Examples over a limit. truncate: cut the prompt from the left, then the response's end
+    (losing its EOS); drop: skip them (one warning); error: refuse them."""
+    val_fraction: float = 0.05
+    """Fraction of records held out for validation (at least one; 0 turns validation off)."""
+    seed: int = 0
+    """Seed of the train / validation split and of the training order."""
+    val_batch_size: Optional[int] = None
+    """Examples per validation batch (null: ``data.batch_size``)."""
+    max_grad_norm: Optional[float] = 1.0
+    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
+
+
+def check_sft_config(cfg: SFTConfig, key_prefix: str = "task") -> None:
+    """Range checks; raises ``ConfigError`` naming the key."""
+    p = key_prefix
+    check_common(cfg, p)
+    check(cfg.max_length >= 2, f"{p}.max_length", cfg.max_length, "must be >= 2")
+    check(1 <= cfg.max_prompt_length < cfg.max_length, f"{p}.max_prompt_length", cfg.max_prompt_length,
+          f"must be >= 1 and < {p}.max_length={cfg.max_length} (a response token must fit)")
+    check(cfg.truncation in TRUNCATION, f"{p}.truncation", cfg.truncation, "choose truncate, drop or error")
+
+
+# ----------------------------------------------------------------------------- examples
+def tokenize_sft(records: Sequence[Mapping[str, str]], tokenizer, max_length: int, max_prompt_length: int,
+                 truncation: str = "truncate", source: str = "records",
+                 key_prefix: str = "task") -> list[dict[str, list[int]]]:
+    """``{"input_ids", "labels"}`` per record (``prompt`` / ``response`` keys); see the module doc."""
+    if not records:
+        raise ConfigError(f"{source} holds no records")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError("the tokenizer has no EOS token, so responses cannot end; set eos_token")
+    prompts = tokenizer([r["prompt"] for r in records], add_special_tokens=False)["input_ids"]
+    responses = tokenizer([r["response"] for r in records], add_special_tokens=False)["input_ids"]
+    out, n_long = [], 0
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if not p:
+            raise ConfigError(f"{source}: record {i} has a prompt that tokenises to nothing; "
+                              "the first response token needs a prompt token before it")
+        r = r + [eos]
+        if len(p) > max_prompt_length or len(p) + len(r) > max_length:
+            n_long += 1
+            if truncation == "error":
+                raise ConfigError(
+                    f"{source}: record {i} has {len(p)} prompt + {len(r)} response tokens (with EOS), "
+                    f"over {key_prefix}.max_prompt_length={max_prompt_length} or "
+                    f"{key_prefix}.max_length={max_length}; raise them or set "
+                    f"{key_prefix}.truncation=truncate or drop")
+            if truncation == "drop":
+                continue
+            p = p[-max_prompt_length:]
+            r = r[:max_length - len(p)]
+        out.append({"input_ids": p + r, "labels": [IGNORE_INDEX] * len(p) + r})
+    if n_long:
+        log.warning("%d of %d SFT examples exceed %s.max_prompt_length=%d / %s.max_length=%d tokens; %s",
+                    n_long, len(records), key_prefix, max_prompt_length, key_prefix, max_length,
+                    "dropped" if truncation == "drop" else "truncated (prompt from the left, response "
+                    "from the right)")
+    if not out:
+        raise ConfigError(f"{source}: every record is over the length limits and "
+                          f"{key_prefix}.truncation=drop dropped them all")
+    return out
+
+
+class SFTCollator:
+    """Pads ``{"input_ids", "labels"}`` examples: ``input_ids``, ``attention_mask``, ``labels``
+    ``[B, T]``, labels -100 on padding. Right padding by default; ``"left"`` works too (the module
+    takes position ids from the mask)."""
+
+    def __init__(self, pad_token_id: int, padding_side: str = "right"):
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side={padding_side!r}: choose left or right")
+        self.pad_token_id, self.padding_side = pad_token_id, padding_side
+
+    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        input_ids, attention_mask = pad_rows([x["input_ids"] for x in batch], self.pad_token_id,
+                                             self.padding_side)
+        labels, _ = pad_rows([x["labels"] for x in batch], IGNORE_INDEX, self.padding_side)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class SFTDataModule(L.LightningDataModule):
+    """(prompt, response) records from ``stage_cfg.path`` / ``stage_cfg.hf_dataset`` or ``records``
+    (an in-memory list of dicts with the configured fields), tokenised once, split by seed."""
+
+    def __init__(self, stage_cfg: SFTConfig, tokenizer, batch_size: int = 8, shuffle: bool = True,
+                 num_workers: int = 0, records: Optional[Sequence[Mapping[str, Any]]] = None,
+                 key_prefix: str = "task"):
+        super().__init__()
+        self.cfg = as_config(stage_cfg, SFTConfig, key_prefix)
+        self.tokenizer = tokenizer
+        self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
+        self.records = records
+        self.key_prefix = key_prefix
+        self.train_examples: list[dict[str, list[int]]] | None = None
+        self.val_examples: list[dict[str, list[int]]] = []
+
+    def load(self) -> None:
+        """Read, check, tokenise and split; called before any model loads so bad data fails early."""
+        if self.train_examples is not None:
+            return
+        c, p = self.cfg, self.key_prefix
+        records, source = read_records(
+            {"prompt": (f"{p}.prompt_field", c.prompt_field),
+             "response": (f"{p}.response_field", c.response_field)},
+            path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p)
+        train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
+        kw = dict(tokenizer=self.tokenizer, max_length=c.max_length, max_prompt_length=c.max_prompt_length,
+                  truncation=c.truncation, key_prefix=p)
+        self.train_examples = tokenize_sft([records[i] for i in train_idx], source=source, **kw)
+        self.val_examples = tokenize_sft([records[i] for i in val_idx], source=source, **kw) if val_idx else []
+
+    def setup(self, stage: str | None = None) -> None:
+        self.load()
+
+    def collator(self) -> SFTCollator:
+        return SFTCollator(self.tokenizer.pad_token_id, "right")
+
+    def train_dataloader(self):
+        return make_loader(ListDataset(self.train_examples), self.batch_size, self.collator(), train=True,
+                           shuffle=self.shuffle, seed=self.cfg.seed, num_workers=self.num_workers,
+                           trainer=self.trainer)
+
+    def val_dataloader(self):
+        if not self.val_examples:
+            return []
+        return make_loader(ListDataset(self.val_examples), self.cfg.val_batch_size or self.batch_size,
+                           self.collator(), train=False, shuffle=False, seed=self.cfg.seed,
+                           num_workers=self.num_workers, trainer=self.trainer)
+
+
+# ----------------------------------------------------------------------------- the module
+def sft_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy over labelled positions, and their count.
+
+    Position ``t`` predicts token ``t + 1``; only positions whose next label is not -100 count, so
+    only those logits are cast to float32.
+    """
+    target = labels[:, 1:]
+    keep = target != IGNORE_INDEX
+    sel = logits[:, :-1][keep].float()  # [N, V]
+    loss_sum = F.cross_entropy(sel, target[keep], reduction="sum")
+    return loss_sum, keep.sum()
+
+
+class SFTModule(L.LightningModule):
+    """Prompt-masked cross-entropy on any ``AutoModelForCausalLM``, automatic optimisation.
+
+    Logs ``train/loss`` (per batch, mean over its response tokens), ``train/lr``, and per
+    validation run ``val/loss`` (mean over all validation response tokens, across ranks) and
+    ``val/perplexity`` = exp(val/loss).
+    """
+
+    def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.optim_cfg = optim_cfg
+        self.max_grad_norm = max_grad_norm
+        self._val_sums: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        return out.logits
+
+    def loss_sums(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return sft_loss_sums(self(batch["input_ids"], batch["attention_mask"]), batch["labels"])
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss_sum, n = self.loss_sums(batch)
+        loss = loss_sum / n.clamp(min=1)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss_sum, n = self.loss_sums(batch)
+        self._val_sums += torch.stack([loss_sum.double(), n.double()])
+
+    def on_validation_epoch_end(self) -> None:
+        loss_sum, n = reduce_sum(self, self._val_sums).tolist()
+        if n == 0:
+            return
+        val_loss = loss_sum / n
+        self.log_dict({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 80.0))},
+                      prog_bar=True)
+
+    def configure_optimizers(self):
+        return configure_optimizers(self, [p for p in self.model.parameters() if p.requires_grad],
+                                    self.optim_cfg)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if gradient_clip_val is None and self.max_grad_norm:
+            gradient_clip_val, gradient_clip_algorithm = self.max_grad_norm, "norm"
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The trainer's latest value of every logged metric."""
+        if self._trainer is None:
+            return {}
+        return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+
+
+# ----------------------------------------------------------------------------- build / save
+def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
+              records: Optional[Sequence[Mapping[str, Any]]] = None,
+              key_prefix: str = "task") -> tuple[SFTModule, SFTDataModule]:
+    """The SFT module and datamodule that the configs describe.
+
+    ``model_cfg``: ``model.*`` (name_or_path, tokenizer_name_or_path, dtype, trust_remote_code,
+    gradient_checkpointing, build_tiny); ``data_cfg``: ``data.*`` (batch_size, shuffle,
+    num_workers; may be None); ``optim_cfg``: ``optimizer.*``; ``stage_cfg``: an ``SFTConfig``
+    (or dict / DictConfig / None). ``tokenizer``: reuse one (else ``load_tokenizer``: left
+    padding, a pad distinct from EOS). ``records``: in-memory ``{prompt, response}`` dicts instead
+    of a file. The data is read and checked before the model loads; errors are ``ConfigError``s
+    naming ``<key_prefix>.<key>``.
+    """
+    cfg = as_config(stage_cfg, SFTConfig, key_prefix)
+    check_sft_config(cfg, key_prefix)
+    check_optimizer(optim_cfg)
+    name = get(model_cfg, "name_or_path", None)
+    if not name:
+        raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
+    trust = bool(get(model_cfg, "trust_remote_code", False))
+    ensure_tiny_source(model_cfg)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name,
+                                   trust_remote_code=trust)
+    elif tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise ConfigError("the tokenizer passed to build_sft needs an EOS and a pad token "
+                          "(ppo_lightning.policy.load_tokenizer adds a pad)")
+    datamodule = SFTDataModule(cfg, tokenizer, batch_size=get(data_cfg, "batch_size", 8),
+                               shuffle=get(data_cfg, "shuffle", True),
+                               num_workers=get(data_cfg, "num_workers", 0), records=records,
+                               key_prefix=key_prefix)
+    datamodule.load()
+
+    model = load_causal_lm(name, tokenizer, get(model_cfg, "dtype", "float32"), trust)
+    check_context(model, cfg.max_length, f"{key_prefix}.max_length")
+    gc = getattr(model, "generation_config", None)
+    if gc is not None and gc.eos_token_id is None:
+        gc.eos_token_id = tokenizer.eos_token_id
+    if get(model_cfg, "gradient_checkpointing", False):
+        model.gradient_checkpointing_enable()
+    module = SFTModule(model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm)
+    return module, datamodule
+
+
+def save(module: SFTModule, directory: str | os.PathLike) -> Path:
+    """An HF directory (safetensors, tokenizer, generation config) that plain
+    ``AutoModelForCausalLM.from_pretrained`` loads and PPO takes as ``model.name_or_path``.
+    Under DDP call it on rank 0 only."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model, tok = module.model, module.tokenizer
+    model.config.pad_token_id = tok.pad_token_id
+    gc = getattr(model, "generation_config", None)
+    if gc is not None:
+        gc.pad_token_id = tok.pad_token_id
+        if gc.eos_token_id is None:
+            gc.eos_token_id = tok.eos_token_id
+    model.save_pretrained(directory, safe_serialization=True)
+    tok.save_pretrained(directory)
+    return directory
