@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra composes)
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.module import NonFiniteError
 from ppo_lightning.rewards import RewardError
 
 log = logging.getLogger("ppo_lightning")
@@ -24,11 +25,14 @@ log = logging.getLogger("ppo_lightning")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from ppo_lightning.train import train
+    from ppo_lightning.train import export, train
 
     try:
+        if cfg.task.name == "export":
+            export(cfg)
+            return None
         metrics = train(cfg)
-    except (ConfigError, RewardError) as e:
+    except (ConfigError, RewardError, NonFiniteError) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         log.error("%s", e)

@@ -193,7 +193,14 @@ class PathsConfig:
 
 
 @dataclass
+class TaskConfig:
+    name: str = "ppo"
+    """ppo: train with PPO; export: write ckpt_path's policy to export_dir as an HF directory."""
+
+
+@dataclass
 class TrainConfig:
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -205,7 +212,8 @@ class TrainConfig:
     """Named Lightning loggers, each with a ``_target_``."""
     callbacks: Dict[str, Any] = field(default_factory=dict)
     """Named Lightning callbacks, each with a ``_target_``."""
-    task_name: str = "ppo"
+    task_name: str = "${task.name}"
+    """Names the output directory (outputs/<task_name>/<date>)."""
     seed: int = 42
     """Global seed: data order, weight init of new heads; rank r samples with seed + 1000 r."""
     ckpt_path: Optional[str] = None
@@ -234,6 +242,7 @@ def _check(ok: bool, key: str, value: Any, what: str) -> None:
 def validate(cfg) -> None:
     """Range and cross-group checks that types alone cannot express; raises ``ConfigError``."""
     p, d, o = cfg.ppo, cfg.data, cfg.optimizer
+    _check(cfg.task.name in ("ppo", "export"), "task.name", cfg.task.name, "choose task=ppo or task=export")
     _check(p.clip > 0, "ppo.clip", p.clip, "must be > 0 (0.2 is the usual value)")
     _check(p.vf_clip > 0, "ppo.vf_clip", p.vf_clip, "must be > 0 (0.2 is the usual value)")
     _check(0 <= p.gamma <= 1, "ppo.gamma", p.gamma, "must be in [0, 1]")

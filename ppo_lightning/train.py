@@ -7,11 +7,13 @@ runs before any model weights are loaded, so a typo fails in seconds.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_lightning.checkpoint import AtomicCheckpointIO
@@ -25,6 +27,11 @@ from ppo_lightning.rewards import build_reward
 from ppo_lightning.tiny import save_tiny_causal_lm
 
 log = logging.getLogger(__name__)
+
+# By design, not problems: the frozen reference and reward model stay in eval mode, and
+# checkpoints hold the state after each PPO iteration's updates.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
 
 
 def ensure_model_source(model_cfg, cache_dir: str) -> None:
@@ -65,6 +72,12 @@ def instantiate_dict(group: DictConfig | None, key: str) -> list:
 
 
 def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
+    """Module, prompts and Trainer for a composed config; every cheap check runs first."""
+    module, datamodule = build_module(cfg)
+    return module, datamodule, build_trainer(cfg)
+
+
+def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     validate(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     reward_fn = build_reward(cfg.reward) if cfg.reward.kind == "function" else None  # import early
@@ -93,13 +106,41 @@ def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
     module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed)
+    return module, datamodule
+
+
+def build_trainer(cfg: DictConfig) -> L.Trainer:
     loggers = instantiate_dict(cfg.get("logger"), "logger")
     callbacks = instantiate_dict(cfg.get("callbacks"), "callbacks")
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                       plugins=[AtomicCheckpointIO()])
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    return module, datamodule, trainer
+    return trainer
+
+
+def export(cfg: DictConfig) -> Path:
+    """Write the policy in checkpoint ``ckpt_path`` to ``export_dir`` as an HF directory.
+
+    ``python train.py task=export ckpt_path=.../last.ckpt export_dir=...`` with the run's own
+    model / reward / data config: the module is rebuilt, the checkpoint's weights (policy and
+    value head; the frozen reference is not in checkpoints) loaded with ``weights_only=True``.
+    """
+    if not cfg.ckpt_path:
+        raise ConfigError("task=export needs ckpt_path=<a .ckpt file written by a PPO run>")
+    if not cfg.export_dir:
+        raise ConfigError("task=export needs export_dir=<directory to write the HF model to>")
+    module, _ = build_module(cfg)
+    state = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True)
+    missing, unexpected = module.load_state_dict(state["state_dict"], strict=False)
+    missing = [k for k in missing if not k.startswith(("ref_lm.", "reward_fn."))]
+    if missing or unexpected:
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} does not match model.name_or_path="
+                          f"{cfg.model.name_or_path!r} (missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}); export with the config the run was trained with")
+    path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
+    log.info("policy of %s exported to %s", cfg.ckpt_path, path)
+    return path
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

@@ -22,6 +22,21 @@ def test_sampled_reviews_are_well_formed_and_sized():
     assert {w for t in texts for w in t.split()} <= vocab
 
 
+def test_grammar_is_deterministic():
+    """Parsing in one pass relies on the word classes leaving each reachable state being disjoint."""
+    seen, todo = set(), [reviews.START]
+    while todo:
+        state = todo.pop()
+        if state in seen:
+            continue
+        seen.add(state)
+        arcs = reviews._arcs(state)
+        words = [w for cls, _, _ in arcs for w in reviews._CLASSES[cls]]
+        assert len(words) == len(set(words)), state
+        todo += [nxt for _, nxt, _ in arcs]
+    assert reviews.END in seen
+
+
 def test_sampling_is_reproducible():
     assert reviews.sample_review(7, 0.3) == reviews.sample_review(random.Random(7), 0.3)
     assert reviews.sft_corpus(3, 5) == reviews.sft_corpus(3, 5)
@@ -238,7 +253,8 @@ def test_tokenizer_save_and_reload(task, tmp_path, review_tok, arith_tok):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded(text)["input_ids"] == tok(text)["input_ids"]
     assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
-    assert (loaded.eos_token, loaded.pad_token, loaded.unk_token) == (tok.eos_token, tok.pad_token, tok.unk_token)
+    specials = ("eos_token", "pad_token", "unk_token")
+    assert [getattr(loaded, s) for s in specials] == [getattr(tok, s) for s in specials]
     assert loaded.pad_token_id != loaded.eos_token_id and loaded.padding_side == "left"
     assert len(loaded) == len(tok)
 
@@ -280,5 +296,7 @@ def test_reward_fns_import_as_config_paths():
 
     fn = FunctionReward("ppo_lightning.tasks.reviews.reward_fn")
     assert list(fn(["the plot was"], ["dull but the music was lovely ."])) == [0.0]
+    fn = FunctionReward("ppo_lightning.tasks.reviews.reward_fn", {"ill_formed": -2.0})
+    assert list(fn(["the plot was"], ["dull ."])) == [-2.0]
     fn = FunctionReward("ppo_lightning.tasks.arithmetic.reward_fn")
     assert list(fn(["12+7="], ["19"])) == [1.0]

@@ -40,7 +40,7 @@ def test_ppo_raises_reward_and_writes_checkpoint(tmp_path, cache_dir):
     assert rows[-1]["objective/kl"] > 0  # the policy moved away from the reference
 
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
-    assert ckpt.exists() and (tmp_path / "checkpoints" / "step_step=20.ckpt").exists()
+    assert ckpt.exists() and (tmp_path / "checkpoints" / "step_000020.ckpt").exists()
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert state["global_step"] == steps
     assert any(k.startswith("policy.v_head") for k in state["state_dict"])

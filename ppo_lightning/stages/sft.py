@@ -219,6 +219,7 @@ class SFTModule(L.LightningModule):
         self.tokenizer = tokenizer
         self.optim_cfg = optim_cfg
         self.max_grad_norm = max_grad_norm
+        self.model.train()  # from_pretrained leaves eval mode, which Lightning would keep for fit
         self._val_sums: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

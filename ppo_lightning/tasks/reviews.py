@@ -118,7 +118,8 @@ def _arcs(state: State, positivity: float = 0.5) -> list[tuple[str, State, float
     if slot in ("verb_s", "verb_p"):
         return [(slot, ("adj", c, coord), 1.0)]
     if slot == "adj":
-        return [("intens", ("bare", c, coord), _INTENS_P)] + _adj_arcs(("after", c, coord), 1 - _INTENS_P, positivity)
+        return ([("intens", ("bare", c, coord), _INTENS_P)]
+                + _adj_arcs(("after", c, coord), 1 - _INTENS_P, positivity))
     if slot == "bare":  # after an intensifier
         return _adj_arcs(("after", c, coord), 1.0, positivity)
     if slot == "after":  # after an adjective

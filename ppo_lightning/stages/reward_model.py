@@ -1,0 +1,349 @@
+"""Reward modelling: a Bradley-Terry model of pairwise preferences.
+
+A sequence classifier with one output scores a text; on a pair it is trained so that
+``P(chosen preferred) = sigmoid(r(prompt + chosen) - r(prompt + rejected))``, i.e. with the loss
+``-log sigmoid(r_chosen - r_rejected)``. The saved directory is what PPO's reward path loads
+(``reward=model reward.name_or_path=<dir>``, ``ppo_lightning.rewards.RewardModel``).
+
+Training scores exactly the strings and token ids the PPO reward path scores: the text is
+``prompt + response`` concatenated as strings, tokenised by the reward model's own tokenizer
+with its default special tokens, truncated from the LEFT to ``max_length`` (the response end,
+the part being judged, is kept) and right-padded. Keep ``reward.max_length`` equal to this
+stage's ``max_length`` when PPO uses the model.
+
+Any ``AutoModelForSequenceClassification`` works; a causal-LM directory (an SFT output, the tiny
+offline model) loads with its backbone and a newly initialised score head (``num_labels=1``).
+The tokenizer gets a pad token distinct from EOS when it has none or reuses EOS: classifiers
+score the last non-pad token, which must not be confused with an EOS in the text.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, resolve_source
+from ppo_lightning.stages.common import (ListDataset, as_config, check, check_common, check_context,
+                                         check_optimizer, configure_optimizers, ensure_tiny_source, get,
+                                         make_loader, pad_rows, read_records, reduce_sum, split_indices)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardModelConfig:
+    """Keys of the reward-model stage. Batch size (pairs), shuffling and loader workers come from
+    ``data.*``."""
+
+    path: Optional[str] = None
+    """Local ``.jsonl`` of preference pairs, one JSON object a line."""
+    hf_dataset: Optional[str] = None
+    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
+    hf_split: str = "train"
+    """Split of ``hf_dataset`` to read; the validation split is carved out of it."""
+    prompt_field: str = "prompt"
+    """JSON field / dataset column holding the prompt."""
+    chosen_field: str = "chosen"
+    """JSON field / dataset column holding the preferred response."""
+    rejected_field: str = "rejected"
+    """JSON field / dataset column holding the dispreferred response."""
+    max_length: int = 512
+    """Tokens per scored text, cut from the left; use the same value as ``reward.max_length``."""
+    val_fraction: float = 0.05
+    """Fraction of pairs held out for validation (at least one; 0 turns validation off)."""
+    seed: int = 0
+    """Seed of the split, of the training order and of the new score head's init."""
+    val_batch_size: Optional[int] = None
+    """Pairs per validation batch (null: ``data.batch_size``)."""
+    max_grad_norm: Optional[float] = 1.0
+    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
+    center_rewards_coef: float = 0.0
+    """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps rewards centred on 0
+    (Eisenstein et al. 2023; TRL's ``center_rewards_coefficient``). 0 = off."""
+
+
+def check_reward_model_config(cfg: RewardModelConfig, key_prefix: str = "task") -> None:
+    """Range checks; raises ``ConfigError`` naming the key."""
+    p = key_prefix
+    check_common(cfg, p)
+    check(cfg.max_length >= 1, f"{p}.max_length", cfg.max_length, "must be >= 1")
+    check(cfg.center_rewards_coef >= 0, f"{p}.center_rewards_coef", cfg.center_rewards_coef, "must be >= 0")
+
+
+# ----------------------------------------------------------------------------- tokenizer, data
+def prepare_reward_tokenizer(tokenizer):
+    """A copy set up as the PPO reward path uses it: right padding, left truncation, and a pad
+    token distinct from EOS (added when missing; the model's embeddings must then be resized)."""
+    tok = copy.deepcopy(tokenizer)
+    tok.padding_side = "right"
+    tok.truncation_side = "left"
+    if tok.pad_token_id is None or (tok.eos_token_id is not None and tok.pad_token_id == tok.eos_token_id):
+        tok.add_special_tokens({"pad_token": DEFAULT_PAD_TOKEN})
+    return tok
+
+
+def load_reward_tokenizer(name_or_path: str, trust_remote_code: bool = False,
+                          key: str = "model.name_or_path"):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_source(name_or_path, key), trust_remote_code=trust_remote_code)
+    return prepare_reward_tokenizer(tok)
+
+
+def tokenize_pairs(records: Sequence[Mapping[str, str]], tokenizer, max_length: int,
+                   source: str = "records", key_prefix: str = "task") -> list[dict[str, list[int]]]:
+    """``{"chosen", "rejected"}`` token ids of ``prompt + chosen`` / ``prompt + rejected``, tokenised
+    exactly as ``RewardModel`` does (default special tokens, left truncation to ``max_length``)."""
+    if not records:
+        raise ConfigError(f"{source} holds no records")
+    if tokenizer.truncation_side != "left":
+        raise ValueError("the reward tokenizer must truncate from the left (prepare_reward_tokenizer)")
+    texts = [r["prompt"] + r["chosen"] for r in records] + [r["prompt"] + r["rejected"] for r in records]
+    ids = tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]
+    n = len(records)
+    empty = [i for i, x in enumerate(ids) if not x]
+    if empty:
+        i = empty[0] % n
+        raise ConfigError(f"{source}: record {i}: prompt + {'chosen' if empty[0] < n else 'rejected'} "
+                          "tokenises to nothing; remove empty records")
+    at_limit = sum(len(x) >= max_length for x in ids)
+    if at_limit:
+        log.warning("%d of %d reward-model texts reach %s.max_length=%d tokens and are cut from the left",
+                    at_limit, len(ids), key_prefix, max_length)
+    return [{"chosen": ids[i], "rejected": ids[n + i]} for i in range(n)]
+
+
+class PairCollator:
+    """``input_ids`` / ``attention_mask`` ``[2B, T]``, right-padded: the B chosen texts, then the B
+    rejected ones (one forward scores both)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        rows = [x["chosen"] for x in batch] + [x["rejected"] for x in batch]
+        input_ids, attention_mask = pad_rows(rows, self.pad_token_id, "right")
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+class PreferenceDataModule(L.LightningDataModule):
+    """(prompt, chosen, rejected) records from ``stage_cfg.path`` / ``stage_cfg.hf_dataset`` or
+    ``records`` (an in-memory list of dicts), tokenised once, split by seed."""
+
+    def __init__(self, stage_cfg: RewardModelConfig, tokenizer, batch_size: int = 8, shuffle: bool = True,
+                 num_workers: int = 0, records: Optional[Sequence[Mapping[str, Any]]] = None,
+                 key_prefix: str = "task"):
+        super().__init__()
+        self.cfg = as_config(stage_cfg, RewardModelConfig, key_prefix)
+        self.tokenizer = tokenizer
+        self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
+        self.records = records
+        self.key_prefix = key_prefix
+        self.train_records: list[dict[str, str]] = []
+        self.val_records: list[dict[str, str]] = []
+        self.train_pairs: list[dict[str, list[int]]] | None = None
+        self.val_pairs: list[dict[str, list[int]]] = []
+
+    def load(self) -> None:
+        """Read, check, tokenise and split; called before any model loads so bad data fails early."""
+        if self.train_pairs is not None:
+            return
+        c, p = self.cfg, self.key_prefix
+        records, source = read_records(
+            {"prompt": (f"{p}.prompt_field", c.prompt_field),
+             "chosen": (f"{p}.chosen_field", c.chosen_field),
+             "rejected": (f"{p}.rejected_field", c.rejected_field)},
+            path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p)
+        train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
+        self.train_records = [records[i] for i in train_idx]
+        self.val_records = [records[i] for i in val_idx]
+        self.train_pairs = tokenize_pairs(self.train_records, self.tokenizer, c.max_length, source, p)
+        self.val_pairs = (tokenize_pairs(self.val_records, self.tokenizer, c.max_length, source, p)
+                          if self.val_records else [])
+
+    def setup(self, stage: str | None = None) -> None:
+        self.load()
+
+    def train_dataloader(self):
+        return make_loader(ListDataset(self.train_pairs), self.batch_size, PairCollator(self.tokenizer.pad_token_id),
+                           train=True, shuffle=self.shuffle, seed=self.cfg.seed, num_workers=self.num_workers,
+                           trainer=self.trainer)
+
+    def val_dataloader(self):
+        if not self.val_pairs:
+            return []
+        return make_loader(ListDataset(self.val_pairs), self.cfg.val_batch_size or self.batch_size,
+                           PairCollator(self.tokenizer.pad_token_id), train=False, shuffle=False,
+                           seed=self.cfg.seed, num_workers=self.num_workers, trainer=self.trainer)
+
+
+# ----------------------------------------------------------------------------- the module
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """Per-pair ``-log sigmoid(r_chosen - r_rejected)``."""
+    return -F.logsigmoid(r_chosen - r_rejected)
+
+
+class RewardModelModule(L.LightningModule):
+    """Bradley-Terry training of a one-output ``AutoModelForSequenceClassification``.
+
+    Logs ``train/loss``, ``train/accuracy``, ``train/lr`` per step and, per validation run over
+    the whole validation split (across ranks), ``val/loss`` (mean BT loss), ``val/accuracy``
+    (fraction of pairs with r_chosen > r_rejected) and ``val/margin`` (mean r_chosen - r_rejected).
+    """
+
+    def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0,
+                 center_rewards_coef: float = 0.0):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.optim_cfg = optim_cfg
+        self.max_grad_norm = max_grad_norm
+        self.model.train()  # from_pretrained leaves eval mode, which Lightning would keep for fit
+        self.center_rewards_coef = center_rewards_coef
+        self._val_sums: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """One reward per row ``[N]`` (float32), called as ``RewardModel`` calls the model."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, 0].float()
+
+    def pair_rewards(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self(batch["input_ids"], batch["attention_mask"])
+        return r.chunk(2)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        rc, rr = self.pair_rewards(batch)
+        loss = bradley_terry_loss(rc, rr).mean()
+        if self.center_rewards_coef > 0:
+            loss = loss + self.center_rewards_coef * ((rc + rr) ** 2).mean()
+        B = rc.shape[0]
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=B)
+        self.log("train/accuracy", (rc > rr).float().mean(), batch_size=B)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        rc, rr = self.pair_rewards(batch)
+        diff = (rc - rr).double()
+        self._val_sums += torch.stack([bradley_terry_loss(rc, rr).double().sum(), (diff > 0).double().sum(),
+                                       diff.sum(), diff.new_tensor(float(diff.numel()))])
+
+    def on_validation_epoch_end(self) -> None:
+        loss, correct, margin, n = reduce_sum(self, self._val_sums).tolist()
+        if n == 0:
+            return
+        self.log_dict({"val/loss": loss / n, "val/accuracy": correct / n, "val/margin": margin / n},
+                      prog_bar=True)
+
+    def configure_optimizers(self):
+        return configure_optimizers(self, [p for p in self.model.parameters() if p.requires_grad],
+                                    self.optim_cfg)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if gradient_clip_val is None and self.max_grad_norm:
+            gradient_clip_val, gradient_clip_algorithm = self.max_grad_norm, "norm"
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+    @torch.no_grad()
+    def score(self, prompts: list[str], responses: list[str], max_length: int = 512) -> torch.Tensor:
+        """Rewards of ``prompt + response`` texts, tokenised as in training (a convenience)."""
+        enc = self.tokenizer([p + r for p, r in zip(prompts, responses)], return_tensors="pt", padding=True,
+                             truncation=True, max_length=max_length).to(self.device)
+        return self(enc["input_ids"], enc["attention_mask"])
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The trainer's latest value of every logged metric."""
+        if self._trainer is None:
+            return {}
+        return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
+
+
+# ----------------------------------------------------------------------------- build / save
+def load_sequence_classifier(name_or_path: str, tokenizer, dtype: str = "float32",
+                             trust_remote_code: bool = False, seed: int = 0,
+                             key: str = "model.name_or_path"):
+    """A one-output classifier from a classifier or causal-LM directory / hub id (a new score head
+    is initialised from ``seed``, leaving the global RNG alone), embeddings resized to the tokenizer,
+    ``config.pad_token_id`` set, dropout off."""
+    from transformers import AutoModelForSequenceClassification
+
+    source = resolve_source(name_or_path, key)
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={dtype!r}: choose float32, bfloat16 or float16")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                source, num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"{key}={name_or_path!r} does not load as a one-output sequence classifier "
+                              f"(AutoModelForSequenceClassification, num_labels=1): {e}") from None
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    disable_dropout(model)
+    return model
+
+
+def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
+                       records: Optional[Sequence[Mapping[str, Any]]] = None,
+                       key_prefix: str = "task") -> tuple[RewardModelModule, PreferenceDataModule]:
+    """The reward-model module and datamodule that the configs describe.
+
+    ``model_cfg``: ``model.*`` (name_or_path: a classifier or causal-LM directory / hub id,
+    tokenizer_name_or_path, dtype, trust_remote_code, gradient_checkpointing, build_tiny);
+    ``data_cfg``: ``data.*`` (batch_size in pairs, shuffle, num_workers; may be None);
+    ``optim_cfg``: ``optimizer.*``; ``stage_cfg``: a ``RewardModelConfig`` (or dict / DictConfig /
+    None). ``tokenizer``: reuse one (a copy is set up with ``prepare_reward_tokenizer``).
+    ``records``: in-memory ``{prompt, chosen, rejected}`` dicts instead of a file. The data is read
+    and checked before the model loads; errors are ``ConfigError``s naming ``<key_prefix>.<key>``.
+    """
+    cfg = as_config(stage_cfg, RewardModelConfig, key_prefix)
+    check_reward_model_config(cfg, key_prefix)
+    check_optimizer(optim_cfg)
+    name = get(model_cfg, "name_or_path", None)
+    if not name:
+        raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
+    trust = bool(get(model_cfg, "trust_remote_code", False))
+    ensure_tiny_source(model_cfg)
+    if tokenizer is None:
+        tokenizer = load_reward_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust)
+    else:
+        tokenizer = prepare_reward_tokenizer(tokenizer)
+    datamodule = PreferenceDataModule(cfg, tokenizer, batch_size=get(data_cfg, "batch_size", 8),
+                                      shuffle=get(data_cfg, "shuffle", True),
+                                      num_workers=get(data_cfg, "num_workers", 0), records=records,
+                                      key_prefix=key_prefix)
+    datamodule.load()
+
+    model = load_sequence_classifier(name, tokenizer, get(model_cfg, "dtype", "float32"), trust, seed=cfg.seed)
+    check_context(model, cfg.max_length, f"{key_prefix}.max_length")
+    if get(model_cfg, "gradient_checkpointing", False):
+        model.gradient_checkpointing_enable()
+    module = RewardModelModule(model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm,
+                               center_rewards_coef=cfg.center_rewards_coef)
+    return module, datamodule
+
+
+def save(module: RewardModelModule, directory: str | os.PathLike) -> Path:
+    """An HF directory (safetensors, tokenizer) that ``ppo_lightning.rewards.RewardModel`` and plain
+    ``AutoModelForSequenceClassification.from_pretrained`` load. Under DDP call it on rank 0 only."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    module.model.config.pad_token_id = module.tokenizer.pad_token_id
+    module.model.save_pretrained(directory, safe_serialization=True)
+    module.tokenizer.save_pretrained(directory)
+    return directory

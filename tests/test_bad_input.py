@@ -1,0 +1,108 @@
+"""Every bad input stops ``train.py`` early with exit code 1 and a message naming the key or file.
+
+``train.py``'s ``main`` runs in-process (Hydra and all) to keep this fast; ``test_cli.py`` checks
+the same path in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import runpy
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+SMALL = ["data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=1", "ppo.max_new_tokens=4",
+         "trainer.max_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+         "callbacks=none", "export_dir=null"]
+
+
+def _rebind_log_streams() -> None:
+    """Loggers created during an earlier test hold that test's (now closed) captured stderr."""
+    for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
+                h.stream = sys.stderr  # setStream would flush the closed one
+
+
+def run_main(args: list[str], tmp_path, cache_dir, monkeypatch, capfd) -> tuple[int, str]:
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    _rebind_log_streams()
+    monkeypatch.setattr(sys, "argv", ["train.py", *SMALL, f"hydra.run.dir={tmp_path / 'run'}",
+                                      f"paths.cache_dir={cache_dir}", *args])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    return e.value.code, err
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+CASES = {
+    "unknown key": (["ppo.clpi=0.1"], ["clpi"]),
+    "wrong type": (["ppo.clip=abc"], ["ppo.clip", "abc"]),
+    "clip zero": (["ppo.clip=0"], ["ppo.clip=0.0: must be > 0"]),
+    "clip negative": (["ppo.clip=-0.1"], ["ppo.clip=-0.1: must be > 0"]),
+    "lam above one": (["ppo.lam=1.5"], ["ppo.lam=1.5: must be in [0, 1]"]),
+    "gamma below zero": (["ppo.gamma=-0.1"], ["ppo.gamma=-0.1: must be in [0, 1]"]),
+    "minibatch does not divide": (["ppo.minibatch_size=3"], ["ppo.minibatch_size=3: must divide data.batch_size=8"]),
+    "missing model dir": (["model.name_or_path=/no/such/model"], ["model.name_or_path='/no/such/model': no such directory"]),
+    "context too long": (["data.max_prompt_length=250", "ppo.max_new_tokens=16"], ["exceeds the model's context of 256"]),
+    "reward import": (["reward=function", "reward.fn=no_such_pkg.score"], ["reward.fn='no_such_pkg.score'", "cannot import"]),
+    "reward wrong length": (["reward=function", "reward.fn=tests.helpers.wrong_length"], ["tests.helpers.wrong_length returned 7 scores for 8 responses"]),
+    "reward not numbers": (["reward=function", "reward.fn=tests.helpers.not_numbers"], ["returned 'good'", "for prompt 0"]),
+    "reward raises": (["reward=function", "reward.fn=tests.helpers.raises_on_a", "data.shuffle=false"], ["raised ZeroDivisionError", "on prompt"]),
+    "missing reward model": (["reward=model", "reward.name_or_path=/no/such/rm"], ["reward.name_or_path='/no/such/rm'"]),
+    "missing ckpt": (["ckpt_path=/no/such.ckpt"], ["ckpt_path='/no/such.ckpt': no such checkpoint"]),
+    "unknown logger": (["logger=nope"], ["logger", "nope"]),
+    "unknown trainer": (["trainer=nope"], ["trainer", "nope"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(name, tmp_path, cache_dir, monkeypatch, capfd):
+    args, expected = CASES[name]
+    code, err = run_main(args, tmp_path, cache_dir, monkeypatch, capfd)
+    assert code == 1, err
+    for text in expected:
+        assert text in err, f"{text!r} not in:\n{err}"
+
+
+def test_empty_prompt_file(tmp_path, cache_dir, monkeypatch, capfd):
+    f = _write(tmp_path / "empty.txt", "\n\n")
+    code, err = run_main([f"data.path={f}"], tmp_path, cache_dir, monkeypatch, capfd)
+    assert code == 1 and f"data.path='{f}' holds no prompts" in err
+
+
+def test_malformed_jsonl_names_the_line(tmp_path, cache_dir, monkeypatch, capfd):
+    f = _write(tmp_path / "p.jsonl", json.dumps({"prompt": "a"}) + "\n{not json\n")
+    code, err = run_main([f"data.path={f}"], tmp_path, cache_dir, monkeypatch, capfd)
+    assert code == 1 and "p.jsonl" in err and "line 2" in err
+
+
+def test_prompt_longer_than_limit_with_truncation_error(tmp_path, cache_dir, monkeypatch, capfd):
+    f = _write(tmp_path / "p.txt", "short\n" * 10 + "x" * 100 + "\n")
+    code, err = run_main([f"data.path={f}", "data.max_prompt_length=32", "data.truncation=error"],
+                         tmp_path, cache_dir, monkeypatch, capfd)
+    assert code == 1 and "data.max_prompt_length=32" in err and "prompt 10" in err
+
+
+def test_tokenizer_without_pad_or_eos(tmp_path, cache_dir, monkeypatch, capfd):
+    from ppo_lightning.tiny import build_byte_tokenizer, save_tiny_causal_lm
+
+    d = save_tiny_causal_lm(tmp_path / "no-eos")
+    tok = build_byte_tokenizer()
+    tok.eos_token = None
+    tok.pad_token = None
+    tok.bos_token = None
+    tok.save_pretrained(d)
+    code, err = run_main([f"model.name_or_path={d}", "model.build_tiny=null"], tmp_path, cache_dir,
+                         monkeypatch, capfd)
+    assert code == 1 and "no EOS token" in err and "model.name_or_path" in err

@@ -1,0 +1,366 @@
+"""The stages before PPO: SFT and the reward model, on the tiny offline models with a real Trainer.
+
+Learning tests use tasks a 2-layer byte-level GPT-2 learns in about a hundred steps: SFT maps
+``"c*n="`` to ``c`` repeated n times; the reward model prefers the response with more ``a``s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ppo_lightning.config import DataConfig, ModelConfig, OptimizerConfig
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.rewards import RewardModel
+from ppo_lightning.stages import (IGNORE_INDEX, STAGES, PairCollator, RewardModelConfig, SFTCollator,
+                                  SFTConfig, SFTDataModule, bradley_terry_loss, build_reward_model,
+                                  build_sft, prepare_reward_tokenizer, save_reward_model, save_sft,
+                                  sft_loss_sums, tokenize_pairs, tokenize_sft)
+from ppo_lightning.tiny import build_byte_tokenizer
+
+EOS, PAD = 256, 257
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_byte_tokenizer()
+
+
+def trainer(max_steps: int) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, check_val_every_n_epoch=10_000)
+
+
+def repeat_records(letters: str = "abcdefghij", counts=range(1, 9)) -> list[dict[str, str]]:
+    """``"c*n="`` -> ``c * n``: the response is a deterministic function of the prompt."""
+    return [{"prompt": f"{c}*{n}=", "response": c * n} for c in letters for n in counts]
+
+
+def preference_records(n: int, seed: int) -> list[dict[str, str]]:
+    """Random prompts; the chosen response has at least 2 more 'a's than the rejected one."""
+    rng = random.Random(seed)
+
+    def response(n_a: int, length: int = 8) -> str:
+        chars = ["a"] * n_a + [rng.choice("bcde") for _ in range(length - n_a)]
+        rng.shuffle(chars)
+        return "".join(chars)
+
+    out = []
+    for _ in range(n):
+        prompt = "".join(rng.choice("xyz ") for _ in range(rng.randint(2, 6))) + ":"
+        lo = rng.randint(0, 5)
+        hi = rng.randint(lo + 2, 8)
+        out.append({"prompt": prompt, "chosen": response(hi), "rejected": response(lo)})
+    return out
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT: examples, labels, padding
+
+
+def naive_sft_row(tok, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    p = list(prompt.encode("utf-8"))  # the byte tokenizer: token id = byte value
+    r = list(response.encode("utf-8")) + [EOS]
+    return p + r, [IGNORE_INDEX] * len(p) + r
+
+
+def test_sft_collated_labels_match_naive_construction(tok):
+    records = [{"prompt": "Q: 2+2?\nA:", "response": " 4"}, {"prompt": "hi", "response": "hello there é"},
+               {"prompt": "x", "response": ""}]
+    examples = tokenize_sft(records, tok, max_length=64, max_prompt_length=32)
+    batch = SFTCollator(PAD)(examples)
+    T = max(len(naive_sft_row(tok, r["prompt"], r["response"])[0]) for r in records)
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (3, T)
+    for i, r in enumerate(records):
+        ids, labels = naive_sft_row(tok, r["prompt"], r["response"])
+        n_pad = T - len(ids)
+        assert batch["input_ids"][i].tolist() == ids + [PAD] * n_pad
+        assert batch["labels"][i].tolist() == labels + [IGNORE_INDEX] * n_pad
+        assert batch["attention_mask"][i].tolist() == [1] * len(ids) + [0] * n_pad
+    # -100 exactly on prompt and pad positions; every response token (EOS included) is a label
+    n_prompt = sum(len(r["prompt"].encode()) for r in records)
+    assert int((batch["labels"] == IGNORE_INDEX).sum()) == n_prompt + int((batch["attention_mask"] == 0).sum())
+    assert int((batch["labels"] == EOS).sum()) == 3
+
+    left = SFTCollator(PAD, padding_side="left")(examples)
+    ids, labels = naive_sft_row(tok, records[2]["prompt"], records[2]["response"])
+    assert left["input_ids"][2].tolist() == [PAD] * (T - len(ids)) + ids
+    assert left["labels"][2].tolist() == [IGNORE_INDEX] * (T - len(ids)) + labels
+
+
+def test_sft_truncation_rule(tok, caplog):
+    records = [{"prompt": "0123456789", "response": "abcdefghij"}, {"prompt": "ok", "response": "y"}]
+    ex = tokenize_sft(records, tok, max_length=8, max_prompt_length=3)
+    # prompt: its last 3 tokens; response: its first 8 - 3 tokens, so no EOS (not taught to stop)
+    assert ex[0]["input_ids"] == list(b"789abcde")
+    assert ex[0]["labels"] == [IGNORE_INDEX] * 3 + list(b"abcde")
+    assert ex[1]["input_ids"] == list(b"oky") + [EOS]  # within limits: untouched
+    assert "1 of 2 SFT examples" in caplog.text
+
+    dropped = tokenize_sft(records, tok, max_length=8, max_prompt_length=3, truncation="drop")
+    assert [e["input_ids"] for e in dropped] == [list(b"oky") + [EOS]]
+    with pytest.raises(ConfigError, match=r"record 0 has 10 prompt \+ 11 response tokens.*task.max_length=8"):
+        tokenize_sft(records, tok, max_length=8, max_prompt_length=3, truncation="error")
+    with pytest.raises(ConfigError, match="record 1 has a prompt that tokenises to nothing"):
+        tokenize_sft([{"prompt": "a", "response": "b"}, {"prompt": "", "response": "b"}], tok, 8, 3)
+
+
+def test_sft_loss_is_padding_invariant_and_token_averaged(tiny_lm_dir, tok):
+    """Left and right padding give the same loss (position ids from the mask), equal to the
+    per-example unpadded loss summed over response tokens."""
+    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), None, OptimizerConfig(),
+                           SFTConfig(val_fraction=0.0, max_length=64, max_prompt_length=32),
+                           records=[{"prompt": "a" * k, "response": "bc" * k} for k in (1, 4, 9)])
+    module.eval()
+    ex = dm.train_examples
+    with torch.no_grad():
+        right = module.loss_sums(SFTCollator(PAD, "right")(ex))
+        left = module.loss_sums(SFTCollator(PAD, "left")(ex))
+        naive_sum, naive_n = 0.0, 0
+        for e in ex:
+            ids = torch.tensor([e["input_ids"]])
+            logits = module.model(input_ids=ids).logits[0, :-1]
+            target = torch.tensor(e["labels"][1:])
+            keep = target != IGNORE_INDEX
+            naive_sum += F.cross_entropy(logits[keep], target[keep], reduction="sum").item()
+            naive_n += int(keep.sum())
+    assert int(right[1]) == int(left[1]) == naive_n == sum(2 * k + 1 for k in (1, 4, 9))  # 2k + EOS each
+    assert right[0].item() == pytest.approx(naive_sum, rel=1e-5)
+    assert left[0].item() == pytest.approx(naive_sum, rel=1e-5)
+
+
+def test_split_is_deterministic_disjoint_and_optional(tok):
+    records = repeat_records()
+    cfg = dict(val_fraction=0.25, seed=3, max_length=32, max_prompt_length=8)
+
+    def split(**kw):
+        dm = SFTDataModule(SFTConfig(**{**cfg, **kw}), tok, batch_size=4, records=records)
+        dm.load()
+        return ([tuple(e["input_ids"]) for e in dm.train_examples], [tuple(e["input_ids"]) for e in dm.val_examples])
+
+    train, val = split()
+    assert len(val) == 20 and len(train) == 60 and not set(train) & set(val)
+    assert split() == (train, val)
+    assert split(seed=4)[1] != val
+    train0, val0 = split(val_fraction=0.0)
+    assert val0 == [] and len(train0) == 80
+    dm = SFTDataModule(SFTConfig(**{**cfg, "val_fraction": 0.0}), tok, records=records)
+    dm.load()
+    assert dm.val_dataloader() == []
+
+
+def test_sft_learns_and_saves_a_policy(tiny_lm_dir, tmp_path):
+    """Val loss falls by far; the saved directory loads with plain transformers, greedy-generates
+    the learned responses, and loads as the PPO policy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer
+
+    records = repeat_records()
+    path = write_jsonl(tmp_path / "sft.jsonl", records)
+    L.seed_everything(0, verbose=False)
+    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), DataConfig(batch_size=16),
+                           OptimizerConfig(lr=3e-3, scheduler="linear", warmup_steps=10),
+                           SFTConfig(path=path, val_fraction=0.2, max_length=32, max_prompt_length=8))
+    t = trainer(max_steps=100)
+    before = t.validate(module, datamodule=dm, verbose=False)[0]
+    t.fit(module, datamodule=dm)
+    assert module.last_metrics["train/loss"] < 0.5
+    after = t.validate(module, datamodule=dm, verbose=False)[0]
+    print(f"SFT val/loss {before['val/loss']:.3f} -> {after['val/loss']:.4f}")
+    assert before["val/loss"] > 3.0  # random init over 258 tokens
+    assert after["val/loss"] < 0.1 * before["val/loss"] and after["val/loss"] < 0.5
+    assert after["val/perplexity"] == pytest.approx(math.exp(after["val/loss"]), rel=1e-4)
+
+    out = save_sft(module, tmp_path / "sft-model")
+    assert (out / "model.safetensors").is_file() and (out / "generation_config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    tk = AutoTokenizer.from_pretrained(out)
+    assert model.generation_config.eos_token_id == EOS and model.generation_config.pad_token_id == PAD
+    train_prompts = {tk.decode(e["input_ids"][:e["labels"].count(IGNORE_INDEX)]) for e in dm.train_examples}
+    train_records = [r for r in records if r["prompt"] in train_prompts]
+    enc = tk([r["prompt"] for r in train_records], return_tensors="pt", padding=True, add_special_tokens=False)
+    assert tk.padding_side == "left"
+    gen = model.generate(**enc, max_new_tokens=10, do_sample=False)
+    texts = tk.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    exact = sum(t == r["response"] for t, r in zip(texts, train_records)) / len(train_records)
+    print(f"SFT greedy exact match on training prompts: {exact:.2f}")
+    assert exact >= 0.9
+    assert (gen[:, enc["input_ids"].shape[1]:] == EOS).any(1).float().mean() >= 0.9  # it learned to stop
+
+    # usable as model.name_or_path for PPO: same tokenizer, no resize, value head on top
+    ptok = load_tokenizer(str(out))
+    lm = load_causal_lm(str(out), ptok)
+    assert ptok.pad_token_id == PAD and len(ptok) == lm.get_input_embeddings().num_embeddings
+    PolicyWithValueHead(lm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward model
+
+
+def test_bradley_terry_loss_matches_naive():
+    rc = torch.tensor([0.0, 1.0, -2.0, 50.0, -50.0])
+    rr = torch.tensor([0.0, -1.0, 1.0, -50.0, 50.0])
+    loss = bradley_terry_loss(rc, rr)
+    naive = torch.tensor([-math.log(1 / (1 + math.exp(-(c - r)))) for c, r in zip([0, 1, -2], [0, -1, 1])])
+    torch.testing.assert_close(loss[:3], naive.float())
+    assert loss[3].item() == pytest.approx(0.0, abs=1e-12) and loss[4].item() == pytest.approx(100.0)
+    assert torch.isfinite(loss).all()
+
+
+def test_pair_tokenization_matches_the_ppo_reward_path(tiny_rm_dir):
+    """The ids trained on are the ids RewardModel scores: prompt + response strings, left-truncated."""
+    rm = RewardModel(str(tiny_rm_dir), max_length=6)
+    tk = prepare_reward_tokenizer(rm.tokenizer)
+    records = [{"prompt": "long prompt:", "chosen": "yes", "rejected": "no"},
+               {"prompt": "q", "chosen": "a", "rejected": "bb"}]
+    pairs = tokenize_pairs(records, tk, max_length=6)
+    for r, p in zip(records, pairs):
+        for side in ("chosen", "rejected"):
+            assert p[side] == rm.tokenizer(r["prompt"] + r[side], truncation=True, max_length=6)["input_ids"]
+    assert bytes(pairs[0]["chosen"]) == b"pt:yes"  # the end (the response) is kept
+    batch = PairCollator(PAD)(pairs)
+    assert batch["input_ids"].shape == (4, 6)
+    assert batch["input_ids"][3].tolist() == list(b"qbb") + [PAD] * 3  # rejected rows after chosen
+    assert batch["attention_mask"][3].tolist() == [1, 1, 1, 0, 0, 0]
+
+
+def test_reward_tokenizer_gets_a_pad_distinct_from_eos(tiny_rm_dir, tok):
+    """A tokenizer whose pad is EOS gets its own pad token (here the byte vocabulary's <|pad|>)."""
+    import copy
+
+    t = copy.deepcopy(tok)
+    t.pad_token = t.eos_token
+    module, _ = build_reward_model(ModelConfig(name_or_path=str(tiny_rm_dir)), None, None,
+                                   {"val_fraction": 0.0, "max_length": 16},
+                                   tokenizer=t, records=preference_records(4, seed=0))
+    assert t.pad_token_id == EOS and t.padding_side == "left"  # the caller's tokenizer is untouched
+    tk = module.tokenizer
+    assert tk.pad_token_id == PAD and tk.padding_side == "right" and tk.truncation_side == "left"
+    assert module.model.get_input_embeddings().num_embeddings == len(tk)
+    assert module.model.config.pad_token_id == PAD and module.model.config.num_labels == 1
+
+
+def test_reward_model_learns_and_saves(tiny_lm_dir, tmp_path):
+    """From the tiny causal LM (new score head): >= 90% val accuracy; the saved directory loads in
+    RewardModel, ranks chosen above rejected on new pairs and scores exactly as in training."""
+    L.seed_everything(0, verbose=False)
+    module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)), DataConfig(batch_size=16),
+                                    OptimizerConfig(lr=1e-3), RewardModelConfig(val_fraction=0.2, max_length=32),
+                                    records=preference_records(300, seed=0))
+    assert len(dm.val_pairs) == 60
+    t = trainer(max_steps=100)
+    before = t.validate(module, datamodule=dm, verbose=False)[0]
+    t.fit(module, datamodule=dm)
+    after = t.validate(module, datamodule=dm, verbose=False)[0]
+    print(f"RM val/accuracy {before['val/accuracy']:.2f} -> {after['val/accuracy']:.2f}, "
+          f"val/loss {before['val/loss']:.3f} -> {after['val/loss']:.3f}, margin {after['val/margin']:.2f}")
+    assert after["val/accuracy"] >= 0.9
+    assert after["val/loss"] < 0.5 * before["val/loss"] and after["val/margin"] > 1.0
+
+    out = save_reward_model(module, tmp_path / "rm")
+    rm = RewardModel(str(out), max_length=32)
+    held_out = preference_records(100, seed=123)
+    prompts = [r["prompt"] for r in held_out]
+    chosen = rm(prompts, [r["chosen"] for r in held_out])
+    rejected = rm(prompts, [r["rejected"] for r in held_out])
+    acc = (chosen > rejected).float().mean().item()
+    print(f"RM held-out accuracy through RewardModel: {acc:.2f}")
+    assert acc >= 0.9
+    module.eval()
+    torch.testing.assert_close(module.score(prompts, [r["chosen"] for r in held_out], max_length=32), chosen,
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward_model"])
+def test_malformed_jsonl_names_the_line(tmp_path, tiny_lm_dir, stage):
+    cfg_cls, build, _ = STAGES[stage]
+    good = {"prompt": "p", "response": "r", "chosen": "c", "rejected": "x"}
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps(good) + "\n\n" + json.dumps(good) + "\n" + '{"prompt": "p", \n')
+    with pytest.raises(ConfigError) as e:
+        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, cfg_cls(path=str(f)))
+    msg = str(e.value)
+    assert "bad.jsonl" in msg and "line 4" in msg and "not valid JSON" in msg and "task.path" in msg
+
+
+@pytest.mark.parametrize("stage, row, missing", [
+    ("sft", {"prompt": "p"}, ["'response' (task.response_field='response')"]),
+    ("reward_model", {"prompt": "p", "chosen": "c"}, ["'rejected' (task.rejected_field='rejected')"]),
+    ("reward_model", {"question": "p", "chosen": "c"},
+     ["'prompt'", "'rejected'", "task.prompt_field='prompt'", "task.rejected_field='rejected'"]),
+])
+def test_missing_fields_are_named(tmp_path, tiny_lm_dir, stage, row, missing):
+    cfg_cls, build, _ = STAGES[stage]
+    full = {"prompt": "p", "response": "r", "chosen": "c", "rejected": "x"}
+    f = write_jsonl(tmp_path / "m.jsonl", [full, full, row])
+    with pytest.raises(ConfigError) as e:
+        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, cfg_cls(path=f))
+    msg = str(e.value)
+    assert "line 3" in msg and "missing field" in msg and all(m in msg for m in missing), msg
+    # the same check on an in-memory list names the record
+    with pytest.raises(ConfigError, match=r"records\[2\]: missing field"):
+        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, cfg_cls(), records=[full, full, row])
+
+
+def test_custom_field_names_and_type_errors(tmp_path, tok):
+    f = write_jsonl(tmp_path / "q.jsonl", [{"q": "in", "a": "out"}, {"q": "in", "a": 5}])
+    dm = SFTDataModule(SFTConfig(path=f, prompt_field="q", response_field="a", val_fraction=0), tok)
+    with pytest.raises(ConfigError, match=r"line 2: field 'a' \(task.response_field\) must be a string, got int"):
+        dm.load()
+    dm = SFTDataModule({"path": write_jsonl(tmp_path / "r.jsonl", [{"q": "in", "a": "out"}]), "prompt_field": "q",
+                        "response_field": "a", "val_fraction": 0}, tok, key_prefix="sft")
+    dm.load()
+    assert dm.train_examples[0]["input_ids"] == list(b"inout") + [EOS]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(), r"task.path and task.hf_dataset are both null"),
+    (dict(path="nope.jsonl"), r"task.path='nope.jsonl': no such file"),
+    (dict(path="{tmp}/p.txt"), r"unsupported extension '.txt'"),
+    (dict(path="{tmp}/empty.jsonl"), r"holds no records"),
+    (dict(path="{tmp}/p.txt", hf_dataset="x"), r"both set"),
+    (dict(max_prompt_length=64, max_length=64), r"task.max_prompt_length=64: must be >= 1 and < task.max_length"),
+    (dict(val_fraction=1.0), r"task.val_fraction=1.0"),
+    (dict(truncation="left"), r"task.truncation='left': choose truncate, drop or error"),
+])
+def test_sft_config_and_source_errors(tmp_path, tiny_lm_dir, kwargs, match):
+    (tmp_path / "p.txt").write_text("hello\n")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    kwargs = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(ConfigError, match=match):
+        build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, SFTConfig(**kwargs))
+
+
+def test_other_build_errors(tiny_lm_dir, monkeypatch):
+    model = ModelConfig(name_or_path=str(tiny_lm_dir))
+    with pytest.raises(ConfigError, match=r"task.max_lenght: unknown key"):
+        build_sft(model, None, None, {"max_lenght": 5})
+    with pytest.raises(ConfigError, match=r"optimizer.scheduler='step'"):
+        build_sft(model, None, OptimizerConfig(scheduler="step"), SFTConfig(), records=repeat_records())
+    with pytest.raises(ConfigError, match=r"task.max_length=1000 exceeds the model's context of 256"):
+        build_reward_model(model, None, None, RewardModelConfig(max_length=1000),
+                           records=preference_records(10, seed=0))
+    with pytest.raises(ConfigError, match=r"too few for task.val_fraction"):
+        build_sft(model, None, None, SFTConfig(val_fraction=0.5), records=repeat_records("a", [1]))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(ConfigError, match=r"task.hf_dataset='org/prefs' needs the 'datasets' package"):
+        build_reward_model(model, None, None, RewardModelConfig(hf_dataset="org/prefs"))
