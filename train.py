@@ -1,18 +1,22 @@
 """Entry point: ``python train.py [group=choice ...] [key=value ...]``.
 
 Hydra composes ``conf/train.yaml`` with the chosen groups and overrides, validates them against
-the schemas in ``ppo_lightning/config.py`` and calls ``ppo_lightning.train.train``. Returns the
+the schemas in ``ppo_lightning/config.py`` and runs the chosen task. Returns the
 ``optimized_metric`` for Hydra sweepers. Bad input prints one short message and exits 1
-(``HYDRA_FULL_ERROR=1`` shows the full traceback).
+(``HYDRA_FULL_ERROR=1`` shows the full traceback). In a sweep (``-m``) a failing job is logged
+and scored NaN, and the sweep goes on with the next one.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra composes)
@@ -21,24 +25,33 @@ from ppo_lightning.module import NonFiniteError
 from ppo_lightning.rewards import RewardError
 
 log = logging.getLogger("ppo_lightning")
+USER_ERRORS = (ConfigError, RewardError, NonFiniteError)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from ppo_lightning.train import export, train
+    from ppo_lightning.train import run_task
 
+    in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        if cfg.task.name == "export":
-            export(cfg)
-            return None
-        metrics = train(cfg)
-    except (ConfigError, RewardError, NonFiniteError) as e:
+        metrics = run_task(cfg)
+    except USER_ERRORS as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         log.error("%s", e)
+        if in_sweep:
+            return math.nan
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    return metrics.get(cfg.optimized_metric)
+    except Exception:
+        if not in_sweep:
+            raise
+        log.exception("job %s failed; the sweep goes on", HydraConfig.get().job.num)
+        return math.nan
+    value = metrics.get(cfg.optimized_metric)
+    if value is None and metrics:
+        log.warning("optimized_metric=%r was not logged; known: %s", cfg.optimized_metric, sorted(metrics))
+    return value
 
 
 if __name__ == "__main__":

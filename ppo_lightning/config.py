@@ -46,6 +46,9 @@ class ModelConfig:
     """Recompute activations in the backward pass: less memory, ~30% slower updates."""
     value_head_path: Optional[str] = None
     """Directory holding ``value_head.safetensors`` to start the value head from (else zeros)."""
+    value_head_init: str = "zeros"
+    """zeros: V = 0 at the start; reward_model: copy the reward model's score head (needs the
+    same hidden size; meaningful when policy and reward model share a pretrained backbone)."""
     build_tiny: Optional[TinyModelConfig] = None
     """If set and ``name_or_path`` does not exist yet, build a tiny random GPT-2 there first."""
 
@@ -70,6 +73,11 @@ class RewardConfig:
     gain: float = 1.0
     """(model) score = gain * logit + bias (reward normalisation)."""
     bias: float = 0.0
+    normalize: bool = False
+    """(model) Before training, set gain/bias so the reward model's scores on responses sampled
+    from the reference policy have mean 0 and std 1 ([N+] reward normalisation)."""
+    normalize_samples: int = 256
+    """(model) Reference-policy responses scored to fit the normalisation (per run)."""
     trust_remote_code: bool = False
 
 
@@ -273,6 +281,13 @@ def validate(cfg) -> None:
            "choose float32, bfloat16 or float16")
     _check(cfg.reward.kind in ("function", "model"), "reward.kind", cfg.reward.kind,
            "choose function or model")
+    _check(cfg.model.value_head_init in ("zeros", "reward_model"), "model.value_head_init",
+           cfg.model.value_head_init, "choose zeros or reward_model")
+    _check(cfg.model.value_head_init != "reward_model" or cfg.reward.kind == "model",
+           "model.value_head_init", cfg.model.value_head_init, "needs reward=model")
+    _check(not cfg.reward.normalize or cfg.reward.kind == "model", "reward.normalize",
+           cfg.reward.normalize, "applies to reward=model only")
+    _check(cfg.reward.normalize_samples >= 2, "reward.normalize_samples", cfg.reward.normalize_samples, "must be >= 2")
     _check(cfg.reward.dtype in ("float32", "bfloat16", "float16"), "reward.dtype", cfg.reward.dtype,
            "choose float32, bfloat16 or float16")
     _check(cfg.trainer.max_steps >= 1, "trainer.max_steps", cfg.trainer.max_steps,

@@ -190,6 +190,16 @@ class PromptDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self.load()
 
+    def normalization_batches(self, n: int):
+        """Batches covering ``n`` prompts for fitting reward normalisation (this rank's share,
+        seeded by rank so ranks score different prompts)."""
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        g = torch.Generator().manual_seed(self.seed + 17 + rank)
+        order = torch.randint(len(self.dataset), (n,), generator=g).tolist()
+        collate = LeftPadCollator(self.tokenizer.pad_token_id)
+        for s in range(0, n, self.cfg.batch_size):
+            yield collate([self.dataset[i] for i in order[s:s + self.cfg.batch_size]])
+
     def train_dataloader(self):
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)

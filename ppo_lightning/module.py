@@ -68,7 +68,7 @@ class PPOModule(L.LightningModule):
     """
 
     def __init__(self, policy: PolicyWithValueHead, ref_lm: nn.Module, reward_fn, tokenizer,
-                 ppo_cfg, optim_cfg, seed: int = 0):
+                 ppo_cfg, optim_cfg, seed: int = 0, normalize_reward_samples: int = 0):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference and reward model are not checkpointed
@@ -79,6 +79,8 @@ class PPOModule(L.LightningModule):
         self.ppo_cfg = ppo_cfg
         self.optim_cfg = optim_cfg
         self.seed = seed
+        self.normalize_reward_samples = normalize_reward_samples  # 0: off
+        self.reward_norm: tuple[float, float] | None = None  # (gain, bias) once fitted
         self.kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target,
                                           ppo_cfg.kl_horizon)
         self.episode = 0  # prompts consumed, summed over ranks
@@ -112,6 +114,34 @@ class PPOModule(L.LightningModule):
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(self.seed + 1000 * self.global_rank)
         self.ref_lm.eval()
+        if self.normalize_reward_samples and self.reward_norm is None:
+            self._fit_reward_normalization()
+
+    @torch.no_grad()
+    def _fit_reward_normalization(self) -> None:
+        """Score reference-policy samples on the run's prompts; fix gain/bias from them ([N+]).
+
+        Runs once per run (a resumed run restores gain/bias from the checkpoint). Uses its own
+        seeded generator so it does not shift the training run's sampling stream.
+        """
+        from ppo_lightning.rollout import generate
+
+        c, loader = self.ppo_cfg, self.trainer.datamodule
+        g = torch.Generator(device=self.device).manual_seed(self.seed + 7919 + self.global_rank)
+        prompts, responses, need = [], [], self.normalize_reward_samples // max(1, self.trainer.world_size)
+        for batch in loader.normalization_batches(need):
+            ids, am = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
+            resp, mask = generate(self.ref_lm, ids, am, max_new_tokens=c.max_new_tokens,
+                                  eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                                  temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+                                  stop_at_eos=c.stop_at_eos, generator=g)
+            prompts += self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            responses += self.tokenizer.batch_decode(resp.masked_fill(mask == 0, self.tokenizer.pad_token_id),
+                                                     skip_special_tokens=True)
+        reduce = (lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")) if self.trainer.world_size > 1 else None
+        gain, bias = self.reward_fn.fit_normalization(prompts, responses, reduce=reduce)
+        self.reward_norm = (gain, bias)
+        log.info("reward normalisation from %d reference samples: gain %.4g, bias %.4g", len(prompts), gain, bias)
 
     # ------------------------------------------------------------------------- part 1: rollout
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
@@ -289,6 +319,7 @@ class PPOModule(L.LightningModule):
             "episode": self.episode,
             "skipped_updates": self.skipped_updates,
             "nonfinite_streak": self.nonfinite_streak,
+            "reward_norm": list(self.reward_norm) if self.reward_norm is not None else None,
             "generator": self.generator.get_state() if self.generator is not None else None,
         }
 
@@ -299,6 +330,9 @@ class PPOModule(L.LightningModule):
         self.episode = int(state.get("episode", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        if state.get("reward_norm") is not None:
+            self.reward_norm = tuple(state["reward_norm"])
+            self.reward_fn.gain, self.reward_fn.bias = self.reward_norm
         if state.get("generator") is not None:
             self.generator = torch.Generator(device=self.device)
             self.generator.set_state(state["generator"])

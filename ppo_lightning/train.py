@@ -102,11 +102,27 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     ref_lm = make_reference(lm)
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward)
+    if cfg.model.value_head_init == "reward_model":
+        init_value_head_from(policy, reward_fn)
 
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
-    module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed)
+    module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed,
+                       normalize_reward_samples=cfg.reward.normalize_samples if cfg.reward.normalize else 0)
     return module, datamodule
+
+
+def init_value_head_from(policy: PolicyWithValueHead, reward_model) -> None:
+    """Copy the reward model's score head into the value head ([N+]: initialise the value
+    function from the reward model), so early value estimates are already on the reward's scale."""
+    head = reward_model.score_head()
+    if head.weight.shape != policy.v_head.weight.shape:
+        raise ConfigError(f"model.value_head_init=reward_model: reward head {tuple(head.weight.shape)} does "
+                          f"not fit the value head {tuple(policy.v_head.weight.shape)} (hidden sizes differ)")
+    with torch.no_grad():
+        policy.v_head.weight.copy_(head.weight.float() * reward_model.gain)
+        bias = head.bias.float() if head.bias is not None else torch.zeros(1)
+        policy.v_head.bias.copy_(bias * reward_model.gain + reward_model.bias)
 
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
@@ -150,4 +166,24 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.export_dir and trainer.is_global_zero:
         path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
         log.info("policy exported to %s (loads with AutoModelForCausalLM.from_pretrained)", path)
+    finish_loggers(trainer)
     return dict(module.last_metrics)
+
+
+def finish_loggers(trainer: L.Trainer) -> None:
+    """Close W&B runs explicitly: Lightning leaves them open, and a run closed only at interpreter
+    exit may lose its last records (and a sweep's next job would log into the same run)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
+        import wandb
+
+        wandb.finish()
+
+
+def run_task(cfg: DictConfig) -> dict[str, Any]:
+    """Dispatch on ``task.name``; returns the metrics a sweeper may optimise."""
+    if cfg.task.name == "export":
+        export(cfg)
+        return {}
+    return train(cfg)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_MODE", "disabled")  # tests of the W&B logger turn it back on
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,10 +22,20 @@ from ppo_lightning.rewards import RewardModel
 from ppo_lightning.stages import (IGNORE_INDEX, STAGES, PairCollator, RewardModelConfig, SFTCollator,
                                   SFTConfig, SFTDataModule, bradley_terry_loss, build_reward_model,
                                   build_sft, prepare_reward_tokenizer, save_reward_model, save_sft,
-                                  sft_loss_sums, tokenize_pairs, tokenize_sft)
+                                  tokenize_pairs, tokenize_sft)
 from ppo_lightning.tiny import build_byte_tokenizer
 
 EOS, PAD = 256, 257
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these models are tiny, and on a shared 2-core machine two threads
+    contend with other jobs (100 SFT steps: ~2 s on one thread, 30+ s on two under load)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +142,7 @@ def test_sft_loss_is_padding_invariant_and_token_averaged(tiny_lm_dir, tok):
         naive_sum, naive_n = 0.0, 0
         for e in ex:
             ids = torch.tensor([e["input_ids"]])
-            logits = module.model(input_ids=ids).logits[0, :-1]
+            logits = module.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1]
             target = torch.tensor(e["labels"][1:])
             keep = target != IGNORE_INDEX
             naive_sum += F.cross_entropy(logits[keep], target[keep], reduction="sum").item()
@@ -282,7 +292,7 @@ def test_reward_model_learns_and_saves(tiny_lm_dir, tmp_path):
     print(f"RM held-out accuracy through RewardModel: {acc:.2f}")
     assert acc >= 0.9
     module.eval()
-    torch.testing.assert_close(module.score(prompts, [r["chosen"] for r in held_out], max_length=32), chosen,
+    torch.testing.assert_close(module.score(prompts, [r["chosen"] for r in held_out]), chosen,
                                rtol=1e-5, atol=1e-5)
 
 
@@ -364,3 +374,24 @@ def test_other_build_errors(tiny_lm_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ConfigError, match=r"task.hf_dataset='org/prefs' needs the 'datasets' package"):
         build_reward_model(model, None, None, RewardModelConfig(hf_dataset="org/prefs"))
+
+
+def test_builds_the_tiny_model_seeds_the_score_head_and_fits_max_length(tmp_path):
+    """``model.build_tiny`` builds the offline model first; the new score head's init follows
+    ``seed`` and leaves the global RNG alone."""
+    from ppo_lightning.config import TinyModelConfig
+
+    model_cfg = ModelConfig(name_or_path=str(tmp_path / "tiny"), build_tiny=TinyModelConfig())
+    records = preference_records(6, seed=0)
+    a, _ = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=5), records=records)
+    state = torch.random.get_rng_state()
+    b, _ = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=5), records=records)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    c, _ = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=6), records=records)
+    assert (tmp_path / "tiny" / "config.json").is_file()
+    wa, wb, wc = (m.model.score.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    # max_length null: the model's context (256 here), at most 512
+    assert a.max_length == 256
+    _, dm = build_sft(model_cfg, None, None, SFTConfig(), records=repeat_records())
+    assert dm.cfg.max_length == 256 and dm.cfg.max_prompt_length == 128

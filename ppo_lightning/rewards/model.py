@@ -46,6 +46,31 @@ class RewardModel(nn.Module):
         self.gain, self.bias = float(gain), float(bias)
         self.train(False)
 
+    def score_head(self) -> nn.Linear:
+        """The linear layer that maps the last hidden state to the score (for value-head init)."""
+        for name in ("score", "classifier", "classification_head"):
+            head = getattr(self.model, name, None)
+            if isinstance(head, nn.Linear):
+                return head
+        raise ConfigError(f"reward.name_or_path={self.name!r}: no linear score head found "
+                          "(looked for .score / .classifier); use model.value_head_init=zeros")
+
+    def fit_normalization(self, prompts: list[str], responses: list[str], reduce=None) -> tuple[float, float]:
+        """Set gain/bias so scores of these (reference-policy) samples have mean 0 and std 1.
+
+        ``reduce`` sums a tensor over ranks under DDP, so every rank gets the same gain/bias.
+        """
+        self.gain, self.bias = 1.0, 0.0
+        raw = self(prompts, responses).double()
+        stats = torch.stack([raw.sum(), (raw ** 2).sum(), torch.tensor(float(len(raw)), dtype=torch.float64)])
+        if reduce is not None:
+            stats = reduce(stats.to(next(self.model.parameters()).device)).cpu()
+        total, sq, n = stats.tolist()
+        mean = total / n
+        std = max((sq / n - mean ** 2) ** 0.5, 1e-6)
+        self.gain, self.bias = 1.0 / std, -mean / std
+        return self.gain, self.bias
+
     def train(self, mode: bool = True):  # frozen: never switch to train mode
         return super().train(False)
 

@@ -264,18 +264,30 @@ def ensure_tiny_source(model_cfg) -> None:
                             get(t, "n_positions", 256), get(t, "seed", 0))
 
 
-def context_length(model) -> int | None:
-    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+DEFAULT_MAX_LENGTH = 512
+
+
+def context_length(config) -> int | None:
+    """The position limit of a model config (None when it has none, e.g. rotary models)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
     for name in ("max_position_embeddings", "n_positions", "n_ctx"):
         if isinstance(getattr(c, name, None), int):
             return getattr(c, name)
     return None
 
 
-def check_context(model, max_length: int, key: str) -> None:
-    ctx = context_length(model)
+def resolve_max_length(max_length: int | None, source: str, trust_remote_code: bool, key: str) -> int:
+    """``max_length`` checked against the model's context, read from its config before any weights
+    load; null becomes the context, at most ``DEFAULT_MAX_LENGTH``."""
+    from transformers import AutoConfig
+
+    ctx = context_length(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code))
+    if max_length is None:
+        return min(DEFAULT_MAX_LENGTH, ctx) if ctx else DEFAULT_MAX_LENGTH
     if ctx is not None and max_length > ctx:
-        raise ConfigError(f"{key}={max_length} exceeds the model's context of {ctx} tokens; lower it")
+        raise ConfigError(f"{key}={max_length} exceeds the model's context of {ctx} tokens; lower it "
+                          "(or null: the context, at most 512)")
+    return max_length
 
 
 def configure_optimizers(module, params, optim_cfg) -> dict:

@@ -20,6 +20,7 @@ score the last non-pad token, which must not be confused with an EOS in the text
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -32,9 +33,10 @@ import torch.nn.functional as F
 
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, resolve_source
-from ppo_lightning.stages.common import (ListDataset, as_config, check, check_common, check_context,
+from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
                                          check_optimizer, configure_optimizers, ensure_tiny_source, get,
-                                         make_loader, pad_rows, read_records, reduce_sum, split_indices)
+                                         make_loader, pad_rows, read_records, reduce_sum, resolve_max_length,
+                                         split_indices)
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +58,9 @@ class RewardModelConfig:
     """JSON field / dataset column holding the preferred response."""
     rejected_field: str = "rejected"
     """JSON field / dataset column holding the dispreferred response."""
-    max_length: int = 512
-    """Tokens per scored text, cut from the left; use the same value as ``reward.max_length``."""
+    max_length: Optional[int] = None
+    """Tokens per scored text, cut from the left (null: the model's context, at most 512). Give
+    PPO's ``reward.max_length`` (default 512) the same value."""
     val_fraction: float = 0.05
     """Fraction of pairs held out for validation (at least one; 0 turns validation off)."""
     seed: int = 0
@@ -75,7 +78,7 @@ def check_reward_model_config(cfg: RewardModelConfig, key_prefix: str = "task") 
     """Range checks; raises ``ConfigError`` naming the key."""
     p = key_prefix
     check_common(cfg, p)
-    check(cfg.max_length >= 1, f"{p}.max_length", cfg.max_length, "must be >= 1")
+    check(cfg.max_length is None or cfg.max_length >= 1, f"{p}.max_length", cfg.max_length, "must be >= 1")
     check(cfg.center_rewards_coef >= 0, f"{p}.center_rewards_coef", cfg.center_rewards_coef, "must be >= 0")
 
 
@@ -164,10 +167,11 @@ class PreferenceDataModule(L.LightningDataModule):
              "rejected": (f"{p}.rejected_field", c.rejected_field)},
             path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p)
         train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
+        max_length = DEFAULT_MAX_LENGTH if c.max_length is None else c.max_length
         self.train_records = [records[i] for i in train_idx]
         self.val_records = [records[i] for i in val_idx]
-        self.train_pairs = tokenize_pairs(self.train_records, self.tokenizer, c.max_length, source, p)
-        self.val_pairs = (tokenize_pairs(self.val_records, self.tokenizer, c.max_length, source, p)
+        self.train_pairs = tokenize_pairs(self.train_records, self.tokenizer, max_length, source, p)
+        self.val_pairs = (tokenize_pairs(self.val_records, self.tokenizer, max_length, source, p)
                           if self.val_records else [])
 
     def setup(self, stage: str | None = None) -> None:
@@ -201,8 +205,9 @@ class RewardModelModule(L.LightningModule):
     """
 
     def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0,
-                 center_rewards_coef: float = 0.0):
+                 center_rewards_coef: float = 0.0, max_length: int = 512):
         super().__init__()
+        self.max_length = max_length
         self.model = model
         self.tokenizer = tokenizer
         self.optim_cfg = optim_cfg
@@ -257,10 +262,10 @@ class RewardModelModule(L.LightningModule):
                             gradient_clip_algorithm=gradient_clip_algorithm)
 
     @torch.no_grad()
-    def score(self, prompts: list[str], responses: list[str], max_length: int = 512) -> torch.Tensor:
+    def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         """Rewards of ``prompt + response`` texts, tokenised as in training (a convenience)."""
         enc = self.tokenizer([p + r for p, r in zip(prompts, responses)], return_tensors="pt", padding=True,
-                             truncation=True, max_length=max_length).to(self.device)
+                             truncation=True, max_length=self.max_length).to(self.device)
         return self(enc["input_ids"], enc["attention_mask"])
 
     @property
@@ -319,6 +324,9 @@ def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None
         raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
     trust = bool(get(model_cfg, "trust_remote_code", False))
     ensure_tiny_source(model_cfg)
+    source = resolve_source(name, "model.name_or_path")
+    cfg = dataclasses.replace(cfg, max_length=resolve_max_length(cfg.max_length, source, trust,
+                                                                 f"{key_prefix}.max_length"))
     if tokenizer is None:
         tokenizer = load_reward_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust)
     else:
@@ -330,11 +338,10 @@ def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None
     datamodule.load()
 
     model = load_sequence_classifier(name, tokenizer, get(model_cfg, "dtype", "float32"), trust, seed=cfg.seed)
-    check_context(model, cfg.max_length, f"{key_prefix}.max_length")
     if get(model_cfg, "gradient_checkpointing", False):
         model.gradient_checkpointing_enable()
     module = RewardModelModule(model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm,
-                               center_rewards_coef=cfg.center_rewards_coef)
+                               center_rewards_coef=cfg.center_rewards_coef, max_length=cfg.max_length)
     return module, datamodule
 
 

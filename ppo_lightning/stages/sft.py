@@ -18,6 +18,7 @@ stop where the text was cut. ``drop`` skips such examples, ``error`` refuses the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -30,10 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
-from ppo_lightning.stages.common import (ListDataset, as_config, check, check_common, check_context,
+from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
+from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
                                          check_optimizer, configure_optimizers, ensure_tiny_source, get,
-                                         make_loader, pad_rows, read_records, reduce_sum, split_indices)
+                                         make_loader, pad_rows, read_records, reduce_sum, resolve_max_length,
+                                         split_indices)
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +57,11 @@ class SFTConfig:
     """JSON field / dataset column holding the prompt."""
     response_field: str = "response"
     """JSON field / dataset column holding the target response."""
-    max_length: int = 512
-    """Tokens per example: prompt + response + EOS (at most the model's context)."""
-    max_prompt_length: int = 256
-    """Prompt tokens kept (the last ones); must be < ``max_length``."""
+    max_length: Optional[int] = None
+    """Tokens per example: prompt + response + EOS (null: the model's context, at most 512)."""
+    max_prompt_length: int = 128
+    """Prompt tokens kept (the last ones); must be < ``max_length``. Keep PPO's
+    ``data.max_prompt_length`` (default 128) at most this, so PPO prompts look like SFT ones."""
     truncation: str = "truncate"
     """Examples over a limit. truncate: cut the prompt from the left, then the response's end
     (losing its EOS); drop: skip them (one warning); error: refuse them."""
@@ -76,9 +79,10 @@ def check_sft_config(cfg: SFTConfig, key_prefix: str = "task") -> None:
     """Range checks; raises ``ConfigError`` naming the key."""
     p = key_prefix
     check_common(cfg, p)
-    check(cfg.max_length >= 2, f"{p}.max_length", cfg.max_length, "must be >= 2")
-    check(1 <= cfg.max_prompt_length < cfg.max_length, f"{p}.max_prompt_length", cfg.max_prompt_length,
-          f"must be >= 1 and < {p}.max_length={cfg.max_length} (a response token must fit)")
+    max_length = DEFAULT_MAX_LENGTH if cfg.max_length is None else cfg.max_length
+    check(max_length >= 2, f"{p}.max_length", cfg.max_length, "must be >= 2")
+    check(1 <= cfg.max_prompt_length < max_length, f"{p}.max_prompt_length", cfg.max_prompt_length,
+          f"must be >= 1 and < {p}.max_length={max_length} (a response token must fit)")
     check(cfg.truncation in TRUNCATION, f"{p}.truncation", cfg.truncation, "choose truncate, drop or error")
 
 
@@ -167,7 +171,8 @@ class SFTDataModule(L.LightningDataModule):
              "response": (f"{p}.response_field", c.response_field)},
             path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p)
         train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
-        kw = dict(tokenizer=self.tokenizer, max_length=c.max_length, max_prompt_length=c.max_prompt_length,
+        max_length = DEFAULT_MAX_LENGTH if c.max_length is None else c.max_length
+        kw = dict(tokenizer=self.tokenizer, max_length=max_length, max_prompt_length=c.max_prompt_length,
                   truncation=c.truncation, key_prefix=p)
         self.train_examples = tokenize_sft([records[i] for i in train_idx], source=source, **kw)
         self.val_examples = tokenize_sft([records[i] for i in val_idx], source=source, **kw) if val_idx else []
@@ -292,6 +297,10 @@ def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
         raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
     trust = bool(get(model_cfg, "trust_remote_code", False))
     ensure_tiny_source(model_cfg)
+    source = resolve_source(name, "model.name_or_path")
+    cfg = dataclasses.replace(cfg, max_length=resolve_max_length(cfg.max_length, source, trust,
+                                                                 f"{key_prefix}.max_length"))
+    check_sft_config(cfg, key_prefix)
     if tokenizer is None:
         tokenizer = load_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name,
                                    trust_remote_code=trust)
@@ -305,7 +314,6 @@ def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     datamodule.load()
 
     model = load_causal_lm(name, tokenizer, get(model_cfg, "dtype", "float32"), trust)
-    check_context(model, cfg.max_length, f"{key_prefix}.max_length")
     gc = getattr(model, "generation_config", None)
     if gc is not None and gc.eos_token_id is None:
         gc.eos_token_id = tokenizer.eos_token_id

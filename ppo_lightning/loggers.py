@@ -1,0 +1,66 @@
+"""Logger factories used by ``conf/logger/*.yaml``.
+
+``wandb_logger`` never prompts and never hangs: it logs online only when a W&B API key is
+configured and the W&B server answers within a few seconds; otherwise it writes an offline run
+into the run directory, which ``wandb sync <run dir>/wandb/offline-run-*`` uploads later.
+"""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+import socket
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+
+def wandb_logged_in() -> bool:
+    """A W&B API key in ``WANDB_API_KEY`` or in ``~/.netrc`` (where ``wandb login`` puts it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        auth = netrc.netrc(os.environ.get("NETRC", os.path.expanduser("~/.netrc"))).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def _server_reachable(timeout: float = 3.0) -> bool:
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_wandb_mode(mode: str = "auto") -> str:
+    """online | offline | disabled. ``auto`` (and an unset ``WANDB_MODE``) picks online only
+    when logged in and the server answers; ``WANDB_MODE`` in the environment wins over ``auto``."""
+    if mode == "auto":
+        env = os.environ.get("WANDB_MODE")
+        if env in ("online", "offline", "disabled", "dryrun"):
+            return "offline" if env == "dryrun" else env
+        if wandb_logged_in() and _server_reachable():
+            return "online"
+        log.info("W&B: not logged in or server unreachable; logging offline (wandb sync uploads later)")
+        return "offline"
+    return mode
+
+
+def wandb_logger(project: str = "ppo_lightning", save_dir: str = ".", name: str | None = None,
+                 mode: str = "auto", **kwargs):
+    """A Lightning ``WandbLogger`` whose run lives under ``save_dir/wandb``."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    mode = resolve_wandb_mode(mode)
+    os.makedirs(save_dir, exist_ok=True)
+    # settings: no console capture (Lightning prints progress itself), no prompts
+    import wandb
+
+    settings = wandb.Settings(console="off", silent=True)
+    return WandbLogger(project=project, save_dir=save_dir, name=name, offline=mode == "offline",
+                       mode="disabled" if mode == "disabled" else None, settings=settings, **kwargs)
