@@ -4,7 +4,7 @@ Hydra composes ``conf/train.yaml`` with the chosen groups and overrides, validat
 the schemas in ``ppo_lightning/config.py`` and runs the chosen task. Returns the
 ``optimized_metric`` for Hydra sweepers. Bad input prints one short message and exits 1
 (``HYDRA_FULL_ERROR=1`` shows the full traceback). In a sweep (``-m``) a failing job is logged
-and scored NaN, and the sweep goes on with the next one.
+and returns no value (Optuna records the trial as failed), and the sweep goes on with the next.
 """
 
 from __future__ import annotations
@@ -40,18 +40,28 @@ def main(cfg: DictConfig) -> float | None:
             raise
         log.error("%s", e)
         if in_sweep:
-            return math.nan
+            _close_wandb()
+            return None
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except Exception:
         if not in_sweep:
             raise
         log.exception("job %s failed; the sweep goes on", HydraConfig.get().job.num)
-        return math.nan
+        _close_wandb()
+        return None
     value = metrics.get(cfg.optimized_metric)
     if value is None and metrics:
         log.warning("optimized_metric=%r was not logged; known: %s", cfg.optimized_metric, sorted(metrics))
+    if value is not None and not math.isfinite(value):
+        return None  # a sweeper cannot rank NaN; the trial counts as failed
     return value
+
+
+def _close_wandb() -> None:
+    """A failed job's W&B run must end, or the next job in the sweep would log into it."""
+    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
+        sys.modules["wandb"].finish(exit_code=1)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,9 @@ class TrainerConfig:
     use_distributed_sampler: bool = False
     """Off: the prompt loader shards over ranks itself, in an order a resumed run can replay."""
     limit_val_batches: Any = 0
+    """PPO has no validation loop; the sft / reward_model tasks set 1.0."""
+    val_check_interval: Any = None
+    check_val_every_n_epoch: Optional[int] = 1
 
 
 @dataclass
@@ -201,14 +204,11 @@ class PathsConfig:
 
 
 @dataclass
-class TaskConfig:
-    name: str = "ppo"
-    """ppo: train with PPO; export: write ckpt_path's policy to export_dir as an HF directory."""
-
-
-@dataclass
 class TrainConfig:
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: Any = field(default_factory=lambda: {"name": "ppo"})
+    """The job: ``task.name`` = ppo | sft | reward_model | export, plus that task's own keys
+    (conf/task/*.yaml; the stage keys are typed by ``SFTConfig`` / ``RewardModelConfig`` in
+    ``ppo_lightning/stages`` and checked, naming ``task.<key>``, before anything loads)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -228,6 +228,9 @@ class TrainConfig:
     """Resume from this Lightning checkpoint."""
     export_dir: Optional[str] = "${paths.output_dir}/policy"
     """Where the trained policy is written as an HF directory at the end (null: skip)."""
+    recipe: Optional[str] = None
+    """reviews | arithmetic | null: build the recipe's models and prompts offline before PPO
+    (cached) and print a before/after table after it (ppo_lightning/recipes)."""
     optimized_metric: str = "objective/scores"
     """Metric returned to Hydra sweepers (its last logged value)."""
 
@@ -250,7 +253,6 @@ def _check(ok: bool, key: str, value: Any, what: str) -> None:
 def validate(cfg) -> None:
     """Range and cross-group checks that types alone cannot express; raises ``ConfigError``."""
     p, d, o = cfg.ppo, cfg.data, cfg.optimizer
-    _check(cfg.task.name in ("ppo", "export"), "task.name", cfg.task.name, "choose task=ppo or task=export")
     _check(p.clip > 0, "ppo.clip", p.clip, "must be > 0 (0.2 is the usual value)")
     _check(p.vf_clip > 0, "ppo.vf_clip", p.vf_clip, "must be > 0 (0.2 is the usual value)")
     _check(0 <= p.gamma <= 1, "ppo.gamma", p.gamma, "must be in [0, 1]")

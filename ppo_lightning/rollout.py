@@ -185,6 +185,31 @@ def forward_logprobs(policy: PolicyWithValueHead | None, lm, query_responses: Te
     return torch.cat(logps), (torch.cat(values) if values else None)
 
 
+# ----------------------------------------------------------------------------- decoding
+def decode_prompts_and_responses(tokenizer, input_ids: Tensor, responses: Tensor,
+                                 response_mask: Tensor) -> tuple[list[str], list[str]]:
+    """Prompt and response texts such that ``prompt + response`` is the decoded whole sequence.
+
+    A response decoded on its own can lose the space (or other joiner) that the tokenizer only
+    emits between tokens: word-level and SentencePiece tokenizers do. So the whole sequence is
+    decoded and the response is what follows the decoded prompt; the reward then judges exactly
+    the text a user would read.
+    """
+    pad = tokenizer.pad_token_id
+    responses = responses.masked_fill(response_mask == 0, pad)
+    prompts = tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+    full = tokenizer.batch_decode(torch.cat([input_ids, responses], dim=1), skip_special_tokens=True)
+    alone = None
+    texts = []
+    for i, (p, f) in enumerate(zip(prompts, full)):
+        if f.startswith(p):
+            texts.append(f[len(p):])
+        else:  # a tokenizer whose joint decoding rewrites the prompt: fall back to the response alone
+            alone = alone or tokenizer.batch_decode(responses, skip_special_tokens=True)
+            texts.append(alone[i])
+    return prompts, texts
+
+
 # ----------------------------------------------------------------------------- the whole step
 @torch.no_grad()
 def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, tokenizer,
@@ -213,10 +238,9 @@ def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, to
                                        temperature, forward_chunk_size)
 
     # score the decoded text; the reward model may use a tokenizer of its own
+    prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
     if prompts is None:
-        prompts = tokenizer.batch_decode(input_ids, skip_special_tokens=True)
-    texts = tokenizer.batch_decode(responses.masked_fill(response_mask == 0, tokenizer.pad_token_id),
-                                   skip_special_tokens=True)
+        prompts = prompt_texts
     scores = torch.as_tensor(reward_fn(prompts, texts), dtype=torch.float32).to(values.device)
     contains_eos = ((responses == tokenizer.eos_token_id) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and gen.get("stop_at_eos", True):

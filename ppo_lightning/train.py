@@ -23,6 +23,7 @@ from ppo_lightning.errors import ConfigError
 from ppo_lightning.module import PPOModule
 from ppo_lightning.policy import (PolicyWithValueHead, load_causal_lm, load_tokenizer,
                                   load_value_head, make_reference, save_policy)
+from ppo_lightning.recipes import get_recipe
 from ppo_lightning.rewards import build_reward
 from ppo_lightning.tiny import save_tiny_causal_lm
 
@@ -161,11 +162,17 @@ def export(cfg: DictConfig) -> Path:
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run PPO as configured; returns every metric of the last iteration."""
+    recipe = get_recipe(cfg.recipe) if cfg.recipe else None
+    if recipe is not None:
+        recipe.prepare(cfg)  # first run builds its policy, reward model and prompts (cached)
     module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     if cfg.export_dir and trainer.is_global_zero:
         path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
         log.info("policy exported to %s (loads with AutoModelForCausalLM.from_pretrained)", path)
+    if recipe is not None and trainer.is_global_zero:
+        table = recipe.evaluate(cfg, module, Path(cfg.paths.output_dir))
+        print(f"\n{cfg.recipe}: held-out prompts, before and after PPO\n{table}\n", flush=True)
     finish_loggers(trainer)
     return dict(module.last_metrics)
 
@@ -181,9 +188,40 @@ def finish_loggers(trainer: L.Trainer) -> None:
         wandb.finish()
 
 
+TASKS = ("ppo", "sft", "reward_model", "export")
+
+
 def run_task(cfg: DictConfig) -> dict[str, Any]:
     """Dispatch on ``task.name``; returns the metrics a sweeper may optimise."""
-    if cfg.task.name == "export":
+    name = cfg.task.get("name")
+    if name not in TASKS:
+        raise ConfigError(f"task.name={name!r}: choose task=ppo, task=sft, task=reward_model or task=export")
+    if name == "export":
         export(cfg)
         return {}
+    if name in ("sft", "reward_model"):
+        return train_stage(cfg)
     return train(cfg)
+
+
+def train_stage(cfg: DictConfig) -> dict[str, Any]:
+    """``task=sft`` / ``task=reward_model``: the stages before PPO, through the same ``model``,
+    ``optimizer``, ``trainer`` and ``logger`` groups; the result is saved as an HF directory at
+    ``task.save_dir`` (a PPO policy / a ``reward=model`` directory)."""
+    from ppo_lightning.stages import STAGES
+
+    name = cfg.task.name
+    _, build_fn, save_fn = STAGES[name]
+    stage_keys = {k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items()
+                  if k not in ("name", "save_dir")}
+    if not cfg.task.get("save_dir"):
+        raise ConfigError(f"task.save_dir is empty: set where task={name} writes its model")
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module, datamodule = build_fn(cfg.model, cfg.data, cfg.optimizer, stage_keys)
+    trainer = build_trainer(cfg)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+    if trainer.is_global_zero:
+        path = save_fn(module, cfg.task.save_dir)
+        log.info("task=%s: model saved to %s", name, path)
+    finish_loggers(trainer)
+    return dict(module.last_metrics)

@@ -61,10 +61,6 @@ def test_optuna_search_runs_trials_and_writes_the_best(cache_dir, tmp_path):
     assert clips[0] != clips[1]  # the sampler set the trial's parameters
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "train.py scores a failed sweep job NaN; optuna 2.10 (the newest that hydra-optuna-sweeper 1.3.0 "
-    "allows) refuses a NaN value, the sweeper's error handling then raises again and the search stops. "
-    "Returning None for a failed job makes the sweeper record the trial as FAIL and go on."))
 def test_optuna_search_goes_on_after_a_failed_trial(cache_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason='needs pip install -e ".[optuna]"')
     # ppo.clip=-1 fails validation (in milliseconds); with this seed the sampler draws it for

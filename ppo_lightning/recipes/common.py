@@ -1,0 +1,130 @@
+"""What recipes share: building a small policy / reward model from generated data (cached), and
+the before/after evaluation table."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import lightning as L
+import torch
+
+from ppo_lightning import ppo
+from ppo_lightning.data import LeftPadCollator
+from ppo_lightning.policy import position_ids_from_mask
+from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs, generate
+
+log = logging.getLogger(__name__)
+
+
+def build_cached(root: Path, build: Callable[[Path], None]) -> Path:
+    """Run ``build(tmp)`` into a temporary sibling of ``root`` and rename it into place, once.
+
+    A killed build leaves no half-made cache: the next run starts it again.
+    """
+    if (root / "DONE").exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".tmp-", dir=root.parent))
+    try:
+        build(tmp)
+        (tmp / "DONE").write_text("ok\n")
+        if root.exists():  # an earlier, unfinished build
+            shutil.rmtree(root)
+        os.replace(tmp, root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def save_base_model(directory: Path, tokenizer, n_layer: int, n_head: int, n_embd: int,
+                    n_positions: int, seed: int = 0) -> Path:
+    """A random GPT-2 sized to ``tokenizer`` (the starting point of SFT and the reward model)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=n_positions, n_embd=n_embd,
+                        n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    model = GPT2LMHeadModel(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def fit_stage(stage: str, base_dir: Path, out_dir: Path, records: list[dict], *, steps: int,
+              batch_size: int, lr: float, max_length: int, seed: int, extra: dict | None = None) -> dict:
+    """Train ``stage`` (sft | reward_model) from ``base_dir`` on in-memory ``records``; save it."""
+    from ppo_lightning.config import OptimizerConfig
+    from ppo_lightning.stages import STAGES
+
+    _, build_fn, save_fn = STAGES[stage]
+    model_cfg = {"name_or_path": str(base_dir)}
+    data_cfg = {"batch_size": batch_size, "shuffle": True, "num_workers": 0}
+    optim_cfg = OptimizerConfig(lr=lr, scheduler="cosine", warmup_steps=max(1, steps // 20), min_lr_ratio=0.1)
+    stage_cfg = {"max_length": max_length, "val_fraction": 0.1, "seed": seed, **(extra or {})}
+    L.seed_everything(seed, verbose=False)
+    module, datamodule = build_fn(model_cfg, data_cfg, optim_cfg, stage_cfg, records=records)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=True,
+                        limit_val_batches=1.0, val_check_interval=None, check_val_every_n_epoch=None,
+                        num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(module, datamodule=datamodule)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    save_fn(module, out_dir)
+    metrics = dict(module.last_metrics)
+    (out_dir / "train_metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+@torch.no_grad()
+def sample_and_score(lm, ref_lm, tokenizer, prompts: list[str], scorers: dict[str, Callable],
+                     gen: dict, seed: int, batch_size: int = 64) -> dict:
+    """Sample one response per prompt from ``lm``; score them; KL(lm || ref) per sequence (k1)."""
+    device = next(lm.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    collate = LeftPadCollator(tokenizer.pad_token_id)
+    all_prompts, all_texts, kls = [], [], []
+    for s in range(0, len(prompts), batch_size):
+        ids = tokenizer(prompts[s:s + batch_size], add_special_tokens=False)["input_ids"]
+        batch = collate(ids)
+        input_ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        resp, mask = generate(lm, input_ids, am, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, generator=g, **gen)
+        qr = torch.cat([input_ids, resp], 1)
+        full_mask = torch.cat([am, mask.to(am.dtype)], 1)
+        pos = position_ids_from_mask(full_mask)
+        P = input_ids.shape[1]
+        logp, _ = forward_logprobs(None, lm, qr, full_mask, pos, P, gen["temperature"])
+        ref_logp, _ = forward_logprobs(None, ref_lm, qr, full_mask, pos, P, gen["temperature"])
+        kls.append((ppo.kl_k1(logp, ref_logp) * mask).sum(1))
+        p_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, resp, mask)
+        all_prompts += p_texts
+        all_texts += texts
+    result = {name: float(torch.as_tensor(fn(all_prompts, all_texts), dtype=torch.float64).mean())
+              for name, fn in scorers.items()}
+    result["KL to reference (nats)"] = float(torch.cat(kls).mean())
+    result["samples"] = list(zip(all_prompts, all_texts))
+    return result
+
+
+def report(before: dict, after: dict, path: Path | None, n_samples: int = 3) -> str:
+    """The before/after table (and samples) as text; also written to ``path`` as JSON."""
+    names = [k for k in before if k != "samples"]
+    width = max(len(n) for n in names) + 2
+    lines = [f"{'':{width}}{'before':>10}{'after':>10}"]
+    lines += [f"{n:{width}}{before[n]:>10.3f}{after[n]:>10.3f}" for n in names]
+    for label, res in (("before", before), ("after", after)):
+        lines.append(f"\nsamples {label} PPO:")
+        lines += [f"  {p!r} -> {r!r}" for p, r in res["samples"][:n_samples]]
+    text = "\n".join(lines)
+    if path is not None:
+        path.write_text(json.dumps({"before": before, "after": after}, indent=2))
+    return text
