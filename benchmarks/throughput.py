@@ -66,7 +66,7 @@ def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path,
         f"ppo.max_new_tokens={w.response_tokens}", "ppo.stop_at_eos=false",
         f"trainer.max_steps={w.iterations}", "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false", "trainer.enable_checkpointing=false",
-        "logger=none", "callbacks=none", "export_dir=null",
+        "logger=none", "callbacks=none", "export_dir=null", "recipe=null",
         f"paths.output_dir={out_dir}", f"paths.cache_dir={out_dir}",
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -250,8 +250,11 @@ def _check(ok: bool, key: str, value: Any, what: str) -> None:
         raise ConfigError(f"{key}={value!r}: {what}")
 
 
-def validate(cfg) -> None:
-    """Range and cross-group checks that types alone cannot express; raises ``ConfigError``."""
+def validate(cfg, check_files: bool = True) -> None:
+    """Range and cross-group checks that types alone cannot express; raises ``ConfigError``.
+
+    ``check_files=False`` skips the checks of files a recipe is about to build (prompt file).
+    """
     p, d, o = cfg.ppo, cfg.data, cfg.optimizer
     _check(p.clip > 0, "ppo.clip", p.clip, "must be > 0 (0.2 is the usual value)")
     _check(p.vf_clip > 0, "ppo.vf_clip", p.vf_clip, "must be > 0 (0.2 is the usual value)")
@@ -297,7 +300,7 @@ def validate(cfg) -> None:
     if d.path is None and d.hf_dataset is None:
         raise ConfigError("data.path and data.hf_dataset are both null: set data.path=prompts.txt "
                           "(one prompt a line) or .jsonl, or data.hf_dataset=<name>")
-    if d.path is not None and not os.path.isfile(d.path):
+    if check_files and d.path is not None and not os.path.isfile(d.path):
         raise ConfigError(f"data.path={d.path!r}: no such file. Give a .txt (one prompt a line) or "
                           ".jsonl (one JSON object with a 'prompt' field a line)")
     if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):

@@ -22,7 +22,7 @@ from ppo_lightning.data import PromptDataModule
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.module import PPOModule
 from ppo_lightning.policy import (PolicyWithValueHead, load_causal_lm, load_tokenizer,
-                                  load_value_head, make_reference, save_policy)
+                                  load_value_head, make_reference, resolve_source, save_policy)
 from ppo_lightning.recipes import get_recipe
 from ppo_lightning.rewards import build_reward
 from ppo_lightning.tiny import save_tiny_causal_lm
@@ -164,6 +164,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Run PPO as configured; returns every metric of the last iteration."""
     recipe = get_recipe(cfg.recipe) if cfg.recipe else None
     if recipe is not None:
+        validate(cfg, check_files=False)
+        # sources the recipe does not build must exist before it spends a minute building
+        for key, value in (("model.name_or_path", cfg.model.name_or_path),
+                           ("reward.name_or_path", cfg.reward.name_or_path if cfg.reward.kind == "model" else None)):
+            if value and not Path(value).resolve().is_relative_to(recipe.root(cfg).resolve()):
+                resolve_source(value, key)
         recipe.prepare(cfg)  # first run builds its policy, reward model and prompts (cached)
     module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-SMALL = ["data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=1", "ppo.max_new_tokens=4",
+SMALL = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=1", "ppo.max_new_tokens=4",
          "trainer.max_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
          "callbacks=none", "export_dir=null"]
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import ROOT, read_metrics
 
-TINY_RUN = ["trainer.max_steps=2", "ppo.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
+TINY_RUN = ["experiment=tiny_char", "trainer.max_steps=2", "ppo.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
             "ppo.ppo_epochs=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
@@ -57,7 +57,7 @@ def test_bad_overrides_fail_at_composition(cache_dir, override, key):
     ("reward.fn=no_such_pkg.fn", "reward.fn='no_such_pkg.fn': cannot import module 'no_such_pkg'"),
 ])
 def test_bad_values_fail_before_loading_models(cache_dir, tmp_path, override, message):
-    p = run([override, f"hydra.run.dir={tmp_path}"], cache_dir)
+    p = run(["experiment=tiny_char", override, f"hydra.run.dir={tmp_path}"], cache_dir)
     assert p.returncode == 1, p.stderr[-2000:]
     assert message in p.stderr
     assert "Traceback" not in p.stderr

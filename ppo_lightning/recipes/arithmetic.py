@@ -5,7 +5,7 @@ answers are right only ~60% of the time (the rest off by one or two), so it star
 PPO with an exact-match reward (1 if the first integer of the response is the answer, else 0)
 then raises the accuracy. No reward model: the reward cannot be hacked through style.
 
-Built once under ``<paths.cache_dir>/arithmetic-v1``: ``tokenizer/ sft/ prompts_train.txt
+Built once under ``<paths.cache_dir>/arithmetic-v2``: ``tokenizer/ sft/ prompts_train.txt
 prompts_eval.txt DONE`` (digit-level tokenizer, see ``ppo_lightning/tasks/arithmetic.py``).
 """
 
@@ -20,7 +20,8 @@ from ppo_lightning.tasks import arithmetic
 
 log = logging.getLogger(__name__)
 
-NAME = "arithmetic-v1"
+NAME = "arithmetic-v2"
+MAX_OPERAND = 9  # single digits: a 2-layer model learns the format and most sums in a minute
 BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=32)
 
 
@@ -35,10 +36,10 @@ def prepare(cfg) -> Path:
         tokenizer = arithmetic.build_tokenizer()
         tokenizer.save_pretrained(tmp / "tokenizer")
         save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
-        (tmp / "prompts_train.txt").write_text("\n".join(arithmetic.prompts(rng, 2000)) + "\n")
-        (tmp / "prompts_eval.txt").write_text("\n".join(arithmetic.prompts(rng, 200)) + "\n")
+        (tmp / "prompts_train.txt").write_text("\n".join(arithmetic.prompts(rng, 2000, max_operand=MAX_OPERAND)) + "\n")
+        (tmp / "prompts_eval.txt").write_text("\n".join(arithmetic.prompts(rng, 200, max_operand=MAX_OPERAND)) + "\n")
         log.info("[1/1] SFT policy on 6000 equations, 60%% of them right")
-        sft = fit_stage("sft", tmp / "base", tmp / "sft", arithmetic.sft_corpus(rng, 6000, accuracy=0.6),
+        sft = fit_stage("sft", tmp / "base", tmp / "sft", arithmetic.sft_corpus(rng, 6000, accuracy=0.6, max_operand=MAX_OPERAND),
                         steps=600, batch_size=64, lr=3e-3, max_length=16, seed=cfg.seed,
                         extra={"max_prompt_length": 8})
         log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))

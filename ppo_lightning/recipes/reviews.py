@@ -7,7 +7,7 @@ and a reward model trained on preference pairs (the more positive continuation w
 raises the reward model's score; the ground-truth sentiment and the grammar check tell whether
 the gain is real or reward hacking.
 
-Built once under ``<paths.cache_dir>/reviews-v1`` (about a minute on 2 CPU cores)::
+Built once under ``<paths.cache_dir>/reviews-v2`` (about a minute on 2 CPU cores)::
 
     tokenizer/  sft/  reward_model/  prompts_train.txt  prompts_eval.txt  DONE
 """
@@ -23,7 +23,7 @@ from ppo_lightning.tasks import reviews
 
 log = logging.getLogger(__name__)
 
-NAME = "reviews-v1"  # bump when the recipe's data or models change
+NAME = "reviews-v2"  # bump when the recipe's data or models change
 BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=64)
 
 
@@ -47,12 +47,48 @@ def prepare(cfg) -> Path:
                         batch_size=64, lr=3e-3, max_length=32, seed=cfg.seed,
                         extra={"max_prompt_length": 8})
         log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
-        log.info("[2/2] reward model on 4000 generated preference pairs")
-        rm = fit_stage("reward_model", tmp / "base", tmp / "reward_model", reviews.preference_pairs(rng, 4000),
-                       steps=400, batch_size=32, lr=1e-3, max_length=32, seed=cfg.seed)
+        pairs = reviews.preference_pairs(rng, 5000, ill_formed_fraction=0.3)
+        pairs += drift_pairs(tmp / "sft", rng, 6000, temperature=2.0)
+        rng.shuffle(pairs)
+        log.info("[2/2] reward model on %d generated preference pairs (%d against the SFT policy's "
+                 "own broken text)", len(pairs), len(pairs) - 5000)
+        rm = fit_stage("reward_model", tmp / "base", tmp / "reward_model", pairs,
+                       steps=1000, batch_size=32, lr=1e-3, max_length=32, seed=cfg.seed)
         log.info("reward model: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
 
     return build_cached(root(cfg), build)
+
+
+def drift_pairs(sft_dir: Path, rng: random.Random, n_prompts: int, temperature: float = 1.5) -> list[dict]:
+    """Preference pairs against the SFT policy's own mistakes.
+
+    Sampled hot, the SFT policy breaks the grammar the way a drifting PPO policy does (number
+    agreement, a missing connective, a dangling intensifier). A reward model that never saw such
+    text scores it arbitrarily, and PPO finds and exploits that within tens of iterations. Each
+    broken sample is paired with a well-formed, positive continuation of the same prompt.
+    """
+    import torch
+
+    from ppo_lightning.data import LeftPadCollator
+    from ppo_lightning.policy import load_causal_lm, load_tokenizer
+    from ppo_lightning.rollout import decode_prompts_and_responses, generate
+
+    tok = load_tokenizer(str(sft_dir))
+    lm = load_causal_lm(str(sft_dir), tok).eval()
+    ps = reviews.prompts(rng, n_prompts)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    collate = LeftPadCollator(tok.pad_token_id)
+    pairs = []
+    for s in range(0, len(ps), 256):
+        batch = collate(tok(ps[s:s + 256], add_special_tokens=False)["input_ids"])
+        resp, mask = generate(lm, batch["input_ids"], batch["attention_mask"], max_new_tokens=20,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                              temperature=temperature, generator=g)
+        for p, r in zip(*decode_prompts_and_responses(tok, batch["input_ids"], resp, mask)):
+            if not reviews.is_well_formed(reviews.join_text(p, r)):
+                pairs.append({"prompt": p, "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
+                              "rejected": " " + r.strip()})
+    return pairs
 
 
 def well_formed(prompts: list[str], responses: list[str]) -> list[float]:

@@ -245,22 +245,58 @@ def sft_corpus(rng: random.Random | int, n: int) -> list[dict[str, str]]:
     return out
 
 
-def preference_pairs(rng: random.Random | int, n: int) -> list[dict[str, str]]:
+def preference_pairs(rng: random.Random | int, n: int, ill_formed_fraction: float = 0.0) -> list[dict[str, str]]:
     """``n`` ``{"prompt", "chosen", "rejected"}`` triples for training a reward model.
 
     Both responses continue the same prompt (each with its own positivity drawn uniformly) and
     ``chosen`` has strictly higher :func:`sentiment` of ``prompt + response``; ties are skipped.
+    With ``ill_formed_fraction`` > 0, that share of pairs instead rejects a corrupted copy of a
+    well-formed (and more positive) continuation (:func:`corrupt`): a reward model that has only
+    seen grammatical text scores word salad arbitrarily, and PPO finds that gap within tens of
+    iterations (reward hacking); these pairs teach it that broken text loses.
     """
     rng = _as_rng(rng)
     out = []
     while len(out) < n:
         prompt = prompts(rng, 1)[0]
+        if rng.random() < ill_formed_fraction:
+            good = complete(rng, prompt, 0.5 + 0.5 * rng.random())
+            out.append({"prompt": prompt, "chosen": good, "rejected": corrupt(rng, prompt, good)})
+            continue
         a, b = complete(rng, prompt, rng.random()), complete(rng, prompt, rng.random())
         sa, sb = sentiment(prompt + a), sentiment(prompt + b)
         if sa != sb:
             chosen, rejected = (a, b) if sa > sb else (b, a)
             out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return out
+
+
+def corrupt(rng: random.Random | int, prompt: str, response: str) -> str:
+    """An ill-formed variant of ``response`` (so ``prompt + result`` fails :func:`is_well_formed`):
+    truncated, a word dropped, repeated or replaced by another word of the vocabulary (which
+    breaks agreement or word order), words shuffled, or positive adjectives piled up."""
+    rng = _as_rng(rng)
+    words = response.split()
+    for _ in range(20):
+        kind = rng.randrange(7)
+        w = list(words)
+        if kind == 0 and len(w) > 1:
+            w = w[:rng.randrange(1, len(w))]  # stops early
+        elif kind == 1 and len(w) > 1:
+            del w[rng.randrange(len(w))]
+        elif kind == 2:
+            i = rng.randrange(len(w))
+            w.insert(i, w[i])
+        elif kind == 3:
+            rng.shuffle(w)
+        elif kind in (4, 5):
+            w[rng.randrange(len(w))] = rng.choice(VOCAB)
+        else:  # adjective salad, the usual reward hack
+            w = [rng.choice(POSITIVE) for _ in range(rng.randint(1, 8))] + ([] if rng.random() < 0.5 else ["."])
+        candidate = " " + " ".join(w)
+        if not is_well_formed(join_text(prompt, candidate)):
+            return candidate
+    return " " + " ".join(rng.choice(POSITIVE) for _ in range(3))
 
 
 def reward_fn(prompts: list[str], responses: list[str], ill_formed: float = -1.0) -> list[float]:
