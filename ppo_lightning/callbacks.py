@@ -8,6 +8,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
+from ppo_lightning.rollout import decode_prompts_and_responses
+
 
 class SampleTable(L.Callback):
     """Every ``every_n_steps`` PPO iterations, record prompts, responses and scores.
@@ -26,11 +28,9 @@ class SampleTable(L.Callback):
         r = pl_module.rollout
         if r is None or step % self.every_n_steps != 0 or not trainer.is_global_zero:
             return
-        tok = pl_module.tokenizer
         n = min(self.n_samples, r.batch_size)
-        prompts = tok.batch_decode(r.query_responses[:n, :r.context_length], skip_special_tokens=True)
-        responses = tok.batch_decode(r.responses[:n].masked_fill(r.response_mask[:n] == 0, tok.pad_token_id),
-                                     skip_special_tokens=True)
+        prompts, responses = decode_prompts_and_responses(
+            pl_module.tokenizer, r.query_responses[:n, :r.context_length], r.responses[:n], r.response_mask[:n])
         scores = r.scores[:n].tolist()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as f:

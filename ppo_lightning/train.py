@@ -225,6 +225,8 @@ def train_stage(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = build_fn(cfg.model, cfg.data, cfg.optimizer, stage_keys)
     trainer = build_trainer(cfg)
+    if cfg.ckpt_path is None and trainer.limit_val_batches:
+        trainer.validate(module, datamodule=datamodule, verbose=False)  # the starting point
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
     if trainer.is_global_zero:
         path = save_fn(module, cfg.task.save_dir)

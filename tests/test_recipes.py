@@ -45,7 +45,7 @@ def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path,
     d = review_files
     common = [*QUIET, "logger=csv", f"model.name_or_path={d / 'base'}", "optimizer.lr=3e-3",
               "data.batch_size=64", "task.max_length=32", "task.val_fraction=0.1"]
-    sft = run(["task=sft", f"task.path={d / 'sft.jsonl'}", "trainer.max_steps=150", "trainer.val_check_interval=50",
+    sft = run(["task=sft", f"task.path={d / 'sft.jsonl'}", "task.max_prompt_length=8", "trainer.max_steps=150", "trainer.val_check_interval=50",
                *common, f"hydra.run.dir={tmp_path / 'sft'}"], cache_dir)
     assert sft.returncode == 0, sft.stderr[-3000:]
     val = [r["val/loss"] for r in read_metrics(tmp_path / "sft" / "metrics.csv") if "val/loss" in r]

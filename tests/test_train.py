@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ppo_lightning.train import train
@@ -52,3 +53,46 @@ def test_ppo_raises_reward_and_writes_checkpoint(tmp_path, cache_dir):
     assert (tmp_path / "policy" / "value_head.safetensors").exists()
     w = exported.state_dict()["transformer.h.0.attn.c_attn.weight"]
     assert torch.equal(w, state["state_dict"]["policy.lm.transformer.h.0.attn.c_attn.weight"])
+
+
+@pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb"])
+def test_each_logger_works_alone(tmp_path, cache_dir, monkeypatch, logger):
+    if logger == "wandb":
+        monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = compose_cfg([*FAST, "trainer.max_steps=2", f"logger={logger}", "callbacks=none", "export_dir=null"],
+                      tmp_path, cache_dir)
+    train(cfg)
+    written = {"csv": tmp_path / "metrics.csv", "tensorboard": tmp_path / "tensorboard",
+               "wandb": tmp_path / "wandb"}[logger]
+    assert written.exists()
+    if logger == "tensorboard":
+        assert list(written.rglob("events.out.tfevents.*"))
+    if logger == "wandb":
+        assert list(written.glob("offline-run-*/run-*.wandb"))
+        assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_dir, tiny_rm_dir):
+    from ppo_lightning.train import build
+
+    cfg = compose_cfg([*FAST, "trainer.max_steps=1", "reward=model", f"reward.name_or_path={tiny_rm_dir}",
+                       "reward.normalize=true", "reward.normalize_samples=32", "model.value_head_init=reward_model",
+                       "data.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1", "callbacks=none",
+                       "logger=csv", "export_dir=null"], tmp_path, cache_dir)
+    module, datamodule, trainer = build(cfg)
+    head = module.reward_fn.score_head().weight.detach().clone()
+    assert torch.equal(module.policy.v_head.weight, head)  # before normalisation: gain 1, bias 0
+    trainer.fit(module, datamodule=datamodule)
+    gain, bias = module.reward_norm
+    assert gain > 0 and (module.reward_fn.gain, module.reward_fn.bias) == (gain, bias)
+    # the fitted map sends the raw scores of reference samples to mean 0 / std 1
+    g = torch.Generator().manual_seed(0)
+    from ppo_lightning.rollout import generate
+    batch = next(iter(datamodule.normalization_batches(32)))
+    resp, mask = generate(module.ref_lm, batch["input_ids"], batch["attention_mask"], max_new_tokens=16,
+                          eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,
+                          generator=g)
+    from ppo_lightning.rollout import decode_prompts_and_responses
+    p, r = decode_prompts_and_responses(module.tokenizer, batch["input_ids"], resp, mask)
+    scores = module.reward_fn(p, r)
+    assert abs(float(scores.mean())) < 1.0 and 0.3 < float(scores.std()) < 3.0
