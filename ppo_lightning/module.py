@@ -68,7 +68,8 @@ class PPOModule(L.LightningModule):
     """
 
     def __init__(self, policy: PolicyWithValueHead, ref_lm: nn.Module, reward_fn, tokenizer,
-                 ppo_cfg, optim_cfg, seed: int = 0, normalize_reward_samples: int = 0):
+                 ppo_cfg, optim_cfg, seed: int = 0, normalize_reward_samples: int = 0,
+                 value_head_from_reward: bool = False):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference and reward model are not checkpointed
@@ -80,6 +81,7 @@ class PPOModule(L.LightningModule):
         self.optim_cfg = optim_cfg
         self.seed = seed
         self.normalize_reward_samples = normalize_reward_samples  # 0: off
+        self.value_head_from_reward = value_head_from_reward
         self.reward_norm: tuple[float, float] | None = None  # (gain, bias) once fitted
         self.kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target,
                                           ppo_cfg.kl_horizon)
@@ -141,6 +143,10 @@ class PPOModule(L.LightningModule):
         reduce = (lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")) if self.trainer.world_size > 1 else None
         gain, bias = self.reward_fn.fit_normalization(prompts, responses, reduce=reduce)
         self.reward_norm = (gain, bias)
+        if self.value_head_from_reward:  # copied from the raw head: put it on the new scale too
+            with torch.no_grad():
+                self.policy.v_head.weight.mul_(gain)
+                self.policy.v_head.bias.mul_(gain).add_(bias)
         log.info("reward normalisation from %d reference samples: gain %.4g, bias %.4g", len(prompts), gain, bias)
 
     # ------------------------------------------------------------------------- part 1: rollout

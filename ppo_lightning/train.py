@@ -109,7 +109,8 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
     module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed,
-                       normalize_reward_samples=cfg.reward.normalize_samples if cfg.reward.normalize else 0)
+                       normalize_reward_samples=cfg.reward.normalize_samples if cfg.reward.normalize else 0,
+                       value_head_from_reward=cfg.model.value_head_init == "reward_model")
     return module, datamodule
 
 
@@ -160,15 +161,35 @@ def export(cfg: DictConfig) -> Path:
     return path
 
 
+def _under(path: str, root: Path) -> bool:
+    return Path(path).resolve().is_relative_to(root.resolve())
+
+
+def active_recipe(cfg: DictConfig):
+    """The configured recipe, if the run uses anything it builds (its policy, reward model or
+    prompts); a run that swapped all three for its own (``model=gpt2 reward=model data=file``)
+    skips the recipe's build and its report."""
+    if not cfg.recipe:
+        return None
+    recipe = get_recipe(cfg.recipe)
+    root = recipe.root(cfg)
+    used = [cfg.model.name_or_path, cfg.data.path,
+            cfg.reward.name_or_path if cfg.reward.kind == "model" else None]
+    if any(p and _under(p, root) for p in used):
+        return recipe
+    log.info("recipe=%s: the run uses none of its models or prompts; skipping it", cfg.recipe)
+    return None
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run PPO as configured; returns every metric of the last iteration."""
-    recipe = get_recipe(cfg.recipe) if cfg.recipe else None
+    recipe = active_recipe(cfg)
     if recipe is not None:
         validate(cfg, check_files=False)
         # sources the recipe does not build must exist before it spends a minute building
         for key, value in (("model.name_or_path", cfg.model.name_or_path),
                            ("reward.name_or_path", cfg.reward.name_or_path if cfg.reward.kind == "model" else None)):
-            if value and not Path(value).resolve().is_relative_to(recipe.root(cfg).resolve()):
+            if value and not _under(value, recipe.root(cfg)):
                 resolve_source(value, key)
         recipe.prepare(cfg)  # first run builds its policy, reward model and prompts (cached)
     module, datamodule, trainer = build(cfg)
@@ -218,8 +239,14 @@ def train_stage(cfg: DictConfig) -> dict[str, Any]:
 
     name = cfg.task.name
     _, build_fn, save_fn = STAGES[name]
+    schema, _, _ = STAGES[name]
     stage_keys = {k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items()
                   if k not in ("name", "save_dir")}
+    try:  # the stage's dataclass types the task.* keys: task.val_fraction=abc fails here, by name
+        OmegaConf.merge(OmegaConf.structured(schema), stage_keys)
+    except Exception as e:  # omegaconf's ValidationError / ConfigKeyError
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"task.{key}: {str(getattr(e, 'msg', e)).splitlines()[0]}") from None
     if not cfg.task.get("save_dir"):
         raise ConfigError(f"task.save_dir is empty: set where task={name} writes its model")
     L.seed_everything(cfg.seed, workers=True, verbose=False)

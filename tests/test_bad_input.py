@@ -106,3 +106,9 @@ def test_tokenizer_without_pad_or_eos(tmp_path, cache_dir, monkeypatch, capfd):
     code, err = run_main([f"model.name_or_path={d}", "model.build_tiny=null"], tmp_path, cache_dir,
                          monkeypatch, capfd)
     assert code == 1 and "no EOS token" in err and "model.name_or_path" in err
+
+
+def test_stage_key_with_wrong_type(tmp_path, cache_dir, monkeypatch, capfd):
+    code, err = run_main(["task=sft", "task.val_fraction=abc", "task.path=x.jsonl"], tmp_path, cache_dir,
+                         monkeypatch, capfd)
+    assert code == 1 and "task.val_fraction" in err and "abc" in err

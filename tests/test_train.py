@@ -72,6 +72,17 @@ def test_each_logger_works_alone(tmp_path, cache_dir, monkeypatch, logger):
         assert not (tmp_path / "metrics.csv").exists()
 
 
+def _wrap_check(module, v0):
+    """After normalisation the copied value head is on the normalised scale: gain * raw head."""
+    fit = module._fit_reward_normalization
+
+    def wrapped():
+        fit()
+        gain, _ = module.reward_norm
+        torch.testing.assert_close(module.policy.v_head.weight, v0 * gain)
+    return wrapped
+
+
 def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_dir, tiny_rm_dir):
     from ppo_lightning.train import build
 
@@ -82,6 +93,9 @@ def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_d
     module, datamodule, trainer = build(cfg)
     head = module.reward_fn.score_head().weight.detach().clone()
     assert torch.equal(module.policy.v_head.weight, head)  # before normalisation: gain 1, bias 0
+    module.ppo_cfg.ppo_epochs = 1
+    v0 = module.policy.v_head.weight.detach().clone()
+    module._fit_reward_normalization = _wrap_check(module, v0)
     trainer.fit(module, datamodule=datamodule)
     gain, bias = module.reward_norm
     assert gain > 0 and (module.reward_fn.gain, module.reward_fn.bias) == (gain, bias)

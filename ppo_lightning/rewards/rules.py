@@ -1,7 +1,7 @@
 """Built-in rule rewards for tests, examples and quick experiments.
 
 Each is a plain ``(prompts, responses, **kwargs) -> list[float]`` function, usable as
-``reward=function reward.fn=ppo_lightning.rewards.rules.<name> reward.kwargs.<arg>=...``.
+``reward=function reward.fn=ppo_lightning.rewards.rules.<name> +reward.kwargs.<arg>=...``.
 """
 
 from __future__ import annotations
