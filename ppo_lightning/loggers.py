@@ -61,6 +61,9 @@ def wandb_logger(project: str = "ppo_lightning", save_dir: str = ".", name: str 
     # settings: no console capture (Lightning prints progress itself), no prompts
     import wandb
 
+    if wandb.run is not None:  # left open by an earlier job in this process: one run per job
+        wandb.finish()
     settings = wandb.Settings(console="off", silent=True)
-    return WandbLogger(project=project, save_dir=save_dir, name=name, offline=mode == "offline",
-                       mode="disabled" if mode == "disabled" else None, settings=settings, **kwargs)
+    # mode goes straight to wandb.init: Lightning's offline=True would set WANDB_MODE for the
+    # whole process, and wandb's settings singleton would otherwise keep the first run's mode.
+    return WandbLogger(project=project, save_dir=save_dir, name=name, mode=mode, settings=settings, **kwargs)

@@ -193,14 +193,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 resolve_source(value, key)
         recipe.prepare(cfg)  # first run builds its policy, reward model and prompts (cached)
     module, datamodule, trainer = build(cfg)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
-    if cfg.export_dir and trainer.is_global_zero:
-        path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
-        log.info("policy exported to %s (loads with AutoModelForCausalLM.from_pretrained)", path)
-    if recipe is not None and trainer.is_global_zero:
-        table = recipe.evaluate(cfg, module, Path(cfg.paths.output_dir))
-        print(f"\n{cfg.recipe}: held-out prompts, before and after PPO\n{table}\n", flush=True)
-    finish_loggers(trainer)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+        if cfg.export_dir and trainer.is_global_zero:
+            path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
+            log.info("policy exported to %s (loads with AutoModelForCausalLM.from_pretrained)", path)
+        if recipe is not None and trainer.is_global_zero:
+            table = recipe.evaluate(cfg, module, Path(cfg.paths.output_dir))
+            print(f"\n{cfg.recipe}: held-out prompts, before and after PPO\n{table}\n", flush=True)
+    finally:
+        finish_loggers(trainer)
     return dict(module.last_metrics)
 
 
@@ -252,11 +254,13 @@ def train_stage(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = build_fn(cfg.model, cfg.data, cfg.optimizer, stage_keys)
     trainer = build_trainer(cfg)
-    if cfg.ckpt_path is None and trainer.limit_val_batches:
-        trainer.validate(module, datamodule=datamodule, verbose=False)  # the starting point
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
-    if trainer.is_global_zero:
-        path = save_fn(module, cfg.task.save_dir)
-        log.info("task=%s: model saved to %s", name, path)
-    finish_loggers(trainer)
+    try:
+        if cfg.ckpt_path is None and trainer.limit_val_batches:
+            trainer.validate(module, datamodule=datamodule, verbose=False)  # the starting point
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+        if trainer.is_global_zero:
+            path = save_fn(module, cfg.task.save_dir)
+            log.info("task=%s: model saved to %s", name, path)
+    finally:
+        finish_loggers(trainer)
     return dict(module.last_metrics)
