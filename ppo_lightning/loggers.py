@@ -40,6 +40,8 @@ def _server_reachable(timeout: float = 3.0) -> bool:
 def resolve_wandb_mode(mode: str = "auto") -> str:
     """online | offline | disabled. ``auto`` (and an unset ``WANDB_MODE``) picks online only
     when logged in and the server answers; ``WANDB_MODE`` in the environment wins over ``auto``."""
+    if os.environ.get("WANDB_MODE", None) == "":
+        del os.environ["WANDB_MODE"]  # wandb rejects an empty value at init
     if mode == "auto":
         env = os.environ.get("WANDB_MODE")
         if env in ("online", "offline", "disabled", "dryrun"):
