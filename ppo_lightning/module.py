@@ -24,12 +24,12 @@ from torch import nn
 
 from ppo_lightning import ppo
 from ppo_lightning.kl_control import build_kl_controller
+from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
 from ppo_lightning.rollout import Rollout, make_rollout
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
 # also in trainer.callback_metrics (checkpoint monitors); every metric goes to the loggers
 CALLBACK_METRICS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "episode")
@@ -39,24 +39,6 @@ UPDATE_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_
 
 class NonFiniteError(RuntimeError):
     """Too many PPO iterations in a row produced non-finite rewards, losses or gradients."""
-
-
-def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Multiplier of the base lr at PPO iteration ``step``: linear warmup, then the decay."""
-
-    def f(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        if scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if scheduler == "linear":
-            decay = 1.0 - progress
-        else:  # cosine
-            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
-
-    return f
 
 
 class PPOModule(L.LightningModule):
@@ -96,17 +78,8 @@ class PPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------- setup
     def configure_optimizers(self):
-        o = self.optim_cfg
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        kwargs = {"lr": o.lr, "weight_decay": o.weight_decay}
-        if o.name in ("adamw", "adam"):
-            kwargs.update(betas=tuple(o.betas), eps=o.eps)
-        # foreach: one fused kernel per op over all tensors (the default on GPU, not on CPU)
-        optimizer = OPTIMIZERS[o.name](params, foreach=True, **kwargs)
-        total = self.trainer.max_steps if self.trainer.max_steps > 0 else 1
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(o.scheduler, o.warmup_steps, total, o.min_lr_ratio))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_optimizers(self, [p for p in self.policy.parameters() if p.requires_grad],
+                                    self.optim_cfg)
 
     def on_fit_start(self) -> None:
         # Each rank samples with its own seed, or all ranks would draw correlated responses

@@ -177,6 +177,15 @@ def make_reference(lm: nn.Module) -> nn.Module:
     return ref
 
 
+def context_length(config) -> int | None:
+    """The position limit of a model config (None when it has none, e.g. rotary models)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if isinstance(getattr(c, name, None), int):
+            return getattr(c, name)
+    return None
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: the first real token is position 0 ([N+] detail)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -22,7 +22,8 @@ from ppo_lightning.data import PromptDataModule
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.module import PPOModule
 from ppo_lightning.policy import (PolicyWithValueHead, load_causal_lm, load_tokenizer,
-                                  load_value_head, make_reference, resolve_source, save_policy)
+                                  load_value_head, make_reference, resolve_source, save_policy,
+                                  context_length)
 from ppo_lightning.recipes import get_recipe
 from ppo_lightning.rewards import build_reward
 from ppo_lightning.tiny import save_tiny_causal_lm
@@ -50,14 +51,6 @@ def ensure_model_source(model_cfg, cache_dir: str) -> None:
         return  # resolve_source will report the missing directory
     log.info("building tiny GPT-2 (%d layers, %d dims) at %s", t.n_layer, t.n_embd, target)
     save_tiny_causal_lm(target, t.n_layer, t.n_head, t.n_embd, t.n_positions, t.seed)
-
-
-def _context_length(lm) -> int | None:
-    c = lm.config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        if isinstance(getattr(c, name, None), int):
-            return getattr(c, name)
-    return None
 
 
 def instantiate_dict(group: DictConfig | None, key: str) -> list:
@@ -90,7 +83,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     datamodule.load()
 
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
-    ctx = _context_length(lm)
+    ctx = context_length(lm.config)
     need = cfg.data.max_prompt_length + cfg.ppo.max_new_tokens
     if ctx is not None and need > ctx:
         raise ConfigError(f"data.max_prompt_length + ppo.max_new_tokens = {need} exceeds the model's "

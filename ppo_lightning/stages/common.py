@@ -19,10 +19,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.policy import context_length
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+from ppo_lightning.optim import OPTIMIZERS, configure_optimizers  # noqa: F401  (the stages use both)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -267,15 +268,6 @@ def ensure_tiny_source(model_cfg) -> None:
 DEFAULT_MAX_LENGTH = 512
 
 
-def context_length(config) -> int | None:
-    """The position limit of a model config (None when it has none, e.g. rotary models)."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
-        if isinstance(getattr(c, name, None), int):
-            return getattr(c, name)
-    return None
-
-
 def resolve_max_length(max_length: int | None, source: str, trust_remote_code: bool, key: str) -> int:
     """``max_length`` checked against the model's context, read from its config before any weights
     load; null becomes the context, at most ``DEFAULT_MAX_LENGTH``."""
@@ -288,23 +280,6 @@ def resolve_max_length(max_length: int | None, source: str, trust_remote_code: b
         raise ConfigError(f"{key}={max_length} exceeds the model's context of {ctx} tokens; lower it "
                           "(or null: the context, at most 512)")
     return max_length
-
-
-def configure_optimizers(module, params, optim_cfg) -> dict:
-    """The optimizer ``optimizer.*`` names, with ``optimizer.scheduler`` per step (warmup, decay)."""
-    from ppo_lightning.module import lr_lambda
-
-    name = get(optim_cfg, "name", "adamw")
-    kwargs = {"lr": get(optim_cfg, "lr", 1e-5), "weight_decay": get(optim_cfg, "weight_decay", 0.0)}
-    if name in ("adamw", "adam"):
-        kwargs.update(betas=tuple(get(optim_cfg, "betas", (0.9, 0.999))), eps=get(optim_cfg, "eps", 1e-5))
-    optimizer = OPTIMIZERS[name](params, foreach=True, **kwargs)
-    trainer = module.trainer
-    total = trainer.max_steps if trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(get(optim_cfg, "scheduler", "constant"), get(optim_cfg, "warmup_steps", 0),
-                             max(1, total), get(optim_cfg, "min_lr_ratio", 0.0)))
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def reduce_sum(module, t: torch.Tensor) -> torch.Tensor:

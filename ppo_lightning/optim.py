@@ -1,0 +1,50 @@
+"""The optimizer and learning-rate schedule every task builds from ``optimizer.*``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def _get(cfg: Any, name: str, default: Any) -> Any:
+    value = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+    return default if value is None else value
+
+
+def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Multiplier of the base lr at PPO iteration ``step``: linear warmup, then the decay."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if scheduler == "linear":
+            decay = 1.0 - progress
+        else:  # cosine
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+    return f
+
+
+def configure_optimizers(module, params, optim_cfg) -> dict:
+    """The optimizer ``optimizer.*`` names, with ``optimizer.scheduler`` stepped once per training
+    step (a PPO iteration, or a batch of the stages), over ``trainer.max_steps``. ``foreach``: one
+    kernel per op over all tensors (the default on GPU, not on CPU)."""
+    name = _get(optim_cfg, "name", "adamw")
+    kwargs = {"lr": _get(optim_cfg, "lr", 1e-5), "weight_decay": _get(optim_cfg, "weight_decay", 0.0)}
+    if name in ("adamw", "adam"):
+        kwargs.update(betas=tuple(_get(optim_cfg, "betas", (0.9, 0.999))), eps=_get(optim_cfg, "eps", 1e-5))
+    optimizer = OPTIMIZERS[name](params, foreach=True, **kwargs)
+    trainer = module.trainer
+    total = trainer.max_steps if trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(_get(optim_cfg, "scheduler", "constant"), _get(optim_cfg, "warmup_steps", 0),
+                             max(1, total), _get(optim_cfg, "min_lr_ratio", 0.0)))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
