@@ -23,7 +23,7 @@ from ppo_lightning.policy import context_length
 
 log = logging.getLogger(__name__)
 
-from ppo_lightning.optim import OPTIMIZERS, configure_optimizers  # noqa: F401  (the stages use both)
+from ppo_lightning.optim import OPTIMIZERS, configure_optimizers
 
 
 # ----------------------------------------------------------------------------- configs
@@ -287,3 +287,19 @@ def reduce_sum(module, t: torch.Tensor) -> torch.Tensor:
     if module._trainer is not None and module.trainer.world_size > 1:
         return module.trainer.strategy.reduce(t, reduce_op="sum")
     return t
+
+
+class StageOptimization:
+    """The optimizer and gradient clipping both stage modules use (mixed into a LightningModule
+    with ``model``, ``optim_cfg`` and ``max_grad_norm``): ``optimizer.*`` with its schedule, and
+    ``task.max_grad_norm`` unless ``trainer.gradient_clip_val`` is set."""
+
+    def configure_optimizers(self):
+        return configure_optimizers(self, [p for p in self.model.parameters() if p.requires_grad],
+                                    self.optim_cfg)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if gradient_clip_val is None and self.max_grad_norm:
+            gradient_clip_val, gradient_clip_algorithm = self.max_grad_norm, "norm"
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, resolve_source
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
-                                         check_optimizer, configure_optimizers, ensure_tiny_source, get,
+                                         StageOptimization, check_optimizer, ensure_tiny_source, get,
                                          make_loader, pad_rows, read_records, reduce_sum, resolve_max_length,
                                          split_indices)
 
@@ -196,7 +196,7 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torc
     return -F.logsigmoid(r_chosen - r_rejected)
 
 
-class RewardModelModule(L.LightningModule):
+class RewardModelModule(StageOptimization, L.LightningModule):
     """Bradley-Terry training of a one-output ``AutoModelForSequenceClassification``.
 
     Logs ``train/loss``, ``train/accuracy``, ``train/lr`` per step and, per validation run over
@@ -250,16 +250,6 @@ class RewardModelModule(L.LightningModule):
             return
         self.log_dict({"val/loss": loss / n, "val/accuracy": correct / n, "val/margin": margin / n},
                       prog_bar=True)
-
-    def configure_optimizers(self):
-        return configure_optimizers(self, [p for p in self.model.parameters() if p.requires_grad],
-                                    self.optim_cfg)
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        if gradient_clip_val is None and self.max_grad_norm:
-            gradient_clip_val, gradient_clip_algorithm = self.max_grad_norm, "norm"
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
-                            gradient_clip_algorithm=gradient_clip_algorithm)
 
     @torch.no_grad()
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
-                                         check_optimizer, configure_optimizers, ensure_tiny_source, get,
+                                         StageOptimization, check_optimizer, ensure_tiny_source, get,
                                          make_loader, pad_rows, read_records, reduce_sum, resolve_max_length,
                                          split_indices)
 
@@ -210,7 +210,7 @@ def sft_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return loss_sum, keep.sum()
 
 
-class SFTModule(L.LightningModule):
+class SFTModule(StageOptimization, L.LightningModule):
     """Prompt-masked cross-entropy on any ``AutoModelForCausalLM``, automatic optimisation.
 
     Logs ``train/loss`` (per batch, mean over its response tokens), ``train/lr``, and per
@@ -256,16 +256,6 @@ class SFTModule(L.LightningModule):
         val_loss = loss_sum / n
         self.log_dict({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 80.0))},
                       prog_bar=True)
-
-    def configure_optimizers(self):
-        return configure_optimizers(self, [p for p in self.model.parameters() if p.requires_grad],
-                                    self.optim_cfg)
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        if gradient_clip_val is None and self.max_grad_norm:
-            gradient_clip_val, gradient_clip_algorithm = self.max_grad_norm, "norm"
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
-                            gradient_clip_algorithm=gradient_clip_algorithm)
 
     @property
     def last_metrics(self) -> dict[str, float]:
