@@ -68,6 +68,10 @@ class RewardConfig:
     max_length: int = 512
     """(model) tokens kept per text, truncated from the left (the response end is kept)."""
     dtype: str = "float32"
+    input: str = "auto"
+    """(model) auto | tokens | text. tokens: score the policy's token ids directly (no decode
+    and re-encode); needs the policy's vocabulary and a tokenizer that adds no special tokens.
+    text: always score the decoded text. auto: tokens when possible."""
     label_index: int = 0
     """(model) which logit is the score."""
     gain: float = 1.0
@@ -96,6 +100,8 @@ class OptimizerConfig:
     """PPO iterations of linear warmup: iteration i < w uses lr (i + 1) / (w + 1)."""
     min_lr_ratio: float = 0.0
     """Final lr / lr for linear and cosine decay."""
+    fused: bool = True
+    """torch's fused kernel (one per parameter); false: ``foreach`` (one per op over all tensors)."""
 
 
 @dataclass
@@ -293,6 +299,8 @@ def validate(cfg, check_files: bool = True) -> None:
     _check(not cfg.reward.normalize or cfg.reward.kind == "model", "reward.normalize",
            cfg.reward.normalize, "applies to reward=model only")
     _check(cfg.reward.normalize_samples >= 2, "reward.normalize_samples", cfg.reward.normalize_samples, "must be >= 2")
+    _check(cfg.reward.input in ("auto", "tokens", "text"), "reward.input", cfg.reward.input,
+           "choose auto, tokens or text")
     _check(cfg.reward.dtype in ("float32", "bfloat16", "float16"), "reward.dtype", cfg.reward.dtype,
            "choose float32, bfloat16 or float16")
     _check(cfg.trainer.max_steps >= 1, "trainer.max_steps", cfg.trainer.max_steps,

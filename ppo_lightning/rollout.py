@@ -88,6 +88,12 @@ def _cache_kwarg(lm) -> str:
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
 
 
+def _logits_to_keep(lm, n: int) -> dict:
+    """``logits_to_keep=n`` where the model takes it: the LM head then runs on the last ``n``
+    positions only (the logits of the prompt are never used)."""
+    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(lm.forward).parameters else {}
+
+
 def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
              eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
@@ -121,7 +127,7 @@ def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pa
     full_mask[:, :P] = attention_mask
     position_ids = position_ids_from_mask(attention_mask)
     next_pos = position_ids[:, -1:] + 1  # [B, 1]
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(lm.forward).parameters else {}
+    keep = _logits_to_keep(lm, 1)
     out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
              use_cache=True, **{cache_kw: cache}, **keep)
     responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -180,7 +186,8 @@ def forward_logprobs(policy: PolicyWithValueHead | None, lm, query_responses: Te
         else:
             R = query_responses.shape[1] - context_length
             logits = lm(input_ids=query_responses[sl], attention_mask=attention_mask[sl],
-                        position_ids=position_ids[sl], use_cache=False).logits[:, -(R + 1):-1]
+                        position_ids=position_ids[sl], use_cache=False,
+                        **_logits_to_keep(lm, R + 1)).logits[:, -(R + 1):-1]
         logps.append(ppo.logprobs_from_logits(logits / temperature, responses[sl]))
     return torch.cat(logps), (torch.cat(values) if values else None)
 
@@ -210,6 +217,23 @@ def decode_prompts_and_responses(tokenizer, input_ids: Tensor, responses: Tensor
     return prompts, texts
 
 
+def score_responses(reward_fn: Callable, tokenizer, input_ids: Tensor, attention_mask: Tensor,
+                    responses: Tensor, response_mask: Tensor, prompts: list[str] | None = None) -> Tensor:
+    """One score per row, float32, on the rollout's device.
+
+    A reward model that shares the policy's vocabulary (``RewardModel.token_input``) reads the
+    token ids directly; every other scorer gets ``(prompts, responses)`` as decoded text.
+    ``prompts`` replaces the decoded prompts (a dataset's raw prompt strings).
+    """
+    if getattr(reward_fn, "token_input", False):
+        ids = torch.cat([input_ids, responses], dim=1)
+        mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
+        return reward_fn.score_tokens(ids, mask).float().to(input_ids.device)
+    prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
+    scores = reward_fn(prompts if prompts is not None else prompt_texts, texts)
+    return torch.as_tensor(scores, dtype=torch.float32).to(input_ids.device)
+
+
 # ----------------------------------------------------------------------------- the whole step
 @torch.no_grad()
 def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, tokenizer,
@@ -237,11 +261,7 @@ def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, to
     ref_logprobs, _ = forward_logprobs(None, ref_lm, query_responses, full_mask, position_ids, P,
                                        temperature, forward_chunk_size)
 
-    # score the decoded text; the reward model may use a tokenizer of its own
-    prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
-    if prompts is None:
-        prompts = prompt_texts
-    scores = torch.as_tensor(reward_fn(prompts, texts), dtype=torch.float32).to(values.device)
+    scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts)
     contains_eos = ((responses == tokenizer.eos_token_id) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and gen.get("stop_at_eos", True):
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail

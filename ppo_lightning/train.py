@@ -96,6 +96,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     ref_lm = make_reference(lm)
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward)
+        reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
     if cfg.model.value_head_init == "reward_model":
         init_value_head_from(policy, reward_fn)
 

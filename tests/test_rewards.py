@@ -230,6 +230,48 @@ def test_reward_model_matches_unpadded_forward(tiny_rm_dir, rm_texts):
     torch.testing.assert_close(rm2(prompts, responses), 2.0 * expected - 0.5, atol=1e-5, rtol=0)
 
 
+def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_texts):
+    """Scoring the policy's token ids (left pads, EOS, pads after EOS) gives the text path's scores."""
+    from ppo_lightning.policy import load_tokenizer
+    from ppo_lightning.rollout import decode_prompts_and_responses, score_responses
+
+    tok = load_tokenizer(str(tiny_lm_dir))  # the policy's: left padding, pad distinct from EOS
+    prompts, responses = rm_texts
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    assert (enc.attention_mask == 0).any()  # left padding present
+    R = max(len(tok(r)["input_ids"]) for r in responses) + 2
+    rows = []
+    for i, r in enumerate(responses):  # response, EOS on all rows but the first, then pads
+        ids = tok(r)["input_ids"] + ([tok.eos_token_id] if i else [])
+        rows.append(ids + [tok.pad_token_id] * (R - len(ids)))
+    resp = torch.tensor(rows)
+    mask = torch.tensor([[1.0] * (len(tok(r)["input_ids"]) + (1 if i else 0))
+                         + [0.0] * (R - len(tok(r)["input_ids"]) - (1 if i else 0))
+                         for i, r in enumerate(responses)])
+    rm = RewardModel(str(tiny_rm_dir), batch_size=2, gain=2.0, bias=-0.5)
+    p_text, r_text = decode_prompts_and_responses(tok, enc.input_ids, resp, mask)
+    assert (p_text, r_text) == (prompts, responses)
+    text_scores = score_responses(rm, tok, enc.input_ids, enc.attention_mask, resp, mask)
+    assert rm.use_policy_tokens(tok, "auto") and rm.token_input
+    token_scores = score_responses(rm, tok, enc.input_ids, enc.attention_mask, resp, mask)
+    torch.testing.assert_close(token_scores, text_scores, atol=1e-5, rtol=0)
+    torch.testing.assert_close(text_scores, 2.0 * _manual_scores(tiny_rm_dir, prompts, responses) - 0.5,
+                               atol=1e-5, rtol=0)
+    assert not rm.use_policy_tokens(tok, "text") and not rm.token_input
+
+
+def test_reward_model_token_input_needs_the_policy_vocabulary(tiny_rm_dir):
+    from ppo_lightning.tasks.tokenizer import build_word_tokenizer
+
+    words = build_word_tokenizer(["the", "film", "was", "good"])
+    rm = RewardModel(str(tiny_rm_dir))
+    assert not rm.use_policy_tokens(words, "auto") and not rm.token_input  # falls back to text
+    with pytest.raises(ConfigError, match=r"reward.input=tokens.*different vocabulary"):
+        rm.use_policy_tokens(words, "tokens")
+    with pytest.raises(ConfigError, match="reward.input='sometimes'"):
+        rm.use_policy_tokens(words, "sometimes")
+
+
 def test_reward_model_frozen_and_eval(tiny_rm_dir):
     rm = RewardModel(str(tiny_rm_dir))
     # the wrapped classifier starts in eval (the wrapper's own flag is only fixed by .train()/.eval())

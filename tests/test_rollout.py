@@ -103,3 +103,25 @@ def test_value_head_starts_at_zero(tiny_lm_dir):
     tok, _, policy, ref = _setup(tiny_lm_dir)
     _, r = _rollout(tok, policy, ref)
     assert (r.values == 0).all()
+
+
+def test_fused_gelu_matches_gelu_new_and_export_keeps_the_config(tiny_lm_dir, tmp_path):
+    """``load_causal_lm`` runs GPT-2's ``gelu_new`` as one fused kernel: same outputs, same config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.activations import NewGELUActivation
+
+    from ppo_lightning.policy import fuse_activations
+
+    tok = load_tokenizer(str(tiny_lm_dir))
+    fused = load_causal_lm(str(tiny_lm_dir), tok).eval()
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_lm_dir)).eval()
+    plain.resize_token_embeddings(len(tok))
+    assert plain.config.activation_function == "gelu_new"
+    assert any(isinstance(m, NewGELUActivation) for m in plain.modules())
+    assert not any(isinstance(m, NewGELUActivation) for m in fused.modules())
+    ids = torch.randint(0, 256, (3, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5, rtol=0)
+    assert fuse_activations(fused) == 0  # idempotent
+    fused.save_pretrained(tmp_path / "out")
+    assert AutoConfig.from_pretrained(tmp_path / "out").activation_function == "gelu_new"

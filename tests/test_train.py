@@ -55,6 +55,24 @@ def test_ppo_raises_reward_and_writes_checkpoint(tmp_path, cache_dir):
     assert torch.equal(w, state["state_dict"]["policy.lm.transformer.h.0.attn.c_attn.weight"])
 
 
+def test_any_metric_can_be_a_checkpoint_monitor(tmp_path, cache_dir):
+    """Only what callbacks read goes through `self.log`: a monitor on any metric, and the metric
+    in the best checkpoint's filename template, still reach trainer.callback_metrics."""
+    cfg = compose_cfg([*FAST, "trainer.max_steps=4", "callbacks.best_checkpoint.monitor=loss/value_avg",
+                       "callbacks.best_checkpoint.mode=min", "callbacks.best_checkpoint.every_n_train_steps=2",
+                       "callbacks.model_checkpoint.every_n_train_steps=2", "export_dir=null"], tmp_path, cache_dir)
+    train(cfg)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    best = sorted((tmp_path / "checkpoints" / "best").glob("*.ckpt"))
+    assert len(best) == 2
+    # the filename carries the real rlhf_reward of that step (formatted from callback_metrics)
+    rewards = {f"{r['objective/rlhf_reward']:.4f}" for r in rows}
+    assert all(p.stem.rsplit("_reward_", 1)[1] in rewards for p in best), [p.name for p in best]
+    state = torch.load(best[0], map_location="cpu", weights_only=False)
+    cb_state = next(v for k, v in state["callbacks"].items() if "loss/value_avg" in k)
+    assert cb_state["monitor"] == "loss/value_avg"
+
+
 @pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb"])
 def test_each_logger_works_alone(tmp_path, cache_dir, monkeypatch, logger):
     if logger == "wandb":

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import DTYPES, disable_dropout, resolve_source
+from ppo_lightning.policy import DTYPES, disable_dropout, fuse_activations, resolve_source
 from ppo_lightning.rewards.base import check_scores
 
 
@@ -40,10 +40,12 @@ class RewardModel(nn.Module):
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         disable_dropout(self.model)
+        fuse_activations(self.model)
         self.model.requires_grad_(False)
         self.model.eval()
         self.batch_size, self.max_length, self.label_index = batch_size, max_length, label_index
         self.gain, self.bias = float(gain), float(bias)
+        self.token_input = False  # see use_policy_tokens
         self.train(False)
 
     def score_head(self) -> nn.Linear:
@@ -55,13 +57,13 @@ class RewardModel(nn.Module):
         raise ConfigError(f"reward.name_or_path={self.name!r}: no linear score head found "
                           "(looked for .score / .classifier); use model.value_head_init=zeros")
 
-    def fit_normalization(self, prompts: list[str], responses: list[str], reduce=None) -> tuple[float, float]:
-        """Set gain/bias so scores of these (reference-policy) samples have mean 0 and std 1.
+    def fit_normalization(self, raw: torch.Tensor, reduce=None) -> tuple[float, float]:
+        """Set gain/bias so that these raw scores (of reference-policy samples, scored with
+        ``gain=1, bias=0``) map to mean 0 and std 1.
 
         ``reduce`` sums a tensor over ranks under DDP, so every rank gets the same gain/bias.
         """
-        self.gain, self.bias = 1.0, 0.0
-        raw = self(prompts, responses).double()
+        raw = raw.double().cpu()
         stats = torch.stack([raw.sum(), (raw ** 2).sum(), torch.tensor(float(len(raw)), dtype=torch.float64)])
         if reduce is not None:
             stats = reduce(stats.to(next(self.model.parameters()).device)).cpu()
@@ -70,6 +72,53 @@ class RewardModel(nn.Module):
         std = max((sq / n - mean ** 2) ** 0.5, 1e-6)
         self.gain, self.bias = 1.0 / std, -mean / std
         return self.gain, self.bias
+
+    def use_policy_tokens(self, policy_tokenizer, mode: str = "auto") -> bool:
+        """Decide whether rollouts are scored from the policy's token ids (``score_tokens``).
+
+        That path skips decoding every response and re-encoding the text, and the reward model
+        sees exactly the tokens the policy sampled (a byte-level tokenizer decodes a broken UTF-8
+        sequence to U+FFFD, which re-encodes to other bytes). It is only the same input as the
+        text path when both tokenizers map the same strings to the same ids and the reward
+        tokenizer adds no special tokens of its own (BERT-style [CLS] ... [SEP]).
+        ``mode``: ``auto`` (use it when that holds), ``tokens`` (require it), ``text`` (never).
+        """
+        if mode not in ("auto", "tokens", "text"):
+            raise ConfigError(f"reward.input={mode!r}: choose auto, tokens or text")
+        same_vocab = policy_tokenizer.get_vocab() == self.tokenizer.get_vocab()
+        adds_specials = (self.tokenizer("a b")["input_ids"]
+                         != self.tokenizer("a b", add_special_tokens=False)["input_ids"])
+        ok = same_vocab and not adds_specials
+        if mode == "tokens" and not ok:
+            why = "a different vocabulary" if not same_vocab else "special tokens it adds to every text"
+            raise ConfigError(f"reward.input=tokens, but the reward model {self.name!r} has {why} "
+                              "compared with the policy's tokenizer; use reward.input=text (or auto)")
+        self.token_input = ok and mode != "text"
+        self._special_ids = torch.tensor(sorted(set(policy_tokenizer.all_special_ids)), dtype=torch.long)
+        return self.token_input
+
+    @torch.no_grad()
+    def score_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Scores of left-padded ``prompt + response`` token ids (the policy's vocabulary).
+
+        Special tokens (EOS, BOS, pad) are dropped from the input as ``skip_special_tokens``
+        drops them from the decoded text: they become the reward model's pad token, masked, and
+        positions count real tokens only, so the classifier pools the last real token. Keeps the
+        last ``max_length`` positions, as the text path truncates from the left.
+        """
+        special = torch.isin(input_ids, self._special_ids.to(input_ids.device))
+        real = attention_mask.bool() & ~special
+        if input_ids.shape[1] > self.max_length:
+            input_ids, real = input_ids[:, -self.max_length:], real[:, -self.max_length:]
+        ids = input_ids.masked_fill(~real, self.model.config.pad_token_id)  # what the pooling skips
+        mask = real.long()
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = []
+        for s in range(0, ids.shape[0], self.batch_size):
+            sl = slice(s, s + self.batch_size)
+            logits = self.model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=position_ids[sl]).logits
+            out.append(logits[:, self.label_index].float())
+        return torch.cat(out) * self.gain + self.bias
 
     def train(self, mode: bool = True):  # frozen: never switch to train mode
         return super().train(False)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, resolve_source
+from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, fuse_activations, resolve_source
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
                                          StageOptimization, check_optimizer, ensure_tiny_source, get,
                                          make_loader, pad_rows, read_records, reduce_sum, resolve_max_length,
@@ -290,6 +290,7 @@ def load_sequence_classifier(name_or_path: str, tokenizer, dtype: str = "float32
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     disable_dropout(model)
+    fuse_activations(model)
     return model
 
 
