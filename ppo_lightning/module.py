@@ -163,9 +163,12 @@ class PPOModule(L.LightningModule):
             self._last_nonfinite = self._describe_nonfinite(r)
         else:
             for _ in range(c.ppo_epochs):
-                perm = torch.randperm(B, generator=self.generator, device=self.device)
-                for mb_inds in perm.split(c.minibatch_size):
-                    mb = r.index(mb_inds)
+                if c.minibatch_size >= B:  # one minibatch: the loss is a mean, row order is moot
+                    minibatches = [None]
+                else:
+                    minibatches = torch.randperm(B, generator=self.generator, device=self.device).split(c.minibatch_size)
+                for mb_inds in minibatches:
+                    mb = r if mb_inds is None else r.index(mb_inds)
                     mask = mb.response_mask
                     logits, new_values = self.policy(mb.query_responses, mb.attention_mask,
                                                      mb.position_ids, mb.context_length)

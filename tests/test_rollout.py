@@ -125,3 +125,31 @@ def test_fused_gelu_matches_gelu_new_and_export_keeps_the_config(tiny_lm_dir, tm
     assert fuse_activations(fused) == 0  # idempotent
     fused.save_pretrained(tmp_path / "out")
     assert AutoConfig.from_pretrained(tmp_path / "out").activation_function == "gelu_new"
+
+
+def test_values_read_the_final_hidden_state_and_the_reference_has_no_hook(tiny_lm_dir):
+    """The value head reads the LM head's input (a pre-hook): the same states as
+    ``output_hidden_states[-1]`` at the positions before each response token."""
+    from ppo_lightning.policy import make_reference, position_ids_from_mask
+
+    tok = load_tokenizer(str(tiny_lm_dir))
+    policy = PolicyWithValueHead(load_causal_lm(str(tiny_lm_dir), tok))
+    torch.nn.init.normal_(policy.v_head.weight)
+    ids = torch.randint(0, 256, (3, 10))
+    am = torch.ones_like(ids)
+    am[0, :3] = 0  # left padding on one row
+    pos = position_ids_from_mask(am)
+    P = 4
+    with torch.no_grad():
+        logits, values = policy(ids, am, pos, P)
+        out = policy.lm(input_ids=ids, attention_mask=am, position_ids=pos, output_hidden_states=True)
+    expected = policy.v_head(out.hidden_states[-1][:, P - 1:-1]).squeeze(-1)
+    torch.testing.assert_close(values, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits, out.logits[:, P - 1:-1], atol=1e-5, rtol=0)
+    assert policy.lm.get_output_embeddings().head_input is None  # nothing held between calls
+    with torch.no_grad():
+        policy.lm(input_ids=ids)  # a plain LM call (sampling, say) keeps nothing either
+    assert policy.lm.get_output_embeddings().head_input is None
+    ref = make_reference(policy.lm)
+    assert not ref.get_output_embeddings()._forward_pre_hooks
+    assert not any(isinstance(m, PolicyWithValueHead) for m in ref.modules())
