@@ -84,9 +84,10 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
     before, after = result["before"], result["after"]
     assert after["reward (training reward)"] > before["reward (training reward)"] + 0.3
     assert after["sentiment (ground truth)"] > before["sentiment (ground truth)"] + 0.2
-    # The small reward model can be gamed: some grammar is lost (README, "The default job").
-    # This bounds the loss; a collapse into adjective salad would fail it.
-    assert after["well-formed fraction"] >= before["well-formed fraction"] - 0.25
+    # The grammar holds within a few points (README: -4.7 to +1.0 over six runs at 100
+    # iterations); reward hacking into adjective salad, or a red-team round that taught the
+    # reward model nothing, would fail it.
+    assert after["well-formed fraction"] >= before["well-formed fraction"] - 0.08
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
     assert list(runs[0].glob("files/media/table/samples_*.table.json"))

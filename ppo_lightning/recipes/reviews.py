@@ -7,7 +7,7 @@ and a reward model trained on preference pairs (the more positive continuation w
 raises the reward model's score; the ground-truth sentiment and the grammar check tell whether
 the gain is real or reward hacking.
 
-Built once under ``<paths.cache_dir>/reviews-v2`` (about a minute on 2 CPU cores)::
+Built once under ``<paths.cache_dir>/reviews-v3`` (about a minute on 2 CPU cores)::
 
     tokenizer/  sft/  reward_model/  prompts_train.txt  prompts_eval.txt  DONE
 """
@@ -15,7 +15,9 @@ Built once under ``<paths.cache_dir>/reviews-v2`` (about a minute on 2 CPU cores
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
 from pathlib import Path
 
 from ppo_lightning.recipes.common import build_cached, fit_stage, report, sample_and_score, save_base_model
@@ -23,8 +25,9 @@ from ppo_lightning.tasks import reviews
 
 log = logging.getLogger(__name__)
 
-NAME = "reviews-v2"  # bump when the recipe's data or models change
+NAME = "reviews-v3"  # bump when the recipe's data or models change
 BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=64)
+RED_TEAM_ROUNDS = 2  # rounds of online preference collection after the first reward model
 
 
 def root(cfg) -> Path:
@@ -41,8 +44,8 @@ def prepare(cfg) -> Path:
         tokenizer.save_pretrained(tmp / "tokenizer")
         save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
         (tmp / "prompts_train.txt").write_text("\n".join(reviews.prompts(rng, 2000)) + "\n")
-        (tmp / "prompts_eval.txt").write_text("\n".join(reviews.prompts(rng, 128)) + "\n")
-        log.info("[1/2] SFT policy on 6000 generated reviews of mixed sentiment")
+        (tmp / "prompts_eval.txt").write_text("\n".join(reviews.prompts(rng, 512)) + "\n")
+        log.info("[1/3] SFT policy on 6000 generated reviews of mixed sentiment")
         sft = fit_stage("sft", tmp / "base", tmp / "sft", reviews.sft_corpus(rng, 6000), steps=600,
                         batch_size=64, lr=3e-3, max_length=32, seed=cfg.seed,
                         extra={"max_prompt_length": 8})
@@ -50,11 +53,29 @@ def prepare(cfg) -> Path:
         pairs = reviews.preference_pairs(rng, 5000, ill_formed_fraction=0.3)
         pairs += drift_pairs(tmp / "sft", rng, 6000, temperature=2.0)
         rng.shuffle(pairs)
-        log.info("[2/2] reward model on %d generated preference pairs (%d against the SFT policy's "
+        log.info("[2/3] reward model on %d generated preference pairs (%d against the SFT policy's "
                  "own broken text)", len(pairs), len(pairs) - 5000)
-        rm = fit_stage("reward_model", tmp / "base", tmp / "reward_model", pairs,
+        rm = fit_stage("reward_model", tmp / "base", tmp / "reward_model_r1", pairs,
                        steps=1000, batch_size=32, lr=1e-3, max_length=32, seed=cfg.seed)
-        log.info("reward model: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
+        log.info("reward model, round 1: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
+        current = tmp / "reward_model_r1"
+        for r in range(2, RED_TEAM_ROUNDS + 2):
+            log.info("[3/3] red team %d/%d: a short PPO run against the reward model; its broken "
+                     "outputs become new pairs", r - 1, RED_TEAM_ROUNDS)
+            found = red_team_pairs(tmp, current, rng, seed=cfg.seed + r)
+            if len(found) < 20:  # nothing left worth another round
+                break
+            # the new pairs plus twice as many old ones, so a round does not forget the last
+            mixed = found + rng.sample(pairs, min(len(pairs), 2 * len(found)))
+            pairs += found
+            rng.shuffle(mixed)
+            rm = fit_stage("reward_model", current, tmp / f"reward_model_r{r}", mixed,
+                           steps=300, batch_size=32, lr=3e-4, max_length=32, seed=cfg.seed)
+            shutil.rmtree(current)
+            current = tmp / f"reward_model_r{r}"
+            log.info("reward model, round %d (%d new pairs): val/accuracy %.3f", r, len(found),
+                     rm.get("val/accuracy", float("nan")))
+        os.replace(current, tmp / "reward_model")
 
     return build_cached(root(cfg), build)
 
@@ -88,6 +109,58 @@ def drift_pairs(sft_dir: Path, rng: random.Random, n_prompts: int, temperature: 
             if not reviews.is_well_formed(reviews.join_text(p, r)):
                 pairs.append({"prompt": p, "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
                               "rejected": " " + r.strip()})
+    return pairs
+
+
+def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int, iterations: int = 40,
+                   n_samples: int = 4096) -> list[dict]:
+    """One round of online preference collection, as iterated RLHF does it.
+
+    PPO on a loose leash (β = 0.02) runs ``iterations`` steps from the SFT policy against the
+    round-1 reward model, which finds that model's blind spots far faster than any corruption
+    list can guess them (a repeated "the", a "." before the clause ends: whatever this seed's
+    model happens to miss). ``n_samples`` responses of that policy are then labelled by the
+    grammar, the offline stand-in for a human labeller: each ill-formed one becomes a pair
+    that loses to a well-formed, positive continuation of the same prompt.
+    """
+    import lightning as L
+    import torch
+    from omegaconf import OmegaConf
+
+    from ppo_lightning.config import TrainConfig
+    from ppo_lightning.data import LeftPadCollator
+    from ppo_lightning.rollout import decode_prompts_and_responses, generate
+    from ppo_lightning.train import build_module
+
+    c = OmegaConf.structured(TrainConfig)
+    c.model.name_or_path = str(tmp / "sft")
+    c.reward.kind, c.reward.name_or_path = "model", str(reward_dir)
+    c.reward.max_length, c.reward.normalize = 32, True
+    c.data.path, c.data.batch_size, c.data.max_prompt_length = str(tmp / "prompts_train.txt"), 32, 8
+    c.ppo.max_new_tokens, c.ppo.kl_coef = 20, 0.02
+    c.optimizer.lr = 5e-5
+    c.paths.output_dir, c.paths.cache_dir, c.export_dir, c.seed = str(tmp / "red_team"), str(tmp), None, seed
+    module, datamodule = build_module(c)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=iterations, max_epochs=-1, logger=False,
+                        enable_checkpointing=False, enable_model_summary=False,
+                        enable_progress_bar=True, use_distributed_sampler=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=datamodule)
+
+    tok, lm = module.tokenizer, module.policy.lm.eval()
+    ps = reviews.prompts(rng, n_samples)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    collate = LeftPadCollator(tok.pad_token_id)
+    pairs = []
+    for s in range(0, len(ps), 512):
+        batch = collate(tok(ps[s:s + 512], add_special_tokens=False)["input_ids"])
+        resp, mask = generate(lm, batch["input_ids"], batch["attention_mask"], max_new_tokens=20,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+        for p, r in zip(*decode_prompts_and_responses(tok, batch["input_ids"], resp, mask)):
+            if not reviews.is_well_formed(reviews.join_text(p, r)):
+                pairs.append({"prompt": p, "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
+                              "rejected": " " + r.strip()})
+    shutil.rmtree(tmp / "red_team", ignore_errors=True)
+    log.info("red team: %d of %d samples ill-formed after %d PPO iterations", len(pairs), n_samples, iterations)
     return pairs
 
 

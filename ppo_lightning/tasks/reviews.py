@@ -274,13 +274,25 @@ def preference_pairs(rng: random.Random | int, n: int, ill_formed_fraction: floa
 def corrupt(rng: random.Random | int, prompt: str, response: str) -> str:
     """An ill-formed variant of ``response`` (so ``prompt + result`` fails :func:`is_well_formed`):
     truncated, a word dropped, repeated or replaced by another word of the vocabulary (which
-    breaks agreement or word order), words shuffled, or positive adjectives piled up."""
+    breaks agreement or word order), words shuffled, or positive adjectives piled up; or the two
+    slips a policy pushed towards positive words makes most: a "." before the clause is complete
+    ("the plot stayed deeply ."), more words after the final "." ("... fresh . superb ."), and
+    one more positive word, intensifier or joiner where the grammar allows none ("really truly
+    fresh", "fresh and warm and bold", "and the the")."""
     rng = _as_rng(rng)
     words = response.split()
     for _ in range(20):
-        kind = rng.randrange(7)
+        kind = rng.randrange(11)
         w = list(words)
-        if kind == 0 and len(w) > 1:
+        if kind in (9, 10):  # inflated: the way a policy pushed towards positive words drifts
+            pool = rng.choice((POSITIVE, INTENSIFIERS, ("and", "the") + CONNECTIVES))
+            w.insert(rng.randrange(len(w)), rng.choice(pool))
+        elif kind == 7 and len(w) > 2:  # ends too early: cut before the last adjective, then "."
+            w = w[:rng.randrange(1, len(w) - 1)] + ["."]
+        elif kind == 8:  # runs on after the final "."
+            for _ in range(rng.randint(1, 3)):
+                w += ([rng.choice(INTENSIFIERS)] if rng.random() < 0.3 else []) + [rng.choice(POSITIVE), "."]
+        elif kind == 0 and len(w) > 1:
             w = w[:rng.randrange(1, len(w))]  # stops early
         elif kind == 1 and len(w) > 1:
             del w[rng.randrange(len(w))]
