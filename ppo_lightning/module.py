@@ -75,6 +75,7 @@ class PPOModule(L.LightningModule):
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
         self._time_rollout = 0.0
         self._trainer_metrics: tuple[str, ...] = ()  # set in on_fit_start
+        self._plain_clipping = False  # set in on_fit_start: clip_grad_norm_ directly
 
     # ------------------------------------------------------------------------- setup
     def configure_optimizers(self):
@@ -89,6 +90,11 @@ class PPOModule(L.LightningModule):
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(self.seed + 1000 * self.global_rank)
         self.ref_lm.eval()
+        from lightning.pytorch.plugins.precision import Precision
+        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+        self._plain_clipping = (type(self.trainer.precision_plugin) is Precision
+                                and type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy))
         # What `self.log` must carry into trainer.callback_metrics: the metrics a callback
         # monitors (ModelCheckpoint, EarlyStopping, ...) and the progress bar's. Each `self.log`
         # costs ~0.5 ms on CPU, so nothing else goes that way; every metric goes to the loggers.
@@ -186,9 +192,7 @@ class PPOModule(L.LightningModule):
                         self._last_nonfinite = f"loss {loss.item()}"
                         continue
                     self.manual_backward(loss)
-                    if c.max_grad_norm > 0:
-                        self.clip_gradients(opt, gradient_clip_val=c.max_grad_norm, gradient_clip_algorithm="norm")
-                    if not self._all_ranks(self._grads_finite()):
+                    if not self._all_ranks(self._clip_and_check_gradients(opt)):
                         opt.zero_grad()  # weights untouched
                         skipped += 1
                         self._last_nonfinite = "gradient norm"
@@ -232,9 +236,28 @@ class PPOModule(L.LightningModule):
             return ok
         return bool(self.trainer.strategy.reduce_boolean_decision(ok, all=True))
 
-    def _grads_finite(self) -> bool:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))) if grads else True
+    def _clip_and_check_gradients(self, opt) -> bool:
+        """Clip to ``ppo.max_grad_norm`` (when > 0); return whether the gradient norm is finite.
+
+        With a plain strategy and precision (one device or DDP, 32-true) this is
+        what Lightning's ``clip_gradients`` runs, ``clip_grad_norm_`` over the optimizer's
+        parameters, whose return value is the norm the finiteness check needs: one pass over the
+        gradients instead of two. Other setups (AMP unscaling, FSDP's sharded norm) go through
+        ``self.clip_gradients`` and a separate norm.
+        """
+        max_norm = self.ppo_cfg.max_grad_norm
+        params = [p for group in opt.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return True
+        if self._plain_clipping:
+            if max_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            return bool(torch.isfinite(norm))
+        if max_norm > 0:
+            self.clip_gradients(opt, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+        return bool(torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params])))
 
     def _describe_nonfinite(self, r: Rollout) -> str:
         bad = (~torch.isfinite(r.scores)).nonzero().flatten()

@@ -128,3 +128,28 @@ def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_d
     p, r = decode_prompts_and_responses(module.tokenizer, batch["input_ids"], resp, mask)
     scores = module.reward_fn(p, r)
     assert abs(float(scores.mean())) < 1.0 and 0.3 < float(scores.std()) < 3.0
+
+
+def test_direct_clipping_matches_lightning_clip_gradients(tmp_path, cache_dir, monkeypatch):
+    """On one fp32 device the module clips with ``clip_grad_norm_`` itself (one pass: clip and
+    the finiteness check); the weights must equal those of Lightning's ``self.clip_gradients``."""
+    from safetensors.torch import load_file
+
+    from ppo_lightning.module import PPOModule
+
+    orig = PPOModule.on_fit_start
+    weights = {}
+    for plain in (True, False):
+        def on_fit_start(self, plain=plain):
+            orig(self)
+            assert self._plain_clipping  # what a CPU fp32 run gets
+            self._plain_clipping = plain
+        monkeypatch.setattr(PPOModule, "on_fit_start", on_fit_start)
+        out = tmp_path / str(plain)
+        cfg = compose_cfg([*FAST, "trainer.max_steps=2", "ppo.max_grad_norm=0.01", "callbacks=none",
+                           "logger=none", f"export_dir={out / 'policy'}"], out, cache_dir)
+        train(cfg)
+        weights[plain] = load_file(str(out / "policy" / "model.safetensors"))
+    assert weights[True].keys() == weights[False].keys()
+    for k in weights[True]:
+        torch.testing.assert_close(weights[True][k], weights[False][k], atol=1e-6, rtol=0)
