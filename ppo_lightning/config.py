@@ -191,7 +191,7 @@ class TrainerConfig:
     enable_model_summary: bool = True
     enable_checkpointing: bool = True
     deterministic: Any = False
-    default_root_dir: Optional[str] = None
+    default_root_dir: Optional[str] = "${paths.output_dir}"
     num_sanity_val_steps: int = 0
     use_distributed_sampler: bool = False
     """Off: the prompt loader shards over ranks itself, in an order a resumed run can replay."""

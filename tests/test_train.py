@@ -150,6 +150,8 @@ def test_direct_clipping_matches_lightning_clip_gradients(tmp_path, cache_dir, m
                            "logger=none", f"export_dir={out / 'policy'}"], out, cache_dir)
         train(cfg)
         weights[plain] = load_file(str(out / "policy" / "model.safetensors"))
+        # callbacks=none leaves Lightning's default checkpoint on: it lands in the run dir
+        assert list((out / "checkpoints").glob("*.ckpt"))
     assert weights[True].keys() == weights[False].keys()
     for k in weights[True]:
         torch.testing.assert_close(weights[True][k], weights[False][k], atol=1e-6, rtol=0)
