@@ -3,11 +3,12 @@
 The offline analogue of the classic RLHF demo (GPT-2 + an IMDB sentiment classifier). Everything
 comes from this project (``ppo_lightning/tasks/reviews.py``): a grammar of short reviews, a
 word-level tokenizer over its vocabulary, an SFT policy trained on reviews of mixed sentiment,
-and a reward model trained on preference pairs (the more positive continuation wins). PPO then
-raises the reward model's score; the ground-truth sentiment and the grammar check tell whether
-the gain is real or reward hacking.
+and a reward model trained on preference pairs (the more positive continuation wins), then
+hardened by ``RED_TEAM_ROUNDS`` rounds of online preference collection (``red_team_pairs``). PPO
+then raises the reward model's score; the ground-truth sentiment and the grammar check tell
+whether the gain is real or reward hacking.
 
-Built once under ``<paths.cache_dir>/reviews-v3`` (about a minute on 2 CPU cores)::
+Built once under ``<paths.cache_dir>/reviews-v3`` (about two minutes on 2 CPU cores)::
 
     tokenizer/  sft/  reward_model/  prompts_train.txt  prompts_eval.txt  DONE
 """
