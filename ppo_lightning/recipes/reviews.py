@@ -89,20 +89,28 @@ def drift_pairs(sft_dir: Path, rng: random.Random, n_prompts: int, temperature: 
     text scores it arbitrarily, and PPO finds and exploits that within tens of iterations. Each
     broken sample is paired with a well-formed, positive continuation of the same prompt.
     """
-    import torch
-
-    from ppo_lightning.data import LeftPadCollator
     from ppo_lightning.policy import load_causal_lm, load_tokenizer
-    from ppo_lightning.rollout import decode_prompts_and_responses, generate
 
     tok = load_tokenizer(str(sft_dir))
     lm = load_causal_lm(str(sft_dir), tok).eval()
+    return pairs_against_broken_samples(lm, tok, rng, n_prompts, temperature, batch_size=256)
+
+
+def pairs_against_broken_samples(lm, tok, rng: random.Random, n_prompts: int, temperature: float = 1.0,
+                                 batch_size: int = 256) -> list[dict]:
+    """Sample one response per fresh prompt from ``lm``; label it with the grammar; pair each
+    ill-formed one (rejected) with a well-formed, positive continuation of its prompt (chosen)."""
+    import torch
+
+    from ppo_lightning.data import LeftPadCollator
+    from ppo_lightning.rollout import decode_prompts_and_responses, generate
+
     ps = reviews.prompts(rng, n_prompts)
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     collate = LeftPadCollator(tok.pad_token_id)
     pairs = []
-    for s in range(0, len(ps), 256):
-        batch = collate(tok(ps[s:s + 256], add_special_tokens=False)["input_ids"])
+    for s in range(0, len(ps), batch_size):
+        batch = collate(tok(ps[s:s + batch_size], add_special_tokens=False)["input_ids"])
         resp, mask = generate(lm, batch["input_ids"], batch["attention_mask"], max_new_tokens=20,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                               temperature=temperature, generator=g)
@@ -125,12 +133,9 @@ def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int, i
     that loses to a well-formed, positive continuation of the same prompt.
     """
     import lightning as L
-    import torch
     from omegaconf import OmegaConf
 
     from ppo_lightning.config import TrainConfig
-    from ppo_lightning.data import LeftPadCollator
-    from ppo_lightning.rollout import decode_prompts_and_responses, generate
     from ppo_lightning.train import build_module
 
     c = OmegaConf.structured(TrainConfig)
@@ -147,19 +152,8 @@ def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int, i
                         enable_progress_bar=True, use_distributed_sampler=False, limit_val_batches=0)
     trainer.fit(module, datamodule=datamodule)
 
-    tok, lm = module.tokenizer, module.policy.lm.eval()
-    ps = reviews.prompts(rng, n_samples)
-    g = torch.Generator().manual_seed(rng.randrange(2**31))
-    collate = LeftPadCollator(tok.pad_token_id)
-    pairs = []
-    for s in range(0, len(ps), 512):
-        batch = collate(tok(ps[s:s + 512], add_special_tokens=False)["input_ids"])
-        resp, mask = generate(lm, batch["input_ids"], batch["attention_mask"], max_new_tokens=20,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
-        for p, r in zip(*decode_prompts_and_responses(tok, batch["input_ids"], resp, mask)):
-            if not reviews.is_well_formed(reviews.join_text(p, r)):
-                pairs.append({"prompt": p, "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
-                              "rejected": " " + r.strip()})
+    pairs = pairs_against_broken_samples(module.policy.lm.eval(), module.tokenizer, rng, n_samples,
+                                         batch_size=512)
     shutil.rmtree(tmp / "red_team", ignore_errors=True)
     log.info("red team: %d of %d samples ill-formed after %d PPO iterations", len(pairs), n_samples, iterations)
     return pairs

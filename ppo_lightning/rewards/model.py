@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import DTYPES, disable_dropout, fuse_activations, resolve_source
+from ppo_lightning.policy import (DTYPES, disable_dropout, fuse_activations, position_ids_from_mask,
+                                  resolve_source)
 from ppo_lightning.rewards.base import check_scores
 
 
@@ -112,7 +113,7 @@ class RewardModel(nn.Module):
             input_ids, real = input_ids[:, -self.max_length:], real[:, -self.max_length:]
         ids = input_ids.masked_fill(~real, self.model.config.pad_token_id)  # what the pooling skips
         mask = real.long()
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        position_ids = position_ids_from_mask(mask)
         out = []
         for s in range(0, ids.shape[0], self.batch_size):
             sl = slice(s, s + self.batch_size)
