@@ -154,6 +154,10 @@ class PPOConfig:
     gradient (each such update is skipped, weights untouched, and counted)."""
     rollout_forward_batch_size: Optional[int] = None
     """Rows per scoring forward during the rollout (bounds memory; null = whole batch)."""
+    fuse_rollout_forward: bool = True
+    """When one minibatch is the whole batch, take the old logprobs and values from the first
+    update's forward (detached) instead of a separate no-grad forward: the same numbers, one
+    policy forward fewer per iteration. False always runs the separate forward."""
 
 
 @dataclass

@@ -1,9 +1,14 @@
 """``PPOModule``: one PPO iteration per Lightning batch, in two parts.
 
 1. ``on_train_batch_start``: sample responses to the batch's prompts and score them
-   (``rollout.make_rollout``): old logprobs and values, reference logprobs, rewards, advantages.
+   (``rollout.sample_and_score``: responses, reference logprobs, reward scores), then the old
+   policy's logprobs and values, per-token rewards and advantages (``rollout.finish_rollout``).
 2. ``training_step``: ``ppo_epochs`` passes over shuffled minibatches of that rollout, one clipped
    update each (manual optimisation), then metrics and the KL controller update.
+
+When one minibatch is the whole batch (``ppo.fuse_rollout_forward``), the old logprobs and values
+of part 1 are taken from the first update's forward at the start of part 2 instead: the weights
+have not moved, so a separate no-grad forward would compute the same numbers again.
 
 The module orchestrates; the math lives in ``ppo.py`` and ``rollout.py``. Lightning's
 ``global_step`` counts PPO iterations (not the many optimizer steps inside one), so
@@ -27,7 +32,8 @@ from ppo_lightning import ppo
 from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
-from ppo_lightning.rollout import Rollout, make_rollout, score_responses
+from ppo_lightning.rollout import (Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score,
+                                   score_responses)
 
 log = logging.getLogger(__name__)
 
@@ -144,23 +150,46 @@ class PPOModule(L.LightningModule):
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         c = self.ppo_cfg
         t0 = time.perf_counter()
-        self.rollout = make_rollout(
+        samples = sample_and_score(
             policy=self.policy, ref_lm=self.ref_lm, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-            kl_coef=self.kl_ctl.value, gamma=c.gamma, lam=c.lam, kl_estimator=c.kl_estimator,
             gen={"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
                  "top_p": c.top_p, "stop_at_eos": c.stop_at_eos},
-            missing_eos_penalty=c.missing_eos_penalty, whiten_rewards=c.whiten_rewards,
-            forward_chunk_size=c.rollout_forward_batch_size, generator=self.generator)
+            missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
+            generator=self.generator)
+        if c.fuse_rollout_forward and c.minibatch_size >= samples.batch_size:
+            # One minibatch: training_step's first forward gives the old logprobs and values.
+            self.rollout = samples
+        else:
+            logprobs, values = forward_logprobs(
+                self.policy, None, samples.query_responses, samples.attention_mask, samples.position_ids,
+                samples.context_length, c.temperature, c.rollout_forward_batch_size)
+            self.rollout = self._finish_rollout(samples, logprobs, values)
         self._time_rollout = time.perf_counter() - t0
+
+    def _finish_rollout(self, samples: Samples, logprobs: torch.Tensor, values: torch.Tensor) -> Rollout:
+        c = self.ppo_cfg
+        return finish_rollout(samples, logprobs, values, kl_coef=self.kl_ctl.value, gamma=c.gamma, lam=c.lam,
+                              kl_estimator=c.kl_estimator, whiten_rewards=c.whiten_rewards)
+
+    def _policy_forward(self, mb: Rollout | Samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tempered logits ``[B, R, V]``, values ``[B, R]`` and logprobs of the responses ``[B, R]``."""
+        logits, values = self.policy(mb.query_responses, mb.attention_mask, mb.position_ids, mb.context_length)
+        logits = logits / self.ppo_cfg.temperature  # as in the rollout's logprobs
+        return logits, values, ppo.logprobs_from_logits(logits, mb.responses)
 
     # ------------------------------------------------------------------------- part 2: updates
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        c, r = self.ppo_cfg, self.rollout
+        c = self.ppo_cfg
         iteration = self.global_step  # 0-based PPO iteration; the loggers' step
         opt, sched = self.optimizers(), self.lr_schedulers()
         lr = sched.get_last_lr()[0]  # the rate this iteration trains with
         t0 = time.perf_counter()
+        first = None  # the first update's forward, when it also supplies the old logprobs
+        if isinstance(self.rollout, Samples):
+            first = self._policy_forward(self.rollout)
+            self.rollout = self._finish_rollout(self.rollout, first[2].detach(), first[1].detach())
+        r = self.rollout
         B = r.batch_size
         stats: dict[str, list[torch.Tensor]] = defaultdict(list)
         skipped = 0
@@ -176,10 +205,10 @@ class PPOModule(L.LightningModule):
                 for mb_inds in minibatches:
                     mb = r if mb_inds is None else r.index(mb_inds)
                     mask = mb.response_mask
-                    logits, new_values = self.policy(mb.query_responses, mb.attention_mask,
-                                                     mb.position_ids, mb.context_length)
-                    logits = logits / c.temperature  # as in the rollout's logprobs
-                    new_logp = ppo.logprobs_from_logits(logits, mb.responses)
+                    if first is not None:
+                        (logits, new_values, new_logp), first = first, None
+                    else:
+                        logits, new_values, new_logp = self._policy_forward(mb)
                     pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, mb.logprobs, mb.advantages, mask, c.clip)
                     vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, mb.values, mb.returns, mask, c.vf_clip)
                     with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor

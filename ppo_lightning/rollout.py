@@ -80,7 +80,12 @@ def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int = 0, 
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p (each p_i / E_i is
+    # the inverse of an Exp(p_i) arrival time; the first arrival is i with probability p_i).
+    # -log(U) with U ~ U[0, 1) is Exp(1); U = 0 gives +inf, so that token cannot win. Same
+    # distribution as torch.multinomial, ~3x cheaper per decode step on CPU.
+    race = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)
+    return probs.div_(race.log_().neg_()).argmax(-1)
 
 
 def _cache_kwarg(lm) -> str:
@@ -235,6 +240,83 @@ def score_responses(reward_fn: Callable, tokenizer, input_ids: Tensor, attention
 
 
 # ----------------------------------------------------------------------------- the whole step
+@dataclasses.dataclass
+class Samples:
+    """Sampled, scored responses: the part of a rollout that does not need the policy's forward.
+
+    ``make_rollout`` completes it with a no-grad forward of the policy. When one PPO minibatch
+    is the whole batch, ``PPOModule`` instead completes it from the first update's own forward
+    (``finish_rollout``), whose detached logprobs and values are exactly the old ones: the
+    weights have not moved yet, so a separate forward would compute the same numbers again.
+    """
+
+    query_responses: Tensor  # [B, T]
+    attention_mask: Tensor  # [B, T]
+    position_ids: Tensor  # [B, T]
+    response_mask: Tensor  # [B, R] float
+    ref_logprobs: Tensor  # [B, R] (unmasked)
+    scores: Tensor  # [B] after the missing-EOS penalty
+    contains_eos: Tensor  # [B] bool
+    context_length: int  # P
+
+    @property
+    def batch_size(self) -> int:
+        return self.query_responses.shape[0]
+
+    @property
+    def responses(self) -> Tensor:
+        return self.query_responses[:, self.context_length:]
+
+
+@torch.no_grad()
+def sample_and_score(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, tokenizer,
+                     input_ids: Tensor, attention_mask: Tensor, gen: dict,
+                     missing_eos_penalty: float | None = None, forward_chunk_size: int | None = None,
+                     generator: torch.Generator | None = None, prompts: list[str] | None = None) -> Samples:
+    """Sample responses to left-padded prompts; reference logprobs and reward scores for them."""
+    P = input_ids.shape[1]
+    responses, response_mask = generate(
+        policy.lm, input_ids, attention_mask, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, generator=generator, **gen)
+    query_responses = torch.cat([input_ids, responses], dim=1)  # [B, T]
+    full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
+    position_ids = position_ids_from_mask(full_mask)
+    ref_logprobs, _ = forward_logprobs(None, ref_lm, query_responses, full_mask, position_ids, P,
+                                       gen["temperature"], forward_chunk_size)
+
+    scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts)
+    contains_eos = ((responses == tokenizer.eos_token_id) & (response_mask > 0)).any(1)
+    if missing_eos_penalty is not None and gen.get("stop_at_eos", True):
+        scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
+    return Samples(query_responses=query_responses, attention_mask=full_mask, position_ids=position_ids,
+                   response_mask=response_mask, ref_logprobs=ref_logprobs, scores=scores,
+                   contains_eos=contains_eos, context_length=P)
+
+
+@torch.no_grad()
+def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor, *, kl_coef: float, gamma: float,
+                   lam: float, kl_estimator: str = "k1", whiten_rewards: bool = False) -> Rollout:
+    """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``:
+    per-token rewards (-beta * KL, plus the score at the last real token), GAE, whitening."""
+    mask = s.response_mask
+    logprobs, ref_logprobs, values = logprobs * mask, s.ref_logprobs * mask, values * mask
+    kl = ppo.kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
+    per_token_kl = kl if kl_estimator == "k1" else ppo.kl_penalty(logprobs, ref_logprobs, kl_estimator) * mask
+    rewards = -kl_coef * per_token_kl
+    non_score_reward = rewards.sum(1)
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # index of the last real response token
+    rewards = rewards.scatter_add(1, last[:, None], s.scores[:, None].to(rewards.dtype))
+    if whiten_rewards:
+        rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
+    advantages, returns = ppo.compute_gae(rewards, values, ppo.next_values(values, mask), mask, gamma, lam)
+    advantages = ppo.whiten(advantages, mask, distributed=True)
+    return Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask,
+                   position_ids=s.position_ids, response_mask=mask, logprobs=logprobs,
+                   ref_logprobs=ref_logprobs, values=values, kl=kl, rewards=rewards,
+                   non_score_reward=non_score_reward, advantages=advantages, returns=returns,
+                   scores=s.scores, contains_eos=s.contains_eos, context_length=s.context_length)
+
+
 @torch.no_grad()
 def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, tokenizer,
                  input_ids: Tensor, attention_mask: Tensor, kl_coef: float, gen: dict,
@@ -247,39 +329,11 @@ def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, to
     ``gen`` holds ``max_new_tokens, temperature, top_k, top_p, stop_at_eos``. ``reward_fn`` maps
     ``(prompts, responses)`` strings to one float score per row (a tensor or a list).
     """
-    P = input_ids.shape[1]
-    temperature = gen["temperature"]
-    responses, response_mask = generate(
-        policy.lm, input_ids, attention_mask, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, generator=generator, **gen)
-    query_responses = torch.cat([input_ids, responses], dim=1)  # [B, T]
-    full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
-    position_ids = position_ids_from_mask(full_mask)
-
-    logprobs, values = forward_logprobs(policy, None, query_responses, full_mask, position_ids, P,
-                                        temperature, forward_chunk_size)
-    ref_logprobs, _ = forward_logprobs(None, ref_lm, query_responses, full_mask, position_ids, P,
-                                       temperature, forward_chunk_size)
-
-    scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts)
-    contains_eos = ((responses == tokenizer.eos_token_id) & (response_mask > 0)).any(1)
-    if missing_eos_penalty is not None and gen.get("stop_at_eos", True):
-        scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
-
-    mask = response_mask
-    logprobs, ref_logprobs, values = logprobs * mask, ref_logprobs * mask, values * mask
-    kl = ppo.kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
-    per_token_kl = kl if kl_estimator == "k1" else ppo.kl_penalty(logprobs, ref_logprobs, kl_estimator) * mask
-    rewards = -kl_coef * per_token_kl
-    non_score_reward = rewards.sum(1)
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # index of the last real response token
-    rewards = rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
-    if whiten_rewards:
-        rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
-    advantages, returns = ppo.compute_gae(rewards, values, ppo.next_values(values, mask), mask, gamma, lam)
-    advantages = ppo.whiten(advantages, mask, distributed=True)
-    return Rollout(query_responses=query_responses, attention_mask=full_mask,
-                   position_ids=position_ids, response_mask=mask, logprobs=logprobs,
-                   ref_logprobs=ref_logprobs, values=values, kl=kl, rewards=rewards, non_score_reward=non_score_reward,
-                   advantages=advantages, returns=returns, scores=scores,
-                   contains_eos=contains_eos, context_length=P)
+    s = sample_and_score(policy=policy, ref_lm=ref_lm, reward_fn=reward_fn, tokenizer=tokenizer,
+                         input_ids=input_ids, attention_mask=attention_mask, gen=gen,
+                         missing_eos_penalty=missing_eos_penalty, forward_chunk_size=forward_chunk_size,
+                         generator=generator, prompts=prompts)
+    logprobs, values = forward_logprobs(policy, None, s.query_responses, s.attention_mask, s.position_ids,
+                                        s.context_length, gen["temperature"], forward_chunk_size)
+    return finish_rollout(s, logprobs, values, kl_coef=kl_coef, gamma=gamma, lam=lam,
+                          kl_estimator=kl_estimator, whiten_rewards=whiten_rewards)

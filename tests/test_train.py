@@ -13,10 +13,12 @@ FAST = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false
 
 
 def test_ratio_is_exactly_one_on_first_minibatch(tmp_path, cache_dir):
-    """One epoch, one minibatch: the update's forward must reproduce the rollout's logprobs, so
-    ratio = 1 on every token (mean 1, variance 0) and nothing is clipped."""
+    """One epoch, one minibatch, old logprobs from the rollout's own no-grad forward: the update's
+    forward must reproduce them, so ratio = 1 on every token (mean 1, variance 0) and nothing is
+    clipped."""
     cfg = compose_cfg([*FAST, "trainer.max_steps=1", "ppo.ppo_epochs=1", "data.batch_size=8",
-                       "ppo.minibatch_size=8", "callbacks=none", "export_dir=null"], tmp_path, cache_dir)
+                       "ppo.minibatch_size=8", "ppo.fuse_rollout_forward=false", "callbacks=none",
+                       "export_dir=null"], tmp_path, cache_dir)
     train(cfg)
     (row,) = read_metrics(tmp_path / "metrics.csv")
     assert row["val/ratio"] == 1.0
@@ -24,6 +26,26 @@ def test_ratio_is_exactly_one_on_first_minibatch(tmp_path, cache_dir):
     assert row["policy/approxkl_avg"] == 0.0
     assert row["policy/clipfrac_avg"] == 0.0
     assert row["objective/kl"] == 0.0  # policy == reference before any update
+
+
+def test_fused_rollout_forward_gives_the_same_run(tmp_path, cache_dir):
+    """Old logprobs and values from the first update's forward (the default with one minibatch)
+    or from a separate rollout forward: every logged metric of a 4-iteration run agrees."""
+    runs = {}
+    for fused in (True, False):
+        out = tmp_path / str(fused)
+        cfg = compose_cfg([*FAST, "trainer.max_steps=4", "data.batch_size=8", "ppo.minibatch_size=8",
+                           "optimizer.lr=1e-3", f"ppo.fuse_rollout_forward={fused}", "callbacks=none",
+                           "export_dir=null"], out, cache_dir)
+        train(cfg)
+        runs[fused] = read_metrics(out / "metrics.csv")
+    assert len(runs[True]) == len(runs[False]) == 4
+    for a, b in zip(runs[True], runs[False]):
+        for k in a:
+            if k.startswith("perf/"):
+                continue
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (a["step"], k)
+    assert runs[True][-1]["policy/approxkl_avg"] > 0  # the weights moved: the runs are not trivial
 
 
 def test_ppo_raises_reward_and_writes_checkpoint(tmp_path, cache_dir):
