@@ -134,7 +134,7 @@ class PPOModule(L.LightningModule):
             resp, mask = generate(self.ref_lm, ids, am, max_new_tokens=c.max_new_tokens,
                                   eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                                   temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-                                  stop_at_eos=c.stop_at_eos, generator=g)
+                                  stop_at_eos=c.stop_at_eos, fast_decode=c.fast_decode, generator=g)
             # the same scoring path (token ids or decoded text) as the rollouts
             raw.append(score_responses(self.reward_fn, self.tokenizer, ids, am, resp, mask))
         reduce = (lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")) if self.trainer.world_size > 1 else None
@@ -154,7 +154,7 @@ class PPOModule(L.LightningModule):
             policy=self.policy, ref_lm=self.ref_lm, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
             gen={"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
-                 "top_p": c.top_p, "stop_at_eos": c.stop_at_eos},
+                 "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "fast_decode": c.fast_decode},
             missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
             generator=self.generator)
         if c.fuse_rollout_forward and c.minibatch_size >= samples.batch_size:

@@ -1,0 +1,100 @@
+"""The sampler's lean GPT-2 decode step: the same logits as the model's forward, and a fallback
+to that forward for every model it does not cover."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
+from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
+from ppo_lightning.rollout import generate
+
+PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]  # left-padded: rows differ in length
+
+
+@pytest.fixture(scope="module")
+def lm_and_tok(tiny_lm_dir):
+    tok = load_tokenizer(str(tiny_lm_dir))
+    return load_causal_lm(str(tiny_lm_dir), tok), tok
+
+
+def test_decode_step_logits_equal_the_model_forward(lm_and_tok):
+    """Token by token under left padding, the lean step's logits are the HF forward's, bitwise."""
+    lm, tok = lm_and_tok
+    assert supports_fast_decode(lm)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    ids, am = enc.input_ids, enc.attention_mask
+    assert (am == 0).any()
+    B, P = ids.shape
+    steps = 10
+    tokens = torch.randint(0, 256, (B, steps), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        caches = [DynamicCache(config=lm.config), DynamicCache(config=lm.config)]
+        pos = position_ids_from_mask(am)
+        for cache in caches:
+            lm(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, cache=cache)
+        decoder = GPT2Decoder(lm, caches[1], am, steps)
+        mask = torch.cat([am, torch.ones(B, steps, dtype=am.dtype)], 1)
+        next_pos = pos[:, -1] + 1
+        for t in range(steps):
+            want = lm(input_ids=tokens[:, t:t + 1], attention_mask=mask[:, :P + t + 1],
+                      position_ids=next_pos[:, None], use_cache=True, cache=caches[0]).logits[:, -1]
+            got = decoder.step(tokens[:, t], next_pos)
+            assert torch.equal(got, want), (t, (got - want).abs().max().item())
+            next_pos = next_pos + 1
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_generate_draws_the_same_tokens_with_and_without_the_fast_path(lm_and_tok, greedy):
+    lm, tok = lm_and_tok
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    out = {}
+    for fast in (True, False):
+        out[fast] = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=12,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                             temperature=0.8, top_k=40, greedy=greedy,
+                             generator=torch.Generator().manual_seed(5), fast_decode=fast)
+    assert torch.equal(out[True][0], out[False][0])
+    assert torch.equal(out[True][1], out[False][1])
+
+
+def test_models_the_lean_step_does_not_cover_decode_through_their_forward(lm_and_tok):
+    lm, tok = lm_and_tok
+    upcast = copy.deepcopy(lm)
+    upcast.config.reorder_and_upcast_attn = True  # eager attention in fp32: another computation
+    assert not supports_fast_decode(upcast)
+
+    class Custom(GPT2LMHeadModel):  # a subclass may change the forward
+        pass
+
+    custom = Custom(lm.config)
+    assert not supports_fast_decode(custom)
+
+    dropout = copy.deepcopy(lm).train()
+    dropout.transformer.drop.p = 0.1
+    assert not supports_fast_decode(dropout)
+    assert supports_fast_decode(dropout.eval())  # dropout is off in eval mode
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=64, eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id)).eval()
+    assert not supports_fast_decode(llama)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    resp, mask = generate(llama, enc.input_ids, enc.attention_mask, max_new_tokens=6,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          stop_at_eos=False, greedy=True)
+    # the fallback is the model's own cached forward: greedy tokens match re-running it whole
+    ids, am = enc.input_ids, enc.attention_mask
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = llama(input_ids=ids, attention_mask=am,
+                        position_ids=position_ids_from_mask(am)).logits[:, -1].argmax(-1)
+            ids = torch.cat([ids, nxt[:, None]], 1)
+            am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
+    assert torch.equal(ids[:, enc.input_ids.shape[1]:], resp)
