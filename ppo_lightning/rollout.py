@@ -13,6 +13,7 @@ Everything after the first EOS is masked out of every loss and statistic ([N+] d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Callable
 
@@ -89,15 +90,22 @@ def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int = 0, 
     return probs.div_(race.log_().neg_()).argmax(-1)
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_params(cls: type) -> frozenset[str]:
+    """The argument names of a model class's ``forward`` (``inspect.signature`` costs ~30 us: once
+    per class, not per call)."""
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
 def _cache_kwarg(lm) -> str:
     """transformers >= 5.24 names the KV cache argument ``cache``; earlier, ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+    return "cache" if "cache" in _forward_params(type(lm)) else "past_key_values"
 
 
 def _logits_to_keep(lm, n: int) -> dict:
     """``logits_to_keep=n`` where the model takes it: the LM head then runs on the last ``n``
     positions only (the logits of the prompt are never used)."""
-    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(lm.forward).parameters else {}
+    return {"logits_to_keep": n} if "logits_to_keep" in _forward_params(type(lm)) else {}
 
 
 def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
