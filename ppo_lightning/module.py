@@ -77,7 +77,7 @@ class PPOModule(L.LightningModule):
         self.nonfinite_streak = 0  # consecutive iterations with a skip
         self._last_nonfinite = ""
         self.generator: torch.Generator | None = None
-        self.rollout: Rollout | None = None
+        self.rollout: Rollout | Samples | None = None  # Samples until training_step completes it
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
         self._time_rollout = 0.0
         self._trainer_metrics: tuple[str, ...] = ()  # set in on_fit_start
@@ -175,7 +175,8 @@ class PPOModule(L.LightningModule):
     def _policy_forward(self, mb: Rollout | Samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tempered logits ``[B, R, V]``, values ``[B, R]`` and logprobs of the responses ``[B, R]``."""
         logits, values = self.policy(mb.query_responses, mb.attention_mask, mb.position_ids, mb.context_length)
-        logits = logits / self.ppo_cfg.temperature  # as in the rollout's logprobs
+        if self.ppo_cfg.temperature != 1.0:  # as in the rollout's logprobs
+            logits = logits / self.ppo_cfg.temperature
         return logits, values, ppo.logprobs_from_logits(logits, mb.responses)
 
     # ------------------------------------------------------------------------- part 2: updates

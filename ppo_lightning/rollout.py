@@ -70,7 +70,9 @@ def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int = 0, 
     """Sample one token per row from ``logits [B, V]`` after temperature, top-k and top-p."""
     if greedy:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:  # x / 1.0 is x: skip the kernel
+        logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -212,7 +214,9 @@ def forward_logprobs(policy: PolicyWithValueHead | None, lm, query_responses: Te
             logits = lm(input_ids=query_responses[sl], attention_mask=attention_mask[sl],
                         position_ids=position_ids[sl], use_cache=False,
                         **_logits_to_keep(lm, R + 1)).logits[:, -(R + 1):-1]
-        logps.append(ppo.logprobs_from_logits(logits / temperature, responses[sl]))
+        if temperature != 1.0:
+            logits = logits / temperature
+        logps.append(ppo.logprobs_from_logits(logits, responses[sl]))
     return torch.cat(logps), (torch.cat(values) if values else None)
 
 
