@@ -25,8 +25,24 @@ from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
 from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
 
 
+class _Sequences:
+    """What ``Rollout`` and ``Samples`` share: ``query_responses [B, T]`` = left-padded prompt
+    (``context_length`` = P positions) + response."""
+
+    query_responses: Tensor
+    context_length: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.query_responses.shape[0]
+
+    @property
+    def responses(self) -> Tensor:
+        return self.query_responses[:, self.context_length:]
+
+
 @dataclasses.dataclass
-class Rollout:
+class Rollout(_Sequences):
     """One PPO batch: sampled responses and the old policy's view of them. All tensors share B."""
 
     query_responses: Tensor  # [B, T] long
@@ -44,14 +60,6 @@ class Rollout:
     scores: Tensor  # [B] reward score of each full response (after missing-EOS penalty)
     contains_eos: Tensor  # [B] bool
     context_length: int  # P
-
-    @property
-    def batch_size(self) -> int:
-        return self.query_responses.shape[0]
-
-    @property
-    def responses(self) -> Tensor:
-        return self.query_responses[:, self.context_length:]
 
     def is_finite(self) -> Tensor:
         """Whether every score, logprob, value and advantage is finite (a 0-dim bool tensor)."""
@@ -264,7 +272,7 @@ def score_responses(reward_fn: Callable, tokenizer, input_ids: Tensor, attention
 
 # ----------------------------------------------------------------------------- the whole step
 @dataclasses.dataclass
-class Samples:
+class Samples(_Sequences):
     """Sampled, scored responses: the part of a rollout that does not need the policy's forward.
 
     ``make_rollout`` completes it with a no-grad forward of the policy. When one PPO minibatch
@@ -281,14 +289,6 @@ class Samples:
     scores: Tensor  # [B] after the missing-EOS penalty
     contains_eos: Tensor  # [B] bool
     context_length: int  # P
-
-    @property
-    def batch_size(self) -> int:
-        return self.query_responses.shape[0]
-
-    @property
-    def responses(self) -> Tensor:
-        return self.query_responses[:, self.context_length:]
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Callbacks the tests inject through Hydra (``+callbacks.<name>._target_=tests.helpers.X``)."""
+"""Callbacks the tests inject through Hydra (``+callbacks.<name>._target_=tests.helpers.X``), and a
+naive greedy decoder the sampler tests compare against."""
 
 from __future__ import annotations
 
@@ -60,3 +61,16 @@ def not_numbers(prompts, responses):
 
 def raises_on_a(prompts, responses):
     return [1.0 / ("a" not in p) for p in prompts]
+
+
+@torch.no_grad()
+def greedy_by_full_forward(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` greedy tokens per row, re-running the whole left-padded sequence each step (no cache)."""
+    from ppo_lightning.policy import position_ids_from_mask
+
+    ids, am = input_ids, attention_mask
+    for _ in range(n):
+        nxt = lm(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits[:, -1].argmax(-1)
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
+    return ids[:, input_ids.shape[1]:]

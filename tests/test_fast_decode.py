@@ -12,6 +12,7 @@ from transformers import DynamicCache, GPT2LMHeadModel, LlamaConfig, LlamaForCau
 from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
 from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
 from ppo_lightning.rollout import generate
+from tests.helpers import greedy_by_full_forward
 
 PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]  # left-padded: rows differ in length
 
@@ -90,11 +91,4 @@ def test_models_the_lean_step_does_not_cover_decode_through_their_forward(lm_and
                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                           stop_at_eos=False, greedy=True)
     # the fallback is the model's own cached forward: greedy tokens match re-running it whole
-    ids, am = enc.input_ids, enc.attention_mask
-    with torch.no_grad():
-        for _ in range(6):
-            nxt = llama(input_ids=ids, attention_mask=am,
-                        position_ids=position_ids_from_mask(am)).logits[:, -1].argmax(-1)
-            ids = torch.cat([ids, nxt[:, None]], 1)
-            am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
-    assert torch.equal(ids[:, enc.input_ids.shape[1]:], resp)
+    assert torch.equal(greedy_by_full_forward(llama, enc.input_ids, enc.attention_mask, 6), resp)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ppo_lightning.policy import (PolicyWithValueHead, load_causal_lm, load_tokenizer,
-                                  make_reference, position_ids_from_mask)
+from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
 from ppo_lightning.rewards.rules import char_fraction
 from ppo_lightning.rollout import generate, make_rollout
+from tests.helpers import greedy_by_full_forward
 
 PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]
 GEN = dict(max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.95, stop_at_eos=True)
@@ -54,13 +54,7 @@ def test_kv_cache_generation_matches_full_forward_greedy(tiny_lm_dir):
     resp, mask = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=10,
                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                           greedy=True, stop_at_eos=False)
-    ids, am = enc.input_ids, enc.attention_mask
-    with torch.no_grad():
-        for _ in range(10):
-            nxt = lm(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits[:, -1].argmax(-1)
-            ids = torch.cat([ids, nxt[:, None]], 1)
-            am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
-    assert torch.equal(ids[:, enc.input_ids.shape[1]:], resp)
+    assert torch.equal(greedy_by_full_forward(lm, enc.input_ids, enc.attention_mask, 10), resp)
     assert mask.shape == resp.shape and bool(mask.all())
 
 
