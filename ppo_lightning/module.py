@@ -1,14 +1,10 @@
 """``PPOModule``: one PPO iteration per Lightning batch, in two parts.
 
-1. ``on_train_batch_start``: sample responses to the batch's prompts and score them
-   (``rollout.sample_and_score``: responses, reference logprobs, reward scores), then the old
-   policy's logprobs and values, per-token rewards and advantages (``rollout.finish_rollout``).
+1. ``on_train_batch_start``: sample responses to the batch's prompts and score them, then the old
+   policy's logprobs and values, per-token rewards and advantages: one ``Rollout``.
 2. ``training_step``: ``ppo_epochs`` passes over shuffled minibatches of that rollout, one clipped
-   update each (manual optimisation), then metrics and the KL controller update.
-
-When one minibatch is the whole batch (``ppo.fuse_rollout_forward``), the old logprobs and values
-of part 1 are taken from the first update's forward at the start of part 2 instead: the weights
-have not moved, so a separate no-grad forward would compute the same numbers again.
+   update each (``_update``, manual optimisation), then the end of the iteration (``_end_iteration``:
+   step counter, scheduler, KL controller, counters) and its metrics.
 
 The module orchestrates; the math lives in ``ppo.py`` and ``rollout.py``. Lightning's
 ``global_step`` counts PPO iterations (not the many optimizer steps inside one), so
@@ -22,24 +18,26 @@ import math
 import re
 import time
 from collections import defaultdict
+from typing import Iterator
 
 import lightning as L
 import torch
-from lightning.pytorch.core.optimizer import do_nothing_closure
-from torch import nn
+from torch import Tensor, nn
 
 from ppo_lightning import ppo
 from ppo_lightning.kl_control import build_kl_controller
+from ppo_lightning.lightning_compat import count_iteration, step_optimizer
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
-from ppo_lightning.rollout import (Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score,
-                                   score_responses)
+from ppo_lightning.rollout import Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score, score_responses
 
 log = logging.getLogger(__name__)
 
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
 UPDATE_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
                   "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var")
+
+PolicyOutput = tuple[Tensor, Tensor, Tensor]  # tempered logits [B, R, V], values [B, R], logprobs [B, R]
 
 
 class NonFiniteError(RuntimeError):
@@ -77,7 +75,8 @@ class PPOModule(L.LightningModule):
         self.nonfinite_streak = 0  # consecutive iterations with a skip
         self._last_nonfinite = ""
         self.generator: torch.Generator | None = None
-        self.rollout: Rollout | Samples | None = None  # Samples until training_step completes it
+        self.rollout: Rollout | None = None  # this iteration's, from on_train_batch_start
+        self._first_forward: PolicyOutput | None = None  # see _old_logprobs_and_values
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
         self._time_rollout = 0.0
         self._trainer_metrics: tuple[str, ...] = ()  # set in on_fit_start
@@ -157,106 +156,137 @@ class PPOModule(L.LightningModule):
                  "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "fast_decode": c.fast_decode},
             missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
             generator=self.generator)
-        if c.fuse_rollout_forward and c.minibatch_size >= samples.batch_size:
-            # One minibatch: training_step's first forward gives the old logprobs and values.
-            self.rollout = samples
-        else:
-            logprobs, values = forward_logprobs(
-                self.policy, None, samples.query_responses, samples.attention_mask, samples.position_ids,
-                samples.context_length, c.temperature, c.rollout_forward_batch_size)
-            self.rollout = self._finish_rollout(samples, logprobs, values)
+        logprobs, values = self._old_logprobs_and_values(samples)
+        self.rollout = finish_rollout(samples, logprobs, values, kl_coef=self.kl_ctl.value, gamma=c.gamma,
+                                      lam=c.lam, kl_estimator=c.kl_estimator, whiten_rewards=c.whiten_rewards)
         self._time_rollout = time.perf_counter() - t0
 
-    def _finish_rollout(self, samples: Samples, logprobs: torch.Tensor, values: torch.Tensor) -> Rollout:
-        c = self.ppo_cfg
-        return finish_rollout(samples, logprobs, values, kl_coef=self.kl_ctl.value, gamma=c.gamma, lam=c.lam,
-                              kl_estimator=c.kl_estimator, whiten_rewards=c.whiten_rewards)
+    def _old_logprobs_and_values(self, samples: Samples) -> tuple[Tensor, Tensor]:
+        """The old policy's logprobs and values of the sampled responses ``[B, R]``.
 
-    def _policy_forward(self, mb: Rollout | Samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        The fused first forward (``ppo.fuse_rollout_forward``): when one minibatch is the whole
+        batch, the first update would run exactly this forward again, on the same rows with the
+        same weights. So it runs once, with gradients, and is kept in ``_first_forward`` for that
+        update (``_forward``); its detached outputs are the old logprobs and values. This is the
+        only place the two parts of an iteration share a forward.
+        """
+        c = self.ppo_cfg
+        if c.fuse_rollout_forward and c.minibatch_size >= samples.batch_size:
+            with torch.enable_grad():
+                self._first_forward = self._policy_forward(samples)
+            _, values, logprobs = self._first_forward
+            return logprobs.detach(), values.detach()
+        return forward_logprobs(self.policy, None, samples.query_responses, samples.attention_mask,
+                                samples.position_ids, samples.context_length, c.temperature,
+                                c.rollout_forward_batch_size)
+
+    def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
         """Tempered logits ``[B, R, V]``, values ``[B, R]`` and logprobs of the responses ``[B, R]``."""
         logits, values = self.policy(mb.query_responses, mb.attention_mask, mb.position_ids, mb.context_length)
         if self.ppo_cfg.temperature != 1.0:  # as in the rollout's logprobs
             logits = logits / self.ppo_cfg.temperature
         return logits, values, ppo.logprobs_from_logits(logits, mb.responses)
 
+    def _forward(self, mb: Rollout) -> PolicyOutput:
+        """The update's forward: the rollout's own when it was fused into it, else a new one."""
+        if self._first_forward is not None and mb is self.rollout:
+            out, self._first_forward = self._first_forward, None
+            return out
+        return self._policy_forward(mb)
+
     # ------------------------------------------------------------------------- part 2: updates
     def training_step(self, batch: dict, batch_idx: int) -> None:
-        c = self.ppo_cfg
-        iteration = self.global_step  # 0-based PPO iteration; the loggers' step
-        opt, sched = self.optimizers(), self.lr_schedulers()
-        lr = sched.get_last_lr()[0]  # the rate this iteration trains with
+        c, r = self.ppo_cfg, self.rollout
         t0 = time.perf_counter()
-        first = None  # the first update's forward, when it also supplies the old logprobs
-        if isinstance(self.rollout, Samples):
-            first = self._policy_forward(self.rollout)
-            self.rollout = self._finish_rollout(self.rollout, first[2].detach(), first[1].detach())
-        r = self.rollout
-        B = r.batch_size
-        stats: dict[str, list[torch.Tensor]] = defaultdict(list)
+        lr, kl_coef = self.lr_schedulers().get_last_lr()[0], self.kl_ctl.value  # what this iteration uses
+        stats: dict[str, list[Tensor]] = defaultdict(list)
         skipped = 0
-        if not self._all_ranks(bool(r.is_finite())):
-            skipped = c.ppo_epochs * (B // c.minibatch_size)  # every update would be NaN
-            self._last_nonfinite = self._describe_nonfinite(r)
-        else:
+        if self._all_ranks(bool(r.is_finite())):
             for _ in range(c.ppo_epochs):
-                if c.minibatch_size >= B:  # one minibatch: the loss is a mean, row order is moot
-                    minibatches = [None]
-                else:
-                    minibatches = torch.randperm(B, generator=self.generator, device=self.device).split(c.minibatch_size)
-                for mb_inds in minibatches:
-                    mb = r if mb_inds is None else r.index(mb_inds)
-                    mask = mb.response_mask
-                    if first is not None:
-                        (logits, new_values, new_logp), first = first, None
-                    else:
-                        logits, new_values, new_logp = self._policy_forward(mb)
-                    pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, mb.logprobs, mb.advantages, mask, c.clip)
-                    vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, mb.values, mb.returns, mask, c.vf_clip)
-                    with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
-                        entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.float()), mask)
-                    loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
-
-                    opt.zero_grad()
-                    if not self._all_ranks(bool(torch.isfinite(loss))):
-                        skipped += 1
-                        self._last_nonfinite = f"loss {loss.item()}"
-                        continue
-                    self.manual_backward(loss)
-                    if not self._all_ranks(self._clip_and_check_gradients(opt)):
-                        opt.zero_grad()  # weights untouched
-                        skipped += 1
-                        self._last_nonfinite = "gradient norm"
-                        continue
-                    # Through the strategy (precision plugin, FSDP, hooks) but without
-                    # LightningOptimizer.step(), which would count a global step per minibatch.
-                    self.trainer.strategy.optimizer_step(opt.optimizer, do_nothing_closure)
-
-                    with torch.no_grad():
-                        ratio = torch.exp(new_logp - mb.logprobs)
-                        stats["policy/approxkl_avg"].append(ppo.approx_kl(new_logp, mb.logprobs, mask))
-                        stats["policy/clipfrac_avg"].append(pg_clipfrac)
-                        stats["policy/entropy_avg"].append(entropy.detach())
-                        stats["loss/policy_avg"].append(pg_loss.detach())
-                        stats["loss/value_avg"].append(vf_loss.detach())
-                        stats["val/clipfrac_avg"].append(vf_clipfrac)
-                        stats["val/ratio"].append(ppo.masked_mean(ratio, mask))
-                        stats["val/ratio_var"].append(ppo.masked_var(ratio, mask, unbiased=False))
-        self._advance_global_step(opt)
-        sched.step()
+                for mb in self._minibatches(r):
+                    mb_stats = self._update(mb)
+                    skipped += mb_stats is None
+                    for k, v in (mb_stats or {}).items():
+                        stats[k].append(v)
+        else:  # every update would be NaN
+            skipped = c.ppo_epochs * (r.batch_size // c.minibatch_size)
+            self._last_nonfinite = self._describe_nonfinite(r)
+        self._first_forward = None  # not used when the iteration was skipped
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # count queued kernels in the timers
-        time_update = time.perf_counter() - t0
+        metrics = self._rollout_metrics(r, stats, time.perf_counter() - t0)
+        self._end_iteration(r.batch_size, skipped, metrics["objective/kl"])
+        metrics.update({"objective/kl_coef": kl_coef, "lr": lr, "episode": float(self.episode),
+                        "health/skipped_updates": float(self.skipped_updates)})
+        self._log_metrics(metrics, r.batch_size)
+        self._stop_if_nonfinite_streak()
+
+    def _minibatches(self, r: Rollout) -> Iterator[Rollout]:
+        """One epoch's minibatches: shuffled rows, or the whole rollout when one minibatch covers it
+        (the loss is a mean, so row order is moot)."""
+        mbs = self.ppo_cfg.minibatch_size
+        if mbs >= r.batch_size:
+            yield r
+            return
+        for idx in torch.randperm(r.batch_size, generator=self.generator, device=self.device).split(mbs):
+            yield r.index(idx)
+
+    def _update(self, mb: Rollout) -> dict[str, Tensor] | None:
+        """One clipped PPO step on a minibatch: its statistics, or None when it was skipped for a
+        non-finite loss or gradient norm (weights untouched; the decision is taken on all ranks)."""
+        c, opt = self.ppo_cfg, self.optimizers()
+        mask = mb.response_mask
+        logits, new_values, new_logp = self._forward(mb)
+        pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, mb.logprobs, mb.advantages, mask, c.clip)
+        vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, mb.values, mb.returns, mask, c.vf_clip)
+        with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
+            entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.float()), mask)
+        loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
+
+        opt.zero_grad()
+        if not self._all_ranks(bool(torch.isfinite(loss))):
+            self._last_nonfinite = f"loss {loss.item()}"
+            return None
+        self.manual_backward(loss)
+        if not self._all_ranks(self._clip_and_check_gradients(opt)):
+            opt.zero_grad()  # weights untouched
+            self._last_nonfinite = "gradient norm"
+            return None
+        step_optimizer(self.trainer, opt)
+
+        with torch.no_grad():
+            ratio = torch.exp(new_logp - mb.logprobs)
+            return {"policy/approxkl_avg": ppo.approx_kl(new_logp, mb.logprobs, mask),
+                    "policy/clipfrac_avg": pg_clipfrac,
+                    "policy/entropy_avg": entropy.detach(),
+                    "loss/policy_avg": pg_loss.detach(),
+                    "loss/value_avg": vf_loss.detach(),
+                    "val/clipfrac_avg": vf_clipfrac,
+                    "val/ratio": ppo.masked_mean(ratio, mask),
+                    "val/ratio_var": ppo.masked_var(ratio, mask, unbiased=False)}
+
+    def _end_iteration(self, batch_size: int, skipped: int, kl: float) -> None:
+        """What changes once per iteration, however many updates it took: the step counter, the
+        scheduler, the KL controller (from the measured KL), the episode and skip counters."""
+        count_iteration(self.optimizers())
+        self.lr_schedulers().step()
+        world = self.trainer.world_size
+        if math.isfinite(kl):
+            self.kl_ctl.update(kl, batch_size * world)
+        self.episode += batch_size * world
         self.skipped_updates += skipped
         self.nonfinite_streak = self.nonfinite_streak + 1 if skipped else 0
-        self._log_iteration(iteration, r, stats, time_update, lr)
         if skipped:
             log.warning("PPO iteration %d: skipped %d update(s) with non-finite %s; weights untouched",
-                        iteration, skipped, self._last_nonfinite)
-        if self.nonfinite_streak >= c.max_nonfinite_iterations:
+                        self.global_step - 1, skipped, self._last_nonfinite)
+
+    def _stop_if_nonfinite_streak(self) -> None:
+        """Raise ``NonFiniteError`` after ``ppo.max_nonfinite_iterations`` skipping iterations in a row."""
+        if self.nonfinite_streak >= self.ppo_cfg.max_nonfinite_iterations:
             raise NonFiniteError(
                 f"{self.nonfinite_streak} PPO iterations in a row had non-finite values (last: "
                 f"{self._last_nonfinite}); stopping (ppo.max_nonfinite_iterations="
-                f"{c.max_nonfinite_iterations}). Checkpoints written so far are intact. Check the "
+                f"{self.ppo_cfg.max_nonfinite_iterations}). Checkpoints written so far are intact. Check the "
                 "reward function, or lower optimizer.lr.")
 
     def _all_ranks(self, ok: bool) -> bool:
@@ -297,20 +327,11 @@ class PPOModule(L.LightningModule):
             return f"reward {r.scores[i].item()} for prompt {prompt[:60]!r}"
         return "logprobs, values or advantages in the rollout"
 
-    def _advance_global_step(self, opt) -> None:
-        """One PPO iteration = one Lightning step, however many updates (or skips) it took.
-
-        These are the two progress hooks ``LightningOptimizer.step()`` runs around a step; calling
-        them once here makes ``global_step``, ``max_steps`` and checkpoint intervals count
-        iterations.
-        """
-        opt._on_before_step()
-        opt._on_after_step()
-
     # ------------------------------------------------------------------------- metrics
-    def _log_iteration(self, iteration: int, r: Rollout, stats: dict, time_update: float, lr: float) -> None:
+    def _rollout_metrics(self, r: Rollout, stats: dict[str, list[Tensor]], time_update: float) -> dict[str, float]:
+        """The iteration's rollout and update statistics, reduced over ranks in one collective:
+        means, except ``val/num_eos_tokens`` and ``perf/tokens_per_s``, which are sums."""
         mask = r.response_mask
-        n_tokens = mask.sum()
         local = {
             "objective/scores": r.scores.mean(),
             "objective/kl": r.kl.sum(1).mean(),  # k1, summed over the response, mean over rows
@@ -320,12 +341,11 @@ class PPOModule(L.LightningModule):
             "value/explained_variance": ppo.explained_variance(r.values, r.returns, mask),
             "rollout/response_length": mask.sum(1).mean(),
             "val/num_eos_tokens": r.contains_eos.float().sum(),
-            "perf/tokens_per_s": n_tokens / (self._time_rollout + time_update),
+            "perf/tokens_per_s": mask.sum() / (self._time_rollout + time_update),
             **{k: torch.stack(v).mean() for k, v in stats.items()},
         }
         for k in UPDATE_METRICS:  # an iteration whose updates were all skipped has none
             local.setdefault(k, torch.tensor(float("nan"), device=mask.device))
-        # one collective for all metrics: mean over ranks (num_eos_tokens and tokens/s: sums)
         names = list(local)
         values = torch.stack([local[k].float().detach() for k in names])
         world = self.trainer.world_size
@@ -334,25 +354,19 @@ class PPOModule(L.LightningModule):
         metrics = {k: float(v) for k, v in zip(names, values.cpu())}
         for k in ("val/num_eos_tokens", "perf/tokens_per_s"):
             metrics[k] *= world
-        self.episode += r.batch_size * world
-        metrics.update({
-            "objective/kl_coef": self.kl_ctl.value,  # the beta this rollout's rewards used
-            "health/skipped_updates": float(self.skipped_updates),
-            "lr": lr,
-            "episode": float(self.episode),
-            "perf/time_rollout_s": self._time_rollout,
-            "perf/time_update_s": time_update,
-        })
-        if math.isfinite(metrics["objective/kl"]):
-            self.kl_ctl.update(metrics["objective/kl"], r.batch_size * world)
+        metrics.update({"perf/time_rollout_s": self._time_rollout, "perf/time_update_s": time_update})
+        return metrics
+
+    def _log_metrics(self, metrics: dict[str, float], batch_size: int) -> None:
+        """To every logger at step = the iteration just finished; through ``self.log`` only what
+        callbacks and the progress bar read (see ``on_fit_start``)."""
         self.last_metrics = metrics
-        # Straight to the loggers: one call per logger instead of ~30 `self.log` calls.
-        for lg in self.loggers:
-            lg.log_metrics(metrics, step=iteration)
+        for lg in self.loggers:  # one call per logger instead of ~30 `self.log` calls
+            lg.log_metrics(metrics, step=self.global_step - 1)
         for k in self._trainer_metrics:  # a monitor naming no metric: Lightning's own error
             if k in metrics:
                 self.log(k, metrics[k], prog_bar=k in PROGRESS_BAR_METRICS, logger=False, on_step=True,
-                         on_epoch=False, batch_size=r.batch_size)
+                         on_epoch=False, batch_size=batch_size)
 
     # ------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -82,32 +82,27 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, distributed: bool =
 
 
 # ----------------------------------------------------------------------------- advantages
-def next_values(values: Tensor, mask: Tensor) -> Tensor:
-    """V(s_{t+1}) for each position: the next masked value, 0 after the last real token.
-
-    Values at prompt, pad and after-EOS positions are never read ([N+]: GAE must not bootstrap
-    from positions that are not part of the response).
-    """
-    v = values * mask
-    return torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1) * mask
-
-
 def compute_gae(rewards: Tensor, values: Tensor, values_next: Tensor, resp_mask: Tensor,
                 gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation [GAE] over masked response tokens.
 
-    ``delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
-    with the recursion cut at masked positions, so A is 0 wherever ``resp_mask`` is 0 and the
-    last real token bootstraps from ``values_next`` (0 there, as the episode ends).
+    ``delta_t = r_t + gamma * nonterminal_t * V(s_{t+1}) - V(s_t)``,
+    ``A_t = delta_t + gamma * lam * nonterminal_t * A_{t+1}``, with ``nonterminal_t =
+    resp_mask[t + 1]`` (0 at the last position): bootstrapping stops where the next action is not
+    a response action, whatever ``values_next`` holds there. So the seed's raw shift,
+    ``values_next = cat(values[:, 1:], 0)``, is safe: the last real token never reads the value
+    at the pad or after-EOS position behind it ([N+]: GAE must not bootstrap from positions that
+    are not part of the response). A is 0 wherever ``resp_mask`` is 0.
     Returns ``(advantages, returns)`` with ``returns = advantages + values`` (the value target).
     """
     mask = resp_mask.to(values.dtype)
+    nonterminal = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)  # [B, R]: mask[t+1]
     values = values * mask
-    deltas = (rewards * mask + gamma * values_next * mask - values) * mask  # [B, R]
+    deltas = (rewards * mask + gamma * values_next * nonterminal - values) * mask  # [B, R]
     advantages = torch.zeros_like(values)
     lastgaelam = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
-        lastgaelam = (deltas[:, t] + gamma * lam * lastgaelam) * mask[:, t]
+        lastgaelam = (deltas[:, t] + gamma * lam * nonterminal[:, t] * lastgaelam) * mask[:, t]
         advantages[:, t] = lastgaelam
     returns = (advantages + values) * mask
     return advantages, returns

@@ -275,10 +275,9 @@ def score_responses(reward_fn: Callable, tokenizer, input_ids: Tensor, attention
 class Samples(_Sequences):
     """Sampled, scored responses: the part of a rollout that does not need the policy's forward.
 
-    ``make_rollout`` completes it with a no-grad forward of the policy. When one PPO minibatch
-    is the whole batch, ``PPOModule`` instead completes it from the first update's own forward
-    (``finish_rollout``), whose detached logprobs and values are exactly the old ones: the
-    weights have not moved yet, so a separate forward would compute the same numbers again.
+    ``finish_rollout`` completes it from the old policy's logprobs and values: a no-grad forward
+    (``forward_logprobs``), or, when one PPO minibatch is the whole batch, the first update's own
+    forward run early (``PPOModule._old_logprobs_and_values``).
     """
 
     query_responses: Tensor  # [B, T]
@@ -331,7 +330,8 @@ def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor, *, kl_coef: flo
     rewards = rewards.scatter_add(1, last[:, None], s.scores[:, None].to(rewards.dtype))
     if whiten_rewards:
         rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
-    advantages, returns = ppo.compute_gae(rewards, values, ppo.next_values(values, mask), mask, gamma, lam)
+    values_next = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # compute_gae masks it
+    advantages, returns = ppo.compute_gae(rewards, values, values_next, mask, gamma, lam)
     advantages = ppo.whiten(advantages, mask, distributed=True)
     return Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask,
                    position_ids=s.position_ids, response_mask=mask, logprobs=logprobs,

@@ -130,13 +130,9 @@ def test_whiten_without_shifting_the_mean_keeps_it():
 
 
 # ============================================================================ GAE
-def naive_next_values(values, mask):
-    out = torch.zeros_like(values)
-    for b in range(values.shape[0]):
-        real = set(real_positions(mask, b))
-        for t in real:
-            out[b, t] = values[b, t + 1] if t + 1 in real else 0.0
-    return out
+def raw_shift(values):
+    """The seed trainer's ``values_next``: ``values[:, 1:]`` plus a zero column, unmasked."""
+    return torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
 
 
 def naive_gae(rewards, values, mask, gamma, lam):
@@ -154,20 +150,12 @@ def naive_gae(rewards, values, mask, gamma, lam):
     return adv, ret
 
 
-def test_next_values_matches_naive():
-    mask = make_mask()
-    values = with_garbage(randn(len(ROWS), R, seed=6), mask, seed=7)
-    nv = ppo.next_values(values, mask)
-    torch.testing.assert_close(nv, naive_next_values(values, mask), rtol=0, atol=0)
-    assert torch.all(nv[mask == 0] == 0)
-
-
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.5), (1.0, 1.0), (0.99, 0.0), (0.5, 0.9)])
 def test_compute_gae_matches_naive_loop(gamma, lam):
     mask = make_mask()
     rewards = randn(len(ROWS), R, seed=8) * mask
     values = randn(len(ROWS), R, seed=9) * mask
-    adv, ret = ppo.compute_gae(rewards, values, ppo.next_values(values, mask), mask, gamma, lam)
+    adv, ret = ppo.compute_gae(rewards, values, raw_shift(values), mask, gamma, lam)
     exp_adv, exp_ret = naive_gae(rewards, values, mask, gamma, lam)
     torch.testing.assert_close(adv, exp_adv, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ret, exp_ret, rtol=1e-12, atol=1e-12)
@@ -180,26 +168,29 @@ def test_compute_gae_hand_computed():
     mask = torch.tensor([[0, 1, 1, 1, 0]], dtype=F64)
     rewards = torch.tensor([[0, 0.0, 0.0, 1.0, 0]], dtype=F64)
     values = torch.tensor([[0, 0.5, 0.25, 0.75, 0]], dtype=F64)
-    adv, ret = ppo.compute_gae(rewards, values, ppo.next_values(values, mask), mask, 1.0, 1.0)
+    adv, ret = ppo.compute_gae(rewards, values, raw_shift(values), mask, 1.0, 1.0)
     torch.testing.assert_close(adv, torch.tensor([[0, 0.5, 0.75, 0.25, 0]], dtype=F64))
     torch.testing.assert_close(ret, torch.tensor([[0, 1.0, 1.0, 1.0, 0]], dtype=F64))
     # gamma = 0.5, lam = 0: one-step TD errors r_t + 0.5 V_{t+1} - V_t, the last bootstraps from 0
-    adv, ret = ppo.compute_gae(rewards, values, ppo.next_values(values, mask), mask, 0.5, 0.0)
+    adv, ret = ppo.compute_gae(rewards, values, raw_shift(values), mask, 0.5, 0.0)
     torch.testing.assert_close(adv, torch.tensor([[0, -0.375, 0.125, 0.25, 0]], dtype=F64))
     torch.testing.assert_close(ret, torch.tensor([[0, 0.125, 0.375, 1.0, 0]], dtype=F64))
 
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.5)])
 def test_compute_gae_never_reads_prompt_or_pad_positions(gamma, lam):
+    """The seed's convention: ``values_next`` is the raw shift, so the last real token's
+    ``values_next`` is the value at the pad (or after-EOS) position behind it. ``compute_gae``
+    must stop bootstrapping there (``nonterminal_t = mask[t + 1]``) whatever that value is."""
     mask = make_mask()
     rewards = randn(len(ROWS), R, seed=10) * mask
     values = randn(len(ROWS), R, seed=11) * mask
-    clean = ppo.compute_gae(rewards, values, ppo.next_values(values, mask), mask, gamma, lam)
+    clean = ppo.compute_gae(rewards, values, raw_shift(values), mask, gamma, lam)
 
     dirty_r = with_garbage(rewards, mask, seed=12)
     dirty_v = with_garbage(values, mask, seed=13)
     assert (dirty_v[mask == 0].abs() > 1e3).any()  # the garbage is really there
-    dirty = ppo.compute_gae(dirty_r, dirty_v, ppo.next_values(dirty_v, mask), mask, gamma, lam)
+    dirty = ppo.compute_gae(dirty_r, dirty_v, raw_shift(dirty_v), mask, gamma, lam)
     for c, d in zip(clean, dirty):
         assert torch.equal(c, d)
         assert torch.all(d[mask == 0] == 0)
