@@ -297,6 +297,133 @@ def test_reward_model_learns_and_saves(tiny_lm_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Validation metrics (torchmetrics): weighted over all examples, not averaged over batches
+
+
+def no_compute_warnings(record) -> bool:
+    return not any("compute" in str(w.message) for w in record)
+
+
+def test_sft_val_loss_is_token_weighted_over_unequal_batches(tiny_lm_dir, recwarn):
+    """val/loss over batches of 5, 5 and 4 examples of unequal token counts is the mean over all
+    response tokens (computed here example by example, unpadded) and equals the old hand sums of
+    the same batches; the mean of batch means differs."""
+    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), DataConfig(batch_size=4),
+                           OptimizerConfig(), SFTConfig(val_fraction=0.25, val_batch_size=5, max_length=32,
+                                                        max_prompt_length=8),
+                           records=repeat_records("abcdefg"))
+    assert len(dm.val_examples) == 14
+    out = trainer(max_steps=1).validate(module, datamodule=dm, verbose=False)[0]
+    assert set(out) == {"val/loss", "val/perplexity"}
+
+    module.eval()
+    with torch.no_grad():
+        naive_sum, naive_n = 0.0, 0
+        for e in dm.val_examples:
+            ids = torch.tensor([e["input_ids"]])
+            logits = module.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1]
+            target = torch.tensor(e["labels"][1:])
+            keep = target != IGNORE_INDEX
+            naive_sum += F.cross_entropy(logits[keep].double(), target[keep], reduction="sum").item()
+            naive_n += int(keep.sum())
+        sums, batch_means, sizes = torch.zeros(2, dtype=torch.float64), [], []
+        for batch in dm.val_dataloader():
+            loss_sum, n = module.loss_sums(batch)
+            sums += torch.stack([loss_sum.double(), n.double()])
+            batch_means.append((loss_sum / n).item())
+            sizes.append(len(batch["input_ids"]))
+    assert sizes == [5, 5, 4]
+    naive = naive_sum / naive_n
+    hand = (sums[0] / sums[1]).item()
+    assert out["val/loss"] == pytest.approx(hand, rel=1e-6)
+    assert out["val/loss"] == pytest.approx(naive, rel=1e-5)  # other padding: float noise only
+    assert abs(sum(batch_means) / len(batch_means) - naive) > 1e-4 * naive  # the test can tell
+    assert out["val/perplexity"] == pytest.approx(math.exp(out["val/loss"]), rel=1e-6)
+
+    # the metric states are reset after each run, are not saved, and an empty run logs nothing
+    assert module.val_tokens.update_count == 0
+    assert not [k for k in module.state_dict() if not k.startswith("model.")]
+    assert module.compute_val_metrics() == {}
+    assert no_compute_warnings(recwarn)
+
+
+@pytest.mark.filterwarnings("ignore:Total length of `list` across ranks is zero")
+def test_validation_without_a_split_logs_nothing(tiny_lm_dir, tiny_rm_dir):
+    for stage, model_dir, records in [("sft", tiny_lm_dir, repeat_records("ab")),
+                                      ("reward_model", tiny_rm_dir, preference_records(6, seed=0))]:
+        cfg_cls, build, _ = STAGES[stage]
+        module, dm = build(ModelConfig(name_or_path=str(model_dir)), None, None,
+                           cfg_cls(val_fraction=0.0), records=records)
+        t = trainer(max_steps=1)
+        assert t.validate(module, datamodule=dm, verbose=False) == []
+        assert not [k for k in t.callback_metrics if k.startswith("val/")]
+        assert module.compute_val_metrics() == {}
+
+
+def test_reward_model_val_metrics_are_per_pair_over_unequal_batches(tiny_lm_dir, recwarn):
+    """val/loss, val/accuracy, val/margin over batches of 4, 4 and 1 pairs are the means over all
+    pairs (each pair scored alone here), equal to the old hand sums of the same batches."""
+    module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)), DataConfig(batch_size=4),
+                                    OptimizerConfig(), RewardModelConfig(val_fraction=0.4, val_batch_size=4,
+                                                                         max_length=32),
+                                    records=preference_records(23, seed=1))
+    assert len(dm.val_pairs) == 9
+    out = trainer(max_steps=1).validate(module, datamodule=dm, verbose=False)[0]
+    assert set(out) == {"val/loss", "val/accuracy", "val/margin"}
+
+    module.eval()
+    with torch.no_grad():
+        diffs = []
+        for p in dm.val_pairs:
+            rc, rr = (module(torch.tensor([p[s]]), torch.ones(1, len(p[s]), dtype=torch.long))
+                      for s in ("chosen", "rejected"))
+            diffs.append((rc - rr).item())
+        batched = torch.cat([torch.stack(module.pair_rewards(b)) for b in dm.val_dataloader()], dim=1)
+    d = torch.tensor(diffs, dtype=torch.float64)
+    naive = {"val/loss": -F.logsigmoid(d).mean().item(), "val/margin": d.mean().item()}
+    for k, v in naive.items():
+        assert out[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    rc, rr = batched.double()
+    hand = {"val/loss": bradley_terry_loss(batched[0], batched[1]).double().mean().item(),
+            "val/accuracy": (rc > rr).double().mean().item(), "val/margin": (rc - rr).mean().item()}
+    for k, v in hand.items():
+        assert out[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert out["val/accuracy"] * 9 == pytest.approx(round(out["val/accuracy"] * 9))
+
+    # the update path directly: a tie counts as wrong, a tiny positive difference as right, and
+    # differences inside [0, 1] are not thresholded at 0.5 (as BinaryAccuracy on them would be)
+    module.on_validation_epoch_start()
+    rc = torch.tensor([0.3, 0.5, 0.7, 1e-8, -0.2])
+    rr = torch.tensor([0.0, 0.5, 0.0, 0.0, 0.0])
+    module.update_val_metrics(rc[:2], rr[:2])
+    module.update_val_metrics(rc[2:], rr[2:])
+    got = module.compute_val_metrics()
+    diff = (rc - rr).double()
+    assert got["val/accuracy"] == pytest.approx(3 / 5)
+    assert got["val/margin"] == pytest.approx(diff.mean().item(), rel=1e-12)
+    assert got["val/loss"] == pytest.approx(-F.logsigmoid(diff).mean().item(), rel=1e-6)
+    module.on_validation_epoch_start()
+    assert module.compute_val_metrics() == {}
+    assert no_compute_warnings(recwarn)
+
+
+def test_val_metric_states_stay_float64_under_a_true_half_precision_cast():
+    """A "bf16-true" trainer calls module.to(torch.bfloat16), which casts torchmetrics states."""
+    from torchmetrics.aggregation import SumMetric
+
+    from ppo_lightning.stages.common import reset_val_metrics
+
+    holder = torch.nn.Module()
+    holder.m = SumMetric(nan_strategy="disable")
+    holder.to(torch.bfloat16)
+    assert holder.m.sum_value.dtype == torch.bfloat16
+    reset_val_metrics(holder.m)
+    holder.m.update(torch.tensor(1.0 + 2 ** -20))
+    holder.m.update(torch.tensor(256, dtype=torch.long))
+    assert holder.m.sum_value.dtype == torch.float64 and holder.m.compute().item() == 257 + 2 ** -20
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad input
 
 

@@ -1,5 +1,6 @@
 """What the SFT and reward-model stages share: records from a file, a list or a HF dataset, the
-validation split, model sources, the optimizer, data loaders that shard themselves under DDP.
+validation split, model sources, the optimizer, data loaders that shard themselves under DDP, and
+the handling of the torchmetrics validation metrics.
 
 Records are read once, checked field by field, and normalised to plain dicts keyed by *role*
 (``prompt``, ``response`` / ``chosen``, ``rejected``) whatever the source columns are called, so
@@ -11,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchmetrics import Metric
 
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.policy import context_length
@@ -282,11 +285,29 @@ def resolve_max_length(max_length: int | None, source: str, trust_remote_code: b
     return max_length
 
 
-def reduce_sum(module, t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks (identity on one process)."""
-    if module._trainer is not None and module.trainer.world_size > 1:
-        return module.trainer.strategy.reduce(t, reduce_op="sum")
-    return t
+# ----------------------------------------------------------------------------- validation metrics
+def reset_val_metrics(*metrics: Metric) -> None:
+    """Zero validation metrics and keep their states in float64, as sums of many losses need.
+
+    Called at the start of every validation run: a ``16-true`` / ``bf16-true`` trainer casts the
+    whole module with ``.to(dtype)``, and torchmetrics lets that cast metric states too (it guards
+    only ``.half()`` / ``.float()`` / ``.double()`` / ``.type()``), which would sum in bf16.
+    """
+    for m in metrics:
+        m.set_dtype(torch.float64)
+        m.reset()
+
+
+def synced_value(metric: Metric) -> torch.Tensor:
+    """``metric.compute()``: its value over every rank's updates.
+
+    torchmetrics all-gathers a metric's states over the process group inside ``compute()``, so
+    under DDP every rank must call this for the same metrics in the same order, a rank without
+    updates included (its "``compute`` called before ``update``" warning is expected, and silenced).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"The ``compute`` method of metric", category=UserWarning)
+        return metric.compute()
 
 
 class StageOptimization:

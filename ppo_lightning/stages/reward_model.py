@@ -30,13 +30,15 @@ from typing import Any, Mapping, Optional, Sequence
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, fuse_activations, resolve_source
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
                                          StageOptimization, check_optimizer, ensure_tiny_source, get,
-                                         make_loader, pad_rows, read_records, reduce_sum, resolve_max_length,
-                                         split_indices)
+                                         make_loader, pad_rows, read_records, reset_val_metrics,
+                                         resolve_max_length, split_indices, synced_value)
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +203,15 @@ class RewardModelModule(StageOptimization, L.LightningModule):
 
     Logs ``train/loss``, ``train/accuracy``, ``train/lr`` per step and, per validation run over
     the whole validation split (across ranks), ``val/loss`` (mean BT loss), ``val/accuracy``
-    (fraction of pairs with r_chosen > r_rejected) and ``val/margin`` (mean r_chosen - r_rejected).
+    (fraction of pairs with r_chosen > r_rejected; a tie counts as wrong) and ``val/margin``
+    (mean r_chosen - r_rejected): means over all pairs of all ranks, not of batch means.
+
+    They are torchmetrics ``MeanMetric``s (float64) updated with one value per pair and synced
+    over DDP ranks in ``compute()`` at the end of the run, plus a ``SumMetric`` pair count that
+    decides whether there is anything to log. Accuracy is the mean of ``r_chosen - r_rejected > 0``
+    rather than ``BinaryAccuracy`` on the difference: that one would apply a sigmoid only when some
+    difference lies outside [0, 1], then threshold at 0.5 (and sigmoid(1e-8) is 0.5 in float32).
+    ``nan_strategy="disable"``: a NaN reward logs NaN instead of being dropped.
     """
 
     def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0,
@@ -214,7 +224,15 @@ class RewardModelModule(StageOptimization, L.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.model.train()  # from_pretrained leaves eval mode, which Lightning would keep for fit
         self.center_rewards_coef = center_rewards_coef
-        self._val_sums: torch.Tensor | None = None
+        # module attributes, so Lightning moves them with the model; not in the state dict
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self.val_accuracy = MeanMetric(nan_strategy="disable")
+        self.val_margin = MeanMetric(nan_strategy="disable")
+        self.val_pairs = SumMetric(nan_strategy="disable")
+        reset_val_metrics(*self._val_metrics())
+
+    def _val_metrics(self) -> tuple:
+        return self.val_loss, self.val_accuracy, self.val_margin, self.val_pairs
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """One reward per row ``[N]`` (float32), called as ``RewardModel`` calls the model."""
@@ -236,20 +254,33 @@ class RewardModelModule(StageOptimization, L.LightningModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        reset_val_metrics(*self._val_metrics())
+
+    def update_val_metrics(self, r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> None:
+        """Add a batch of pairs' rewards ``[B]``."""
+        diff = (r_chosen - r_rejected).double()
+        self.val_loss.update(bradley_terry_loss(r_chosen, r_rejected))
+        self.val_accuracy.update((diff > 0).double())
+        self.val_margin.update(diff)
+        self.val_pairs.update(diff.numel())
+
+    def compute_val_metrics(self) -> dict[str, float]:
+        """``val/loss``, ``val/accuracy``, ``val/margin`` over every rank's pairs since the last
+        reset, or ``{}`` when there were none. Under DDP every rank must call it (the metrics sync)."""
+        if synced_value(self.val_pairs).item() == 0:  # the same on every rank: all skip together
+            return {}
+        return {"val/loss": synced_value(self.val_loss).item(),
+                "val/accuracy": synced_value(self.val_accuracy).item(),
+                "val/margin": synced_value(self.val_margin).item()}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        rc, rr = self.pair_rewards(batch)
-        diff = (rc - rr).double()
-        self._val_sums += torch.stack([bradley_terry_loss(rc, rr).double().sum(), (diff > 0).double().sum(),
-                                       diff.sum(), diff.new_tensor(float(diff.numel()))])
+        self.update_val_metrics(*self.pair_rewards(batch))
 
     def on_validation_epoch_end(self) -> None:
-        loss, correct, margin, n = reduce_sum(self, self._val_sums).tolist()
-        if n == 0:
-            return
-        self.log_dict({"val/loss": loss / n, "val/accuracy": correct / n, "val/margin": margin / n},
-                      prog_bar=True)
+        metrics = self.compute_val_metrics()
+        reset_val_metrics(*self._val_metrics())
+        if metrics:
+            self.log_dict(metrics, prog_bar=True)
 
     @torch.no_grad()
     def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
@@ -261,7 +292,7 @@ class RewardModelModule(StageOptimization, L.LightningModule):
     @property
     def last_metrics(self) -> dict[str, float]:
         """The trainer's latest value of every logged metric."""
-        if self._trainer is None:
+        if attached_trainer(self) is None:
             return {}
         return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
 

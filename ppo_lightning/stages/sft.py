@@ -29,13 +29,15 @@ from typing import Any, Mapping, Optional, Sequence
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torchmetrics.aggregation import SumMetric
 
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
                                          StageOptimization, check_optimizer, ensure_tiny_source, get,
-                                         make_loader, pad_rows, read_records, reduce_sum, resolve_max_length,
-                                         split_indices)
+                                         make_loader, pad_rows, read_records, reset_val_metrics,
+                                         resolve_max_length, split_indices, synced_value)
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +216,16 @@ class SFTModule(StageOptimization, L.LightningModule):
     """Prompt-masked cross-entropy on any ``AutoModelForCausalLM``, automatic optimisation.
 
     Logs ``train/loss`` (per batch, mean over its response tokens), ``train/lr``, and per
-    validation run ``val/loss`` (mean over all validation response tokens, across ranks) and
-    ``val/perplexity`` = exp(val/loss).
+    validation run ``val/loss`` and ``val/perplexity``.
+
+    ``val/loss`` is the mean next-token cross-entropy over all validation response tokens of all
+    ranks: token-weighted, not a mean of batch means. Two torchmetrics ``SumMetric``s, the summed
+    loss and the token count (float64), are updated per batch and synced over DDP ranks in
+    ``compute()`` at the end of the run; ``val/loss`` is their ratio. ``val/perplexity`` is not a
+    metric of its own: it is ``exp(val/loss)`` of that synced value (the exponent capped at 80).
+    A sum pair rather than a weighted ``MeanMetric``: that one drops, imputes or raises on NaN
+    unless ``nan_strategy="disable"``, which (torchmetrics 1.9) ignores the weights; here a
+    diverged model logs NaN. Nothing is logged when no rank had a validation token.
     """
 
     def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0):
@@ -225,7 +235,10 @@ class SFTModule(StageOptimization, L.LightningModule):
         self.optim_cfg = optim_cfg
         self.max_grad_norm = max_grad_norm
         self.model.train()  # from_pretrained leaves eval mode, which Lightning would keep for fit
-        self._val_sums: torch.Tensor | None = None
+        # module attributes, so Lightning moves them with the model; not in the state dict
+        self.val_loss_sum = SumMetric(nan_strategy="disable")
+        self.val_tokens = SumMetric(nan_strategy="disable")
+        reset_val_metrics(self.val_loss_sum, self.val_tokens)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
@@ -243,24 +256,35 @@ class SFTModule(StageOptimization, L.LightningModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        reset_val_metrics(self.val_loss_sum, self.val_tokens)
+
+    def update_val_metrics(self, loss_sum: torch.Tensor, n: torch.Tensor) -> None:
+        """Add one batch: its summed response-token loss and its number of response tokens."""
+        self.val_loss_sum.update(loss_sum)
+        self.val_tokens.update(n)
+
+    def compute_val_metrics(self) -> dict[str, float]:
+        """``val/loss`` and ``val/perplexity`` over every rank's updates since the last reset, or
+        ``{}`` when there were no tokens. Under DDP every rank must call it (the metrics sync)."""
+        n = synced_value(self.val_tokens).item()
+        if n == 0:  # the same on every rank, so all skip the next sync together
+            return {}
+        val_loss = synced_value(self.val_loss_sum).item() / n
+        return {"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 80.0))}
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss_sum, n = self.loss_sums(batch)
-        self._val_sums += torch.stack([loss_sum.double(), n.double()])
+        self.update_val_metrics(*self.loss_sums(batch))
 
     def on_validation_epoch_end(self) -> None:
-        loss_sum, n = reduce_sum(self, self._val_sums).tolist()
-        if n == 0:
-            return
-        val_loss = loss_sum / n
-        self.log_dict({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 80.0))},
-                      prog_bar=True)
+        metrics = self.compute_val_metrics()
+        reset_val_metrics(self.val_loss_sum, self.val_tokens)
+        if metrics:
+            self.log_dict(metrics, prog_bar=True)
 
     @property
     def last_metrics(self) -> dict[str, float]:
         """The trainer's latest value of every logged metric."""
-        if self._trainer is None:
+        if attached_trainer(self) is None:
             return {}
         return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
 
