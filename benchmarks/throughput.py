@@ -74,7 +74,7 @@ def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path,
 
 
 def run_ppo(w: Workload, model_root: Path, out_dir: Path) -> dict:
-    from ppo_lightning.train import build
+    from ppo_lightning.factory import build
 
     policy_dir, reward_dir = build_models(w, model_root)
     prompts_file = out_dir / "prompts.txt"

@@ -8,7 +8,6 @@ anything is loaded. ``validate(cfg)`` then checks ranges and cross-group constra
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -75,13 +74,14 @@ class RewardConfig:
     label_index: int = 0
     """(model) which logit is the score."""
     gain: float = 1.0
-    """(model) score = gain * logit + bias (reward normalisation)."""
+    """score = gain * raw + bias, for every reward kind; replaced by the fit when ``normalize``."""
     bias: float = 0.0
-    normalize: bool = False
-    """(model) Before training, set gain/bias so the reward model's scores on responses sampled
-    from the reference policy have mean 0 and std 1 ([N+] reward normalisation)."""
+    normalize: bool = True
+    """Before training, set gain/bias so the scores of responses sampled from the reference policy
+    have mean 0 and std 1 ([N+] reward normalisation): the KL coefficient then means the same
+    thing whatever the reward's scale. Without variance the scores are only centred (a warning)."""
     normalize_samples: int = 256
-    """(model) Reference-policy responses scored to fit the normalisation (per run)."""
+    """Reference-policy responses scored to fit the normalisation (per run, split over ranks)."""
     trust_remote_code: bool = False
 
 
@@ -253,6 +253,15 @@ def register_configs() -> None:
     if not OmegaConf.has_resolver("ppo_asset"):
         # ${ppo_asset:toy_prompts.txt} -> a data file shipped inside the package
         OmegaConf.register_new_resolver("ppo_asset", lambda name: str(ASSETS / name))
+    if not OmegaConf.has_resolver("recipe_dir"):
+        # ${recipe_dir:reviews} -> where recipe=reviews builds its models and prompts
+        OmegaConf.register_new_resolver("recipe_dir", _recipe_dir)
+
+
+def _recipe_dir(name: str, *, _root_) -> str:
+    from ppo_lightning.recipes import recipe_root
+
+    return str(recipe_root(_root_.paths.cache_dir, name))
 
 
 register_configs()
@@ -263,11 +272,9 @@ def _check(ok: bool, key: str, value: Any, what: str) -> None:
         raise ConfigError(f"{key}={value!r}: {what}")
 
 
-def validate(cfg, check_files: bool = True) -> None:
+def validate(cfg) -> None:
     """Range and cross-group checks that types alone cannot express; raises ``ConfigError``.
-
-    ``check_files=False`` skips the checks of files a recipe is about to build (prompt file).
-    """
+    Files and imports are checked by ``factory.check_inputs``, which calls this first."""
     p, d, o = cfg.ppo, cfg.data, cfg.optimizer
     _check(p.clip > 0, "ppo.clip", p.clip, "must be > 0 (0.2 is the usual value)")
     _check(p.vf_clip > 0, "ppo.vf_clip", p.vf_clip, "must be > 0 (0.2 is the usual value)")
@@ -303,8 +310,6 @@ def validate(cfg, check_files: bool = True) -> None:
            cfg.model.value_head_init, "choose zeros or reward_model")
     _check(cfg.model.value_head_init != "reward_model" or cfg.reward.kind == "model",
            "model.value_head_init", cfg.model.value_head_init, "needs reward=model")
-    _check(not cfg.reward.normalize or cfg.reward.kind == "model", "reward.normalize",
-           cfg.reward.normalize, "applies to reward=model only")
     _check(cfg.reward.normalize_samples >= 2, "reward.normalize_samples", cfg.reward.normalize_samples, "must be >= 2")
     _check(cfg.reward.input in ("auto", "tokens", "text"), "reward.input", cfg.reward.input,
            "choose auto, tokens or text")
@@ -312,14 +317,6 @@ def validate(cfg, check_files: bool = True) -> None:
            "choose float32, bfloat16 or float16")
     _check(cfg.trainer.max_steps >= 1, "trainer.max_steps", cfg.trainer.max_steps,
            "must be >= 1 (the number of PPO iterations)")
-    if d.path is None and d.hf_dataset is None:
-        raise ConfigError("data.path and data.hf_dataset are both null: set data.path=prompts.txt "
-                          "(one prompt a line) or .jsonl, or data.hf_dataset=<name>")
-    if check_files and d.path is not None and not os.path.isfile(d.path):
-        raise ConfigError(f"data.path={d.path!r}: no such file. Give a .txt (one prompt a line) or "
-                          ".jsonl (one JSON object with a 'prompt' field a line)")
-    if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

@@ -29,6 +29,7 @@ from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.lightning_compat import count_iteration, step_optimizer
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
+from ppo_lightning.rewards import fit_normalization
 from ppo_lightning.rollout import Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score, score_responses
 
 log = logging.getLogger(__name__)
@@ -48,13 +49,16 @@ class PPOModule(L.LightningModule):
     """PPO on a causal LM with a value head, against a frozen reference and a reward scorer.
 
     ``policy``: trained; ``ref_lm``: frozen copy of the initial LM (KL anchor); ``reward_fn``:
-    ``(prompts, responses) -> scores``; ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` /
-    ``OptimizerConfig`` (see ``config.py``).
+    ``(prompts, responses) -> raw scores``; ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` /
+    ``OptimizerConfig`` (see ``config.py``). ``reward_norm``: the ``(gain, bias)`` every raw score
+    goes through, or None to fit it on ``normalize_reward_samples`` reference samples when the run
+    starts (``_fit_reward_normalization``). ``value_head_from_reward``: the value head was copied
+    from the reward model's raw head, so the fitted gain and bias are applied to it too.
     """
 
     def __init__(self, policy: PolicyWithValueHead, ref_lm: nn.Module, reward_fn, tokenizer,
-                 ppo_cfg, optim_cfg, seed: int = 0, normalize_reward_samples: int = 0,
-                 value_head_from_reward: bool = False):
+                 ppo_cfg, optim_cfg, seed: int = 0, reward_norm: tuple[float, float] | None = (1.0, 0.0),
+                 normalize_reward_samples: int = 256, value_head_from_reward: bool = False):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference and reward model are not checkpointed
@@ -65,9 +69,9 @@ class PPOModule(L.LightningModule):
         self.ppo_cfg = ppo_cfg
         self.optim_cfg = optim_cfg
         self.seed = seed
-        self.normalize_reward_samples = normalize_reward_samples  # 0: off
+        self.reward_norm = reward_norm  # (gain, bias); None until fitted
+        self.normalize_reward_samples = normalize_reward_samples
         self.value_head_from_reward = value_head_from_reward
-        self.reward_norm: tuple[float, float] | None = None  # (gain, bias) once fitted
         self.kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target,
                                           ppo_cfg.kl_horizon)
         self.episode = 0  # prompts consumed, summed over ranks
@@ -111,12 +115,13 @@ class PPOModule(L.LightningModule):
             if isinstance(getattr(cb, "filename", None), str):
                 read.update(re.findall(r"\{([^}:]+)", cb.filename))
         self._trainer_metrics = tuple(sorted(read))
-        if self.normalize_reward_samples and self.reward_norm is None:
+        if self.reward_norm is None:  # a resumed run restored it from the checkpoint
             self._fit_reward_normalization()
 
     @torch.no_grad()
     def _fit_reward_normalization(self) -> None:
-        """Score reference-policy samples on the run's prompts; fix gain/bias from them ([N+]).
+        """Score reference-policy samples on the run's prompts; fix gain/bias from them ([N+]):
+        ``rewards.fit_normalization``.
 
         Runs once per run (a resumed run restores gain/bias from the checkpoint). Uses its own
         seeded generator so it does not shift the training run's sampling stream.
@@ -126,7 +131,6 @@ class PPOModule(L.LightningModule):
         c, loader = self.ppo_cfg, self.trainer.datamodule
         g = torch.Generator(device=self.device).manual_seed(self.seed + 7919 + self.global_rank)
         need = self.normalize_reward_samples // max(1, self.trainer.world_size)
-        self.reward_fn.gain, self.reward_fn.bias = 1.0, 0.0  # raw scores
         raw = []
         for batch in loader.normalization_batches(need):
             ids, am = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
@@ -136,14 +140,22 @@ class PPOModule(L.LightningModule):
                                   stop_at_eos=c.stop_at_eos, fast_decode=c.fast_decode, generator=g)
             # the same scoring path (token ids or decoded text) as the rollouts
             raw.append(score_responses(self.reward_fn, self.tokenizer, ids, am, resp, mask))
-        reduce = (lambda t: self.trainer.strategy.reduce(t, reduce_op="sum")) if self.trainer.world_size > 1 else None
-        gain, bias = self.reward_fn.fit_normalization(torch.cat(raw), reduce=reduce)
+        reduce = None
+        if self.trainer.world_size > 1:
+            reduce = lambda t: self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum")  # noqa: E731
+        gain, bias = fit_normalization(torch.cat(raw), reduce, source=getattr(self.reward_fn, "name", "the reward"))
         self.reward_norm = (gain, bias)
         if self.value_head_from_reward:  # copied from the raw head: put it on the new scale too
             with torch.no_grad():
                 self.policy.v_head.weight.mul_(gain)
                 self.policy.v_head.bias.mul_(gain).add_(bias)
         log.info("reward normalisation from %d reference samples: gain %.4g, bias %.4g", sum(map(len, raw)), gain, bias)
+
+    @torch.no_grad()
+    def score(self, prompts: list[str], responses: list[str]) -> Tensor:
+        """The training reward of texts: the reward's raw scores through the run's normalisation."""
+        gain, bias = self.reward_norm or (1.0, 0.0)
+        return torch.as_tensor(self.reward_fn(prompts, responses), dtype=torch.float32) * gain + bias
 
     # ------------------------------------------------------------------------- part 1: rollout
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
@@ -155,7 +167,7 @@ class PPOModule(L.LightningModule):
             gen={"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
                  "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "fast_decode": c.fast_decode},
             missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
-            generator=self.generator)
+            reward_norm=self.reward_norm, generator=self.generator)
         logprobs, values = self._old_logprobs_and_values(samples)
         self.rollout = finish_rollout(samples, logprobs, values, kl_coef=self.kl_ctl.value, gamma=c.gamma,
                                       lam=c.lam, kl_estimator=c.kl_estimator, whiten_rewards=c.whiten_rewards)
@@ -334,6 +346,7 @@ class PPOModule(L.LightningModule):
         mask = r.response_mask
         local = {
             "objective/scores": r.scores.mean(),
+            "objective/raw_scores": r.raw_scores.mean(),
             "objective/kl": r.kl.sum(1).mean(),  # k1, summed over the response, mean over rows
             "objective/entropy": (-r.logprobs * mask).sum(1).mean(),  # sampled-token estimate
             "objective/non_score_reward": r.non_score_reward.mean(),
@@ -392,7 +405,6 @@ class PPOModule(L.LightningModule):
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         if state.get("reward_norm") is not None:
             self.reward_norm = tuple(state["reward_norm"])
-            self.reward_fn.gain, self.reward_fn.bias = self.reward_norm
         if state.get("generator") is not None:
             self.generator = torch.Generator(device=self.device)
             self.generator.set_state(state["generator"])

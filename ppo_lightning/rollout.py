@@ -57,7 +57,8 @@ class Rollout(_Sequences):
     non_score_reward: Tensor  # [B] sum over tokens of -beta * KL_t (the KL part of the return)
     advantages: Tensor  # [B, R] GAE, whitened over response tokens
     returns: Tensor  # [B, R] value targets: advantages (before whitening) + values
-    scores: Tensor  # [B] reward score of each full response (after missing-EOS penalty)
+    scores: Tensor  # [B] reward of each full response: normalised, after the missing-EOS penalty
+    raw_scores: Tensor  # [B] the reward's own output, before normalisation and penalty
     contains_eos: Tensor  # [B] bool
     context_length: int  # P
 
@@ -254,19 +255,18 @@ def decode_prompts_and_responses(tokenizer, input_ids: Tensor, responses: Tensor
 
 
 def score_responses(reward_fn: Callable, tokenizer, input_ids: Tensor, attention_mask: Tensor,
-                    responses: Tensor, response_mask: Tensor, prompts: list[str] | None = None) -> Tensor:
-    """One score per row, float32, on the rollout's device.
+                    responses: Tensor, response_mask: Tensor) -> Tensor:
+    """The scorer's raw score of each row, float32, on the rollout's device.
 
     A reward model that shares the policy's vocabulary (``RewardModel.token_input``) reads the
     token ids directly; every other scorer gets ``(prompts, responses)`` as decoded text.
-    ``prompts`` replaces the decoded prompts (a dataset's raw prompt strings).
     """
     if getattr(reward_fn, "token_input", False):
         ids = torch.cat([input_ids, responses], dim=1)
         mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
         return reward_fn.score_tokens(ids, mask).float().to(input_ids.device)
     prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
-    scores = reward_fn(prompts if prompts is not None else prompt_texts, texts)
+    scores = reward_fn(prompt_texts, texts)
     return torch.as_tensor(scores, dtype=torch.float32).to(input_ids.device)
 
 
@@ -285,7 +285,8 @@ class Samples(_Sequences):
     position_ids: Tensor  # [B, T]
     response_mask: Tensor  # [B, R] float
     ref_logprobs: Tensor  # [B, R] (unmasked)
-    scores: Tensor  # [B] after the missing-EOS penalty
+    scores: Tensor  # [B] normalised, after the missing-EOS penalty
+    raw_scores: Tensor  # [B] the reward's own output
     contains_eos: Tensor  # [B] bool
     context_length: int  # P
 
@@ -294,8 +295,13 @@ class Samples(_Sequences):
 def sample_and_score(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, tokenizer,
                      input_ids: Tensor, attention_mask: Tensor, gen: dict,
                      missing_eos_penalty: float | None = None, forward_chunk_size: int | None = None,
-                     generator: torch.Generator | None = None, prompts: list[str] | None = None) -> Samples:
-    """Sample responses to left-padded prompts; reference logprobs and reward scores for them."""
+                     reward_norm: tuple[float, float] = (1.0, 0.0),
+                     generator: torch.Generator | None = None) -> Samples:
+    """Sample responses to left-padded prompts; reference logprobs and reward scores for them.
+
+    ``reward_norm = (gain, bias)``: the score is ``gain * raw + bias`` ([N+] reward
+    normalisation, fitted by ``rewards.fit_normalization``; ``(1, 0)`` leaves it raw).
+    """
     P = input_ids.shape[1]
     responses, response_mask = generate(
         policy.lm, input_ids, attention_mask, eos_token_id=tokenizer.eos_token_id,
@@ -306,13 +312,15 @@ def sample_and_score(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable
     ref_logprobs, _ = forward_logprobs(None, ref_lm, query_responses, full_mask, position_ids, P,
                                        gen["temperature"], forward_chunk_size)
 
-    scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts)
+    raw_scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask)
+    gain, bias = reward_norm
+    scores = raw_scores * gain + bias
     contains_eos = ((responses == tokenizer.eos_token_id) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and gen.get("stop_at_eos", True):
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
     return Samples(query_responses=query_responses, attention_mask=full_mask, position_ids=position_ids,
                    response_mask=response_mask, ref_logprobs=ref_logprobs, scores=scores,
-                   contains_eos=contains_eos, context_length=P)
+                   raw_scores=raw_scores, contains_eos=contains_eos, context_length=P)
 
 
 @torch.no_grad()
@@ -337,26 +345,5 @@ def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor, *, kl_coef: flo
                    position_ids=s.position_ids, response_mask=mask, logprobs=logprobs,
                    ref_logprobs=ref_logprobs, values=values, kl=kl, rewards=rewards,
                    non_score_reward=non_score_reward, advantages=advantages, returns=returns,
-                   scores=s.scores, contains_eos=s.contains_eos, context_length=s.context_length)
-
-
-@torch.no_grad()
-def make_rollout(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable, tokenizer,
-                 input_ids: Tensor, attention_mask: Tensor, kl_coef: float, gen: dict,
-                 gamma: float, lam: float, kl_estimator: str = "k1",
-                 missing_eos_penalty: float | None = None, whiten_rewards: bool = False,
-                 forward_chunk_size: int | None = None, generator: torch.Generator | None = None,
-                 prompts: list[str] | None = None) -> Rollout:
-    """Sample, score and compute advantages for one batch of left-padded prompts.
-
-    ``gen`` holds ``max_new_tokens, temperature, top_k, top_p, stop_at_eos``. ``reward_fn`` maps
-    ``(prompts, responses)`` strings to one float score per row (a tensor or a list).
-    """
-    s = sample_and_score(policy=policy, ref_lm=ref_lm, reward_fn=reward_fn, tokenizer=tokenizer,
-                         input_ids=input_ids, attention_mask=attention_mask, gen=gen,
-                         missing_eos_penalty=missing_eos_penalty, forward_chunk_size=forward_chunk_size,
-                         generator=generator, prompts=prompts)
-    logprobs, values = forward_logprobs(policy, None, s.query_responses, s.attention_mask, s.position_ids,
-                                        s.context_length, gen["temperature"], forward_chunk_size)
-    return finish_rollout(s, logprobs, values, kl_coef=kl_coef, gamma=gamma, lam=lam,
-                          kl_estimator=kl_estimator, whiten_rewards=whiten_rewards)
+                   scores=s.scores, raw_scores=s.raw_scores, contains_eos=s.contains_eos,
+                   context_length=s.context_length)

@@ -1,7 +1,6 @@
-"""``train(cfg)``: build everything a composed config describes and run PPO with a Lightning Trainer.
-
-Order matters: every cheap check (config ranges, reward import, prompt file, context length)
-runs before any model weights are loaded, so a typo fails in seconds.
+"""The jobs ``train.py`` runs, by ``task.name``: PPO (``train``), the SFT and reward-model stages
+(``train_stage``) and ``export``. Building the parts of a run is ``factory.py``'s job; the
+recipes' builds and before/after tables are ``recipes/``'s.
 """
 
 from __future__ import annotations
@@ -11,22 +10,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import hydra
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ppo_lightning.checkpoint import AtomicCheckpointIO
-from ppo_lightning.config import validate
-from ppo_lightning.data import PromptDataModule
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.module import PPOModule
-from ppo_lightning.policy import (PolicyWithValueHead, load_causal_lm, load_tokenizer,
-                                  load_value_head, make_reference, resolve_source, save_policy,
-                                  context_length)
+from ppo_lightning.factory import build, build_module, build_trainer, check_inputs
+from ppo_lightning.policy import save_policy
 from ppo_lightning.recipes import get_recipe
-from ppo_lightning.rewards import build_reward
-from ppo_lightning.tiny import save_tiny_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -34,101 +25,6 @@ log = logging.getLogger(__name__)
 # checkpoints hold the state after each PPO iteration's updates.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
 warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
-
-
-def ensure_model_source(model_cfg, cache_dir: str) -> None:
-    """Build the tiny offline model at ``model.name_or_path`` when ``model.build_tiny`` asks.
-
-    Only inside ``paths.cache_dir``: a user who points ``model.name_or_path`` at a directory of
-    their own gets that directory loaded (or a "no such directory" error), never a random model
-    written there.
-    """
-    t = model_cfg.build_tiny
-    target = Path(model_cfg.name_or_path).resolve()
-    if t is None or (target / "config.json").exists():
-        return
-    if not target.is_relative_to(Path(cache_dir).resolve()):
-        return  # resolve_source will report the missing directory
-    log.info("building tiny GPT-2 (%d layers, %d dims) at %s", t.n_layer, t.n_embd, target)
-    save_tiny_causal_lm(target, t.n_layer, t.n_head, t.n_embd, t.n_positions, t.seed)
-
-
-def instantiate_dict(group: DictConfig | None, key: str) -> list:
-    """Instantiate every ``_target_`` entry of a named dict group (logger, callbacks)."""
-    objs = []
-    for name, node in (group or {}).items():
-        if node is None:
-            continue
-        if not isinstance(node, DictConfig) or "_target_" not in node:
-            raise ConfigError(f"{key}.{name}: expected a mapping with a _target_ (a class to build)")
-        objs.append(hydra.utils.instantiate(node))
-    return objs
-
-
-def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
-    """Module, prompts and Trainer for a composed config; every cheap check runs first."""
-    module, datamodule = build_module(cfg)
-    return module, datamodule, build_trainer(cfg)
-
-
-def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
-    validate(cfg)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    reward_fn = build_reward(cfg.reward) if cfg.reward.kind == "function" else None  # import early
-
-    ensure_model_source(cfg.model, cfg.paths.cache_dir)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path,
-                               trust_remote_code=cfg.model.trust_remote_code)
-    datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed)
-    datamodule.load()
-
-    lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
-    ctx = context_length(lm.config)
-    need = cfg.data.max_prompt_length + cfg.ppo.max_new_tokens
-    if ctx is not None and need > ctx:
-        raise ConfigError(f"data.max_prompt_length + ppo.max_new_tokens = {need} exceeds the model's "
-                          f"context of {ctx} tokens; lower data.max_prompt_length or ppo.max_new_tokens")
-    if cfg.model.gradient_checkpointing:
-        lm.gradient_checkpointing_enable()
-    policy = PolicyWithValueHead(lm)
-    if cfg.model.value_head_path and not load_value_head(policy, cfg.model.value_head_path):
-        raise ConfigError(f"model.value_head_path={cfg.model.value_head_path!r}: no value_head.safetensors there")
-    ref_lm = make_reference(lm)
-    if reward_fn is None:
-        reward_fn = build_reward(cfg.reward)
-        reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
-    if cfg.model.value_head_init == "reward_model":
-        init_value_head_from(policy, reward_fn)
-
-    # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
-    ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
-    module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed,
-                       normalize_reward_samples=cfg.reward.normalize_samples if cfg.reward.normalize else 0,
-                       value_head_from_reward=cfg.model.value_head_init == "reward_model")
-    return module, datamodule
-
-
-def init_value_head_from(policy: PolicyWithValueHead, reward_model) -> None:
-    """Copy the reward model's score head into the value head ([N+]: initialise the value
-    function from the reward model), so early value estimates are already on the reward's scale."""
-    head = reward_model.score_head()
-    if head.weight.shape != policy.v_head.weight.shape:
-        raise ConfigError(f"model.value_head_init=reward_model: reward head {tuple(head.weight.shape)} does "
-                          f"not fit the value head {tuple(policy.v_head.weight.shape)} (hidden sizes differ)")
-    with torch.no_grad():
-        policy.v_head.weight.copy_(head.weight.float() * reward_model.gain)
-        bias = head.bias.float() if head.bias is not None else torch.zeros(1)
-        policy.v_head.bias.copy_(bias * reward_model.gain + reward_model.bias)
-
-
-def build_trainer(cfg: DictConfig) -> L.Trainer:
-    loggers = instantiate_dict(cfg.get("logger"), "logger")
-    callbacks = instantiate_dict(cfg.get("callbacks"), "callbacks")
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
-                                      plugins=[AtomicCheckpointIO()])
-    for lg in loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    return trainer
 
 
 def export(cfg: DictConfig) -> Path:
@@ -155,36 +51,15 @@ def export(cfg: DictConfig) -> Path:
     return path
 
 
-def _under(path: str, root: Path) -> bool:
-    return Path(path).resolve().is_relative_to(root.resolve())
-
-
-def active_recipe(cfg: DictConfig):
-    """The configured recipe, if the run uses anything it builds (its policy, reward model or
-    prompts); a run that swapped all three for its own (``model=gpt2 reward=model data=file``)
-    skips the recipe's build and its report."""
-    if not cfg.recipe:
-        return None
-    recipe = get_recipe(cfg.recipe)
-    root = recipe.root(cfg)
-    used = [cfg.model.name_or_path, cfg.data.path,
-            cfg.reward.name_or_path if cfg.reward.kind == "model" else None]
-    if any(p and _under(p, root) for p in used):
-        return recipe
-    log.info("recipe=%s: the run uses none of its models or prompts; skipping it", cfg.recipe)
-    return None
-
-
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Run PPO as configured; returns every metric of the last iteration."""
-    recipe = active_recipe(cfg)
+    """Run PPO as configured; returns every metric of the last iteration.
+
+    Every input is checked first (``check_inputs``; paths the recipe builds are skipped), then
+    the job's recipe, if it names one, builds what is missing, then the run is built and fit.
+    """
+    recipe = get_recipe(cfg.recipe) if cfg.recipe else None
+    check_inputs(cfg, built_by_recipe=recipe.root(cfg) if recipe is not None else None)
     if recipe is not None:
-        validate(cfg, check_files=False)
-        # sources the recipe does not build must exist before it spends a minute building
-        for key, value in (("model.name_or_path", cfg.model.name_or_path),
-                           ("reward.name_or_path", cfg.reward.name_or_path if cfg.reward.kind == "model" else None)):
-            if value and not _under(value, recipe.root(cfg)):
-                resolve_source(value, key)
         recipe.prepare(cfg)  # first run builds its policy, reward model and prompts (cached)
     module, datamodule, trainer = build(cfg)
     try:

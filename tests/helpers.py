@@ -1,5 +1,5 @@
-"""Callbacks the tests inject through Hydra (``+callbacks.<name>._target_=tests.helpers.X``), and a
-naive greedy decoder the sampler tests compare against."""
+"""Callbacks the tests inject through Hydra (``+callbacks.<name>._target_=tests.helpers.X``), a
+naive greedy decoder the sampler tests compare against, and a whole rollout in one call."""
 
 from __future__ import annotations
 
@@ -74,3 +74,25 @@ def greedy_by_full_forward(lm, input_ids: torch.Tensor, attention_mask: torch.Te
         ids = torch.cat([ids, nxt[:, None]], 1)
         am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
     return ids[:, input_ids.shape[1]:]
+
+
+@torch.no_grad()
+def make_rollout(*, policy, ref_lm, reward_fn, tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 kl_coef: float, gen: dict, gamma: float, lam: float, kl_estimator: str = "k1",
+                 missing_eos_penalty: float | None = None, whiten_rewards: bool = False,
+                 forward_chunk_size: int | None = None, generator: torch.Generator | None = None):
+    """Sample, score and compute advantages for one batch of left-padded prompts, as
+    ``PPOModule.on_train_batch_start`` does with a separate (unfused) old-policy forward.
+
+    ``gen`` holds ``max_new_tokens, temperature, top_k, top_p, stop_at_eos``.
+    """
+    from ppo_lightning.rollout import finish_rollout, forward_logprobs, sample_and_score
+
+    s = sample_and_score(policy=policy, ref_lm=ref_lm, reward_fn=reward_fn, tokenizer=tokenizer,
+                         input_ids=input_ids, attention_mask=attention_mask, gen=gen,
+                         missing_eos_penalty=missing_eos_penalty, forward_chunk_size=forward_chunk_size,
+                         generator=generator)
+    logprobs, values = forward_logprobs(policy, None, s.query_responses, s.attention_mask, s.position_ids,
+                                        s.context_length, gen["temperature"], forward_chunk_size)
+    return finish_rollout(s, logprobs, values, kl_coef=kl_coef, gamma=gamma, lam=lam,
+                          kl_estimator=kl_estimator, whiten_rewards=whiten_rewards)

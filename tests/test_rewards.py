@@ -9,8 +9,8 @@ import torch
 
 from ppo_lightning.config import RewardConfig
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.rewards import FunctionReward, RewardError, RewardModel, build_reward
-from ppo_lightning.rewards.rules import char_fraction, exact_answer, keyword, target_length
+from ppo_lightning.rewards import FunctionReward, RewardError, RewardModel, build_reward, fit_normalization
+from ppo_lightning.rewards.rules import char_fraction, keyword, target_length
 
 HERE = __name__  # "tests.test_rewards" under pytest (tests/ is a package)
 
@@ -225,9 +225,6 @@ def test_reward_model_matches_unpadded_forward(tiny_rm_dir, rm_texts):
     # small batches (2 + 2 + 1) give the same scores as one batch
     rm.batch_size = 2
     torch.testing.assert_close(rm(prompts, responses), scores, atol=1e-5, rtol=0)
-    # gain and bias
-    rm2 = RewardModel(str(tiny_rm_dir), batch_size=2, gain=2.0, bias=-0.5)
-    torch.testing.assert_close(rm2(prompts, responses), 2.0 * expected - 0.5, atol=1e-5, rtol=0)
 
 
 def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_texts):
@@ -248,15 +245,14 @@ def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_
     mask = torch.tensor([[1.0] * (len(tok(r)["input_ids"]) + (1 if i else 0))
                          + [0.0] * (R - len(tok(r)["input_ids"]) - (1 if i else 0))
                          for i, r in enumerate(responses)])
-    rm = RewardModel(str(tiny_rm_dir), batch_size=2, gain=2.0, bias=-0.5)
+    rm = RewardModel(str(tiny_rm_dir), batch_size=2)
     p_text, r_text = decode_prompts_and_responses(tok, enc.input_ids, resp, mask)
     assert (p_text, r_text) == (prompts, responses)
     text_scores = score_responses(rm, tok, enc.input_ids, enc.attention_mask, resp, mask)
     assert rm.use_policy_tokens(tok, "auto") and rm.token_input
     token_scores = score_responses(rm, tok, enc.input_ids, enc.attention_mask, resp, mask)
     torch.testing.assert_close(token_scores, text_scores, atol=1e-5, rtol=0)
-    torch.testing.assert_close(text_scores, 2.0 * _manual_scores(tiny_rm_dir, prompts, responses) - 0.5,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(text_scores, _manual_scores(tiny_rm_dir, prompts, responses), atol=1e-5, rtol=0)
     assert not rm.use_policy_tokens(tok, "text") and not rm.token_input
 
 
@@ -311,7 +307,61 @@ def test_target_length():
     assert target_length(["p"] * 2, ["abcd", ""], target=4) == [0.0, -1.0]
 
 
-def test_exact_answer():
-    prompts = ["12+7=", "12+7=", "3*4=", "5-9=", "12+7=", "no arithmetic here"]
-    responses = ["19", "20", " 12 apples", "-4", "nineteen", "19"]
-    assert exact_answer(prompts, responses) == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+# ============================================================================ normalisation
+def test_fit_normalization_maps_reference_scores_to_mean_0_std_1():
+    raw = torch.tensor([0.0, 0.0, 0.02, 0.0, 0.05, 0.01, 0.0, 0.0])  # a sparse, small-scale reward
+    gain, bias = fit_normalization(raw)
+    z = gain * raw.double() + bias
+    assert z.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert z.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-9)
+    assert gain == pytest.approx(1.0 / raw.double().std(unbiased=False).item(), rel=1e-6)
+
+
+def test_fit_normalization_pools_ranks_through_reduce():
+    """Under DDP each rank passes its own scores and a summing reduce; every rank must get the
+    gain and bias of all ranks' scores together."""
+    a, b = torch.tensor([0.1, 0.4, 0.2]), torch.tensor([1.0, -0.5, 0.3, 0.0])
+
+    def reduce_with(other_scores):
+        def reduce(stats):
+            finite = other_scores.double()
+            return stats + torch.stack([finite.sum(), (finite ** 2).sum(), torch.tensor(4.0, dtype=torch.float64),
+                                        torch.tensor(4.0, dtype=torch.float64)])
+        return reduce
+
+    assert fit_normalization(a, reduce_with(b)) == pytest.approx(fit_normalization(torch.cat([a, b])), rel=1e-12)
+
+
+def test_fit_normalization_without_variance_only_centres_with_a_warning(caplog):
+    with caplog.at_level("WARNING"):
+        gain, bias = fit_normalization(torch.full((16,), 0.25), source="my.reward")
+    assert (gain, bias) == (1.0, -0.25)
+    assert len(caplog.records) == 1 and "no variance" in caplog.text and "my.reward" in caplog.text
+    with caplog.at_level("WARNING"):
+        assert fit_normalization(torch.zeros(8)) == (1.0, 0.0)  # a sparse reward never hit: no division by 0
+
+
+def test_fit_normalization_leaves_out_non_finite_scores():
+    raw = torch.tensor([0.0, float("nan"), 1.0, float("inf"), 2.0])
+    assert fit_normalization(raw) == pytest.approx(fit_normalization(torch.tensor([0.0, 1.0, 2.0])))
+    with pytest.raises(RewardError, match="every one of the 2 reference samples"):
+        fit_normalization(torch.tensor([float("nan"), float("nan")]))
+
+
+def test_sample_and_score_applies_the_normalisation_and_keeps_the_raw_scores(tiny_lm_dir):
+    from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
+    from ppo_lightning.rewards.rules import char_fraction
+    from ppo_lightning.rollout import sample_and_score
+
+    tok = load_tokenizer(str(tiny_lm_dir))
+    lm = load_causal_lm(str(tiny_lm_dir), tok)
+    enc = tok(["hello there", "a b c"], return_tensors="pt", padding=True)
+    gen = dict(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, stop_at_eos=True)
+    out = {}
+    for norm in ((1.0, 0.0), (4.0, -0.5)):
+        out[norm] = sample_and_score(policy=PolicyWithValueHead(lm), ref_lm=make_reference(lm), reward_fn=char_fraction,
+                                     tokenizer=tok, input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                                     gen=gen, reward_norm=norm, generator=torch.Generator().manual_seed(0))
+    plain, scaled = out[(1.0, 0.0)], out[(4.0, -0.5)]
+    assert torch.equal(plain.scores, plain.raw_scores) and torch.equal(scaled.raw_scores, plain.raw_scores)
+    torch.testing.assert_close(scaled.scores, 4.0 * plain.raw_scores - 0.5)

@@ -6,8 +6,8 @@ import torch
 
 from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
 from ppo_lightning.rewards.rules import char_fraction
-from ppo_lightning.rollout import generate, make_rollout
-from tests.helpers import greedy_by_full_forward
+from ppo_lightning.rollout import generate
+from tests.helpers import greedy_by_full_forward, make_rollout
 
 PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]
 GEN = dict(max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.95, stop_at_eos=True)

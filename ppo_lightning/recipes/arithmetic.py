@@ -5,7 +5,7 @@ answers are right only ~60% of the time (the rest off by one or two), so it star
 PPO with an exact-match reward (1 if the first integer of the response is the answer, else 0)
 then raises the accuracy. No reward model: the reward cannot be hacked through style.
 
-Built once under ``<paths.cache_dir>/arithmetic-v2``: ``tokenizer/ sft/ prompts_train.txt
+Built once under ``recipe_root(paths.cache_dir, "arithmetic")``: ``tokenizer/ sft/ prompts_train.txt
 prompts_eval.txt DONE`` (digit-level tokenizer, see ``ppo_lightning/tasks/arithmetic.py``).
 """
 
@@ -15,18 +15,18 @@ import logging
 import random
 from pathlib import Path
 
+from ppo_lightning.recipes import recipe_root
 from ppo_lightning.recipes.common import build_cached, fit_stage, report, sample_and_score, save_base_model
 from ppo_lightning.tasks import arithmetic
 
 log = logging.getLogger(__name__)
 
-NAME = "arithmetic-v2"
 MAX_OPERAND = 9  # single digits: a 2-layer model learns the format and most sums in a minute
 BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=32)
 
 
 def root(cfg) -> Path:
-    return Path(cfg.paths.cache_dir) / NAME
+    return recipe_root(cfg.paths.cache_dir, "arithmetic")
 
 
 def prepare(cfg) -> Path:

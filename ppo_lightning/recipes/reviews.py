@@ -8,7 +8,7 @@ hardened by ``RED_TEAM_ROUNDS`` rounds of online preference collection (``red_te
 then raises the reward model's score; the ground-truth sentiment and the grammar check tell
 whether the gain is real or reward hacking.
 
-Built once under ``<paths.cache_dir>/reviews-v3`` (about two minutes on 2 CPU cores)::
+Built once under ``recipe_root(paths.cache_dir, "reviews")`` (about two minutes on 2 CPU cores)::
 
     tokenizer/  sft/  reward_model/  prompts_train.txt  prompts_eval.txt  DONE
 """
@@ -21,18 +21,18 @@ import random
 import shutil
 from pathlib import Path
 
+from ppo_lightning.recipes import recipe_root
 from ppo_lightning.recipes.common import build_cached, fit_stage, report, sample_and_score, save_base_model
 from ppo_lightning.tasks import reviews
 
 log = logging.getLogger(__name__)
 
-NAME = "reviews-v3"  # bump when the recipe's data or models change
 BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=64)
 RED_TEAM_ROUNDS = 2  # rounds of online preference collection after the first reward model
 
 
 def root(cfg) -> Path:
-    return Path(cfg.paths.cache_dir) / NAME
+    return recipe_root(cfg.paths.cache_dir, "reviews")
 
 
 def prepare(cfg) -> Path:
@@ -132,24 +132,17 @@ def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int, i
     grammar, the offline stand-in for a human labeller: each ill-formed one becomes a pair
     that loses to a well-formed, positive continuation of the same prompt.
     """
-    import lightning as L
-    from omegaconf import OmegaConf
+    from ppo_lightning.factory import build, compose_config
 
-    from ppo_lightning.config import TrainConfig
-    from ppo_lightning.train import build_module
-
-    c = OmegaConf.structured(TrainConfig)
-    c.model.name_or_path = str(tmp / "sft")
-    c.reward.kind, c.reward.name_or_path = "model", str(reward_dir)
-    c.reward.max_length, c.reward.normalize = 32, True
-    c.data.path, c.data.batch_size, c.data.max_prompt_length = str(tmp / "prompts_train.txt"), 32, 8
-    c.ppo.max_new_tokens, c.ppo.kl_coef = 20, 0.02
-    c.optimizer.lr = 5e-5
-    c.paths.output_dir, c.paths.cache_dir, c.export_dir, c.seed = str(tmp / "red_team"), str(tmp), None, seed
-    module, datamodule = build_module(c)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=iterations, max_epochs=-1, logger=False,
-                        enable_checkpointing=False, enable_model_summary=False,
-                        enable_progress_bar=True, use_distributed_sampler=False, limit_val_batches=0)
+    cfg = compose_config([
+        "experiment=null", "logger=none", "callbacks=none", "export_dir=null", f"seed={seed}",
+        "model=reviews", f"model.name_or_path={tmp / 'sft'}",
+        "reward=model", f"reward.name_or_path={reward_dir}", "reward.max_length=32", "reward.normalize=true",
+        "data=file", f"data.path={tmp / 'prompts_train.txt'}", "data.batch_size=32", "data.max_prompt_length=8",
+        "ppo.max_new_tokens=20", "ppo.kl_coef=0.02", f"trainer.max_steps={iterations}",
+        "trainer.enable_checkpointing=false", "trainer.enable_model_summary=false",
+        f"paths.output_dir={tmp / 'red_team'}", f"paths.cache_dir={tmp}"])
+    module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule)
 
     pairs = pairs_against_broken_samples(module.policy.lm.eval(), module.tokenizer, rng, n_samples,
@@ -171,7 +164,7 @@ def evaluate(cfg, module, out_dir: Path | None) -> str:
     """Before (the reference = the SFT policy) and after (the trained policy) on held-out prompts."""
     prompts = (root(cfg) / "prompts_eval.txt").read_text().split("\n")
     prompts = [p for p in prompts if p]
-    scorers = {"reward (training reward)": module.reward_fn,
+    scorers = {"reward (training reward)": module.score,
                "sentiment (ground truth)": true_sentiment,
                "well-formed fraction": well_formed}
     c = module.ppo_cfg

@@ -6,11 +6,11 @@ classification reward model, see ``model.py``).
 """
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.rewards.base import RewardError, RewardFunction, check_scores
+from ppo_lightning.rewards.base import RewardError, check_scores, fit_normalization
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
 
-__all__ = ["RewardError", "RewardFunction", "check_scores", "FunctionReward", "import_callable",
+__all__ = ["RewardError", "check_scores", "fit_normalization", "FunctionReward", "import_callable",
            "RewardModel", "build_reward"]
 
 
@@ -25,6 +25,5 @@ def build_reward(cfg):
             raise ConfigError("reward.name_or_path is empty: set it to a reward-model directory "
                               "or hub id (reward=model reward.name_or_path=/path/to/rm)")
         return RewardModel(cfg.name_or_path, batch_size=cfg.batch_size, max_length=cfg.max_length,
-                           dtype=cfg.dtype, label_index=cfg.label_index, gain=cfg.gain,
-                           bias=cfg.bias, trust_remote_code=cfg.trust_remote_code)
+                           dtype=cfg.dtype, label_index=cfg.label_index, trust_remote_code=cfg.trust_remote_code)
     raise ConfigError(f"reward.kind={cfg.kind!r}: choose 'function' or 'model'")

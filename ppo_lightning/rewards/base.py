@@ -3,19 +3,19 @@
 Prompts and responses are decoded strings, so any scorer (a Python rule, a reward model with its
 own tokenizer, a remote judge) plugs in without sharing the policy's tokenizer. ``check_scores``
 turns whatever a scorer returned into a float tensor, or raises ``RewardError`` naming the scorer
-and the first bad row.
+and the first bad row. ``fit_normalization`` is reward normalisation, the same for every scorer:
+the rollout turns a scorer's raw output into ``gain * raw + bias``.
 """
 
 from __future__ import annotations
 
+import logging
 import numbers
-from typing import Protocol, Sequence
+from typing import Callable
 
 import torch
 
-
-class RewardFunction(Protocol):
-    def __call__(self, prompts: list[str], responses: list[str]) -> Sequence[float] | torch.Tensor: ...
+log = logging.getLogger(__name__)
 
 
 class RewardError(RuntimeError):
@@ -53,3 +53,38 @@ def check_scores(scores, prompts: list[str], source: str, allow_nonfinite: bool 
             raise RewardError(f"reward {source} returned {values[i].item()} for prompt {i} "
                               f"{prompts[i][:60]!r}; scores must be finite")
     return values
+
+
+def fit_normalization(raw: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      source: str = "reward") -> tuple[float, float]:
+    """``(gain, bias)`` that map these raw scores to mean 0 and std 1: ``gain * raw + bias``.
+
+    ``raw`` holds the scores of responses sampled from the reference policy ([N+] reward
+    normalisation), so after the fit a score of +1 means one reference standard deviation better
+    than the reference's average, whatever the reward's own scale: the KL coefficient then weighs
+    the penalty against the same thing for every reward. ``reduce`` sums a tensor over ranks under
+    DDP, so every rank gets the same gain and bias. Non-finite scores are left out (with a
+    warning). Scores without variance (every sample scored the same, as a sparse reward can on
+    the reference policy) are only centred, with a warning: ``gain = 1``, ``bias = -mean``.
+    """
+    raw = raw.detach().double().cpu().flatten()
+    finite = raw[torch.isfinite(raw)]
+    stats = torch.stack([finite.sum(), (finite ** 2).sum(), torch.tensor(float(len(finite)), dtype=torch.float64),
+                         torch.tensor(float(len(raw)), dtype=torch.float64)])
+    if reduce is not None:
+        stats = reduce(stats).cpu()
+    total, sq, n, n_all = stats.tolist()
+    if n == 0:
+        raise RewardError(f"reward.normalize: every one of the {int(n_all)} reference samples scored a "
+                          f"non-finite value with {source}; fix the reward or set reward.normalize=false")
+    if n < n_all:
+        log.warning("reward.normalize: %d of %d reference scores were not finite and are left out of the fit",
+                    int(n_all - n), int(n_all))
+    mean = total / n
+    var = max(sq / n - mean ** 2, 0.0)
+    if var <= 1e-12 * max(1.0, mean ** 2):
+        log.warning("reward.normalize: all %d reference samples scored %.4g with %s (no variance to scale "
+                    "by); scores are only centred (gain 1, bias %.4g)", int(n), mean, source, -mean)
+        return 1.0, -mean
+    std = var ** 0.5
+    return 1.0 / std, -mean / std

@@ -2,7 +2,7 @@
 
 It scores the decoded ``prompt + response`` text with its own tokenizer, so the policy and the
 reward model need not share a vocabulary. The score is the classifier's logit 0 (one label), or
-``logit[label_index]`` for multi-label heads, then ``gain * score + bias`` (reward normalisation).
+``logit[label_index]`` for multi-label heads (reward normalisation is applied by the rollout).
 It is an ``nn.Module`` so Lightning moves it to the policy's device; it stays frozen and in eval.
 """
 
@@ -19,8 +19,7 @@ from ppo_lightning.rewards.base import check_scores
 
 class RewardModel(nn.Module):
     def __init__(self, name_or_path: str, batch_size: int = 32, max_length: int = 512,
-                 dtype: str = "float32", label_index: int = 0, gain: float = 1.0, bias: float = 0.0,
-                 trust_remote_code: bool = False):
+                 dtype: str = "float32", label_index: int = 0, trust_remote_code: bool = False):
         super().__init__()
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -45,7 +44,6 @@ class RewardModel(nn.Module):
         self.model.requires_grad_(False)
         self.model.eval()
         self.batch_size, self.max_length, self.label_index = batch_size, max_length, label_index
-        self.gain, self.bias = float(gain), float(bias)
         self.token_input = False  # see use_policy_tokens
         self.train(False)
 
@@ -57,22 +55,6 @@ class RewardModel(nn.Module):
                 return head
         raise ConfigError(f"reward.name_or_path={self.name!r}: no linear score head found "
                           "(looked for .score / .classifier); use model.value_head_init=zeros")
-
-    def fit_normalization(self, raw: torch.Tensor, reduce=None) -> tuple[float, float]:
-        """Set gain/bias so that these raw scores (of reference-policy samples, scored with
-        ``gain=1, bias=0``) map to mean 0 and std 1.
-
-        ``reduce`` sums a tensor over ranks under DDP, so every rank gets the same gain/bias.
-        """
-        raw = raw.double().cpu()
-        stats = torch.stack([raw.sum(), (raw ** 2).sum(), torch.tensor(float(len(raw)), dtype=torch.float64)])
-        if reduce is not None:
-            stats = reduce(stats.to(next(self.model.parameters()).device)).cpu()
-        total, sq, n = stats.tolist()
-        mean = total / n
-        std = max((sq / n - mean ** 2) ** 0.5, 1e-6)
-        self.gain, self.bias = 1.0 / std, -mean / std
-        return self.gain, self.bias
 
     def use_policy_tokens(self, policy_tokenizer, mode: str = "auto") -> bool:
         """Decide whether rollouts are scored from the policy's token ids (``score_tokens``).
@@ -119,7 +101,7 @@ class RewardModel(nn.Module):
             sl = slice(s, s + self.batch_size)
             logits = self.model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=position_ids[sl]).logits
             out.append(logits[:, self.label_index].float())
-        return torch.cat(out) * self.gain + self.bias
+        return torch.cat(out)
 
     def train(self, mode: bool = True):  # frozen: never switch to train mode
         return super().train(False)
@@ -134,5 +116,4 @@ class RewardModel(nn.Module):
                                  truncation=True, max_length=self.max_length).to(device)
             logits = self.model(**enc).logits  # [b, num_labels]
             out.append(logits[:, self.label_index].float())
-        scores = torch.cat(out) * self.gain + self.bias
-        return check_scores(scores, prompts, f"model {self.name}", allow_nonfinite=True)
+        return check_scores(torch.cat(out), prompts, f"model {self.name}", allow_nonfinite=True)

@@ -1,0 +1,200 @@
+"""Config -> the parts of a PPO run: policy, reference, reward, prompts, ``PPOModule``, Trainer.
+
+The entry point (``ppo_lightning/train.py``) and the recipes (whose red-team rounds are short PPO
+runs) both build runs here; nothing here imports a recipe. ``check_inputs`` holds every check of
+the user's inputs that needs no model, so each can run before any recipe build or model load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ppo_lightning.checkpoint import AtomicCheckpointIO
+from ppo_lightning.config import validate
+from ppo_lightning.data import PromptDataModule, read_prompts
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.module import PPOModule
+from ppo_lightning.policy import (PolicyWithValueHead, VALUE_HEAD_FILE, context_length, load_causal_lm,
+                                  load_tokenizer, load_value_head, make_reference, resolve_source)
+from ppo_lightning.recipes import RECIPES, recipe_root
+from ppo_lightning.rewards import build_reward
+from ppo_lightning.tiny import save_tiny_causal_lm
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's config tree
+
+
+# ----------------------------------------------------------------------------- configs
+def compose_config(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides`` through Hydra's compose API, exactly as
+    ``train.py`` composes it (schemas, defaults list, presets). Inside a running Hydra app it
+    uses that app's config search path; elsewhere it initialises one on ``CONF_DIR``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose("train", overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def _under(path: str | os.PathLike, root: Path) -> bool:
+    return Path(path).expanduser().resolve().is_relative_to(root.resolve())
+
+
+def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
+    """Every check of the user's inputs that needs no model: ranges and cross-group constraints
+    (``config.validate``), the prompt file (exists, holds prompts, parses), the reward function
+    (imports), model and checkpoint paths (exist, or are hub ids that can be reached).
+
+    Paths under ``built_by_recipe`` are skipped: the recipe builds them next. A missing path
+    that another recipe builds says which ``recipe=`` would build it.
+    """
+    validate(cfg)
+
+    def pending(path) -> bool:
+        return built_by_recipe is not None and bool(path) and _under(path, built_by_recipe)
+
+    d, m, r = cfg.data, cfg.model, cfg.reward
+    if d.path is None and d.hf_dataset is None:
+        raise ConfigError("data.path and data.hf_dataset are both null: set data.path=prompts.txt "
+                          "(one prompt a line) or .jsonl, or data.hf_dataset=<name>")
+    if d.path is not None and not pending(d.path):
+        if not os.path.isfile(d.path):
+            raise ConfigError(f"data.path={d.path!r}: no such file. Give a .txt (one prompt a line) or "
+                              f".jsonl (one JSON object with a {d.prompt_field!r} field a line)"
+                              + _built_by_hint(d.path, cfg))
+        read_prompts(d.path, d.prompt_field)  # empty, malformed or unsupported files fail here
+    if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
+    if r.kind == "function":
+        build_reward(r)  # imports reward.fn
+    sources = [("model.name_or_path", m.name_or_path, m.build_tiny is not None
+                and _under(m.name_or_path, Path(cfg.paths.cache_dir))),
+               ("model.tokenizer_name_or_path", m.tokenizer_name_or_path, False),
+               ("reward.name_or_path", r.name_or_path if r.kind == "model" else None, False)]
+    for key, value, built_here in sources:
+        if value and not built_here and not pending(value):
+            try:
+                resolve_source(value, key)
+            except ConfigError as e:
+                raise ConfigError(f"{e}{_built_by_hint(value, cfg)}") from None
+    if m.value_head_path and not pending(m.value_head_path) and not (Path(m.value_head_path) / VALUE_HEAD_FILE).is_file():
+        raise ConfigError(f"model.value_head_path={m.value_head_path!r}: no {VALUE_HEAD_FILE} there")
+
+
+def _built_by_hint(path: str, cfg: DictConfig) -> str:
+    for name in RECIPES:
+        if _under(path, recipe_root(cfg.paths.cache_dir, name)):
+            return (f" It is built by recipe={name}, which this job does not run: add recipe={name} "
+                    f"(experiment={name} sets it), or point the key at your own file or model.")
+    return ""
+
+
+# ----------------------------------------------------------------------------- the module
+def ensure_model_source(model_cfg, cache_dir: str) -> None:
+    """Build the tiny offline model at ``model.name_or_path`` when ``model.build_tiny`` asks.
+
+    Only inside ``paths.cache_dir``: a user who points ``model.name_or_path`` at a directory of
+    their own gets that directory loaded (or a "no such directory" error), never a random model
+    written there.
+    """
+    t = model_cfg.build_tiny
+    target = Path(model_cfg.name_or_path).resolve()
+    if t is None or (target / "config.json").exists():
+        return
+    if not target.is_relative_to(Path(cache_dir).resolve()):
+        return  # resolve_source will report the missing directory
+    log.info("building tiny GPT-2 (%d layers, %d dims) at %s", t.n_layer, t.n_embd, target)
+    save_tiny_causal_lm(target, t.n_layer, t.n_head, t.n_embd, t.n_positions, t.seed)
+
+
+def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
+    """Module, prompts and Trainer for a composed config; every cheap check runs first."""
+    module, datamodule = build_module(cfg)
+    return module, datamodule, build_trainer(cfg)
+
+
+def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
+    """The ``PPOModule`` (policy with value head, frozen reference, reward) and the prompts."""
+    check_inputs(cfg)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    reward_fn = build_reward(cfg.reward) if cfg.reward.kind == "function" else None
+
+    ensure_model_source(cfg.model, cfg.paths.cache_dir)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path,
+                               trust_remote_code=cfg.model.trust_remote_code)
+    datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed)
+    datamodule.load()
+
+    lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
+    ctx = context_length(lm.config)
+    need = cfg.data.max_prompt_length + cfg.ppo.max_new_tokens
+    if ctx is not None and need > ctx:
+        raise ConfigError(f"data.max_prompt_length + ppo.max_new_tokens = {need} exceeds the model's "
+                          f"context of {ctx} tokens; lower data.max_prompt_length or ppo.max_new_tokens")
+    if cfg.model.gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
+    policy = PolicyWithValueHead(lm)
+    if cfg.model.value_head_path:
+        load_value_head(policy, cfg.model.value_head_path)
+    ref_lm = make_reference(lm)
+    if reward_fn is None:
+        reward_fn = build_reward(cfg.reward)
+        reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
+    # reward normalisation: fitted when the run starts, else the configured gain and bias
+    reward_norm = None if cfg.reward.normalize else (cfg.reward.gain, cfg.reward.bias)
+    if cfg.model.value_head_init == "reward_model":  # on the raw scale when a fit will rescale it
+        init_value_head_from(policy, reward_fn, *(reward_norm or (1.0, 0.0)))
+
+    # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
+    ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
+    module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed,
+                       reward_norm=reward_norm, normalize_reward_samples=cfg.reward.normalize_samples,
+                       value_head_from_reward=cfg.model.value_head_init == "reward_model")
+    return module, datamodule
+
+
+def init_value_head_from(policy: PolicyWithValueHead, reward_model, gain: float = 1.0, bias: float = 0.0) -> None:
+    """Copy the reward model's score head into the value head ([N+]: initialise the value
+    function from the reward model), mapped by the reward normalisation ``gain * score + bias``,
+    so early value estimates are already on the reward's scale."""
+    head = reward_model.score_head()
+    if head.weight.shape != policy.v_head.weight.shape:
+        raise ConfigError(f"model.value_head_init=reward_model: reward head {tuple(head.weight.shape)} does "
+                          f"not fit the value head {tuple(policy.v_head.weight.shape)} (hidden sizes differ)")
+    with torch.no_grad():
+        policy.v_head.weight.copy_(head.weight.float() * gain)
+        head_bias = head.bias.float() if head.bias is not None else torch.zeros(1)
+        policy.v_head.bias.copy_(head_bias * gain + bias)
+
+
+# ----------------------------------------------------------------------------- the trainer
+def instantiate_dict(group: DictConfig | None, key: str) -> list:
+    """Instantiate every ``_target_`` entry of a named dict group (logger, callbacks)."""
+    objs = []
+    for name, node in (group or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(f"{key}.{name}: expected a mapping with a _target_ (a class to build)")
+        objs.append(hydra.utils.instantiate(node))
+    return objs
+
+
+def build_trainer(cfg: DictConfig) -> L.Trainer:
+    loggers = instantiate_dict(cfg.get("logger"), "logger")
+    callbacks = instantiate_dict(cfg.get("callbacks"), "callbacks")
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
+                                      plugins=[AtomicCheckpointIO()])
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    return trainer
