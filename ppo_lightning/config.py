@@ -1,4 +1,10 @@
-"""Typed schemas for every config group, and the checks that need more than a type.
+"""Typed schemas for every config group: each key's default, type, range check and doc, together.
+
+Each field is declared once: its type annotation, its default and its check (``param``), and the
+docstring under it (litgpt style). ``docs/config.md`` is generated from these by
+``python docs/gen_config.py`` (a test fails when it is stale), and ``validate`` checks every
+field's range and choices from the same declaration. Choice lists come from the registries of
+the code that uses them (``ppo.KL_ESTIMATORS``, ``policy.DTYPES``, ``optim.OPTIMIZERS``, ...).
 
 ``conf/train.yaml`` starts its defaults list with ``train_schema`` (registered below), so Hydra
 merges every YAML and command-line override into these dataclasses while composing: an unknown key
@@ -8,6 +14,7 @@ anything is loaded. ``validate(cfg)`` then checks ranges and cross-group constra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -15,239 +22,403 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from ppo_lightning import data, optim, policy, ppo, recipes, rewards
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.rewards.model import INPUTS as REWARD_INPUTS
 
 ASSETS = Path(__file__).parent / "assets"
 
 
+def param(default: Any = MISSING, *, factory=None, choices=None, gt=None, ge=None, lt=None, le=None,
+          hint: str | None = None):
+    """A config field with its check: ``choices`` (a registry: any iterable of the allowed
+    values), bounds ``gt``/``ge``/``lt``/``le``, and a ``hint`` appended to the error message.
+    A null value (an optional key left unset) is never checked."""
+    meta = {k: v for k, v in dict(choices=choices, gt=gt, ge=ge, lt=lt, le=le, hint=hint).items() if v is not None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def describe_check(meta: dict) -> str:
+    """The check of a field in words: ``> 0``, ``in [0, 1]``, ``one of k1 | k2 | k3``."""
+    if "choices" in meta:
+        return "one of " + " | ".join(str(c) for c in meta["choices"])
+    lo = ("(", meta["gt"]) if "gt" in meta else ("[", meta["ge"]) if "ge" in meta else None
+    hi = (")", meta["lt"]) if "lt" in meta else ("]", meta["le"]) if "le" in meta else None
+    if lo and hi:
+        return f"in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+    if lo:
+        return f"{'>' if lo[0] == '(' else '>='} {lo[1]}"
+    if hi:
+        return f"{'<' if hi[0] == ')' else '<='} {hi[1]}"
+    return ""
+
+
+def check_fields(node: Any, cls: type, prefix: str = "") -> None:
+    """Check every field of dataclass ``cls`` in ``node`` (a DictConfig, a dataclass or a dict)
+    against its ``param`` check; raises ``ConfigError`` naming ``<prefix>.<field>`` and the value."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not meta:
+            continue
+        value = node.get(f.name) if isinstance(node, dict) else getattr(node, f.name, None)
+        if value is None:
+            continue
+        if "choices" in meta:
+            ok = value in tuple(meta["choices"])
+        else:
+            ok = (("gt" not in meta or value > meta["gt"]) and ("ge" not in meta or value >= meta["ge"])
+                  and ("lt" not in meta or value < meta["lt"]) and ("le" not in meta or value <= meta["le"]))
+        if not ok:
+            what = "choose " + describe_check(meta) if "choices" in meta else "must be " + describe_check(meta)
+            hint = f" ({meta['hint']})" if "hint" in meta else ""
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            raise ConfigError(f"{key}={value!r}: {what}{hint}")
+
+
+# ============================================================================= schemas
 @dataclass
 class TinyModelConfig:
-    """A random GPT-2 over a byte vocabulary, built offline (tests, demos, benchmarks)."""
+    """A random GPT-2 over a byte vocabulary (256 bytes + EOS + pad), built offline (``tiny.py``)."""
 
-    n_layer: int = 2
-    n_head: int = 2
-    n_embd: int = 64
-    n_positions: int = 256
-    seed: int = 0  # init seed of the random weights
+    n_layer: int = param(2, ge=1)
+    """Transformer layers."""
+    n_head: int = param(2, ge=1)
+    """Attention heads."""
+    n_embd: int = param(64, ge=1)
+    """Hidden size."""
+    n_positions: int = param(256, ge=1)
+    """Context length (bounds ``data.max_prompt_length + ppo.max_new_tokens``)."""
+    seed: int = 0
+    """Init seed of the random weights."""
 
 
 @dataclass
 class ModelConfig:
+    """The policy: any Hugging Face causal LM, with a value head on its last hidden state. The
+    frozen reference is a copy of the initial model."""
+
     name_or_path: str = MISSING
-    """Hub id (``gpt2``) or a local directory written by ``save_pretrained``."""
+    """Hub id (``gpt2``) or a local directory written by ``save_pretrained``. Checked before
+    anything loads: a directory is used as is, a path-like string that is not a directory fails,
+    a hub id must be in the HF cache or the hub must answer within ~3 s. A path a recipe builds
+    (``${recipe_dir:<name>}``) is checked after the job's recipe has built it.
+    ``data.max_prompt_length + ppo.max_new_tokens`` must fit the model's context."""
     tokenizer_name_or_path: Optional[str] = None
-    """Tokenizer source when it differs from ``name_or_path``."""
-    dtype: str = "float32"
-    """Weights dtype: float32 | bfloat16 | float16 (mixed precision is ``trainer.precision``)."""
+    """Tokenizer source when it differs from ``name_or_path``. It pads on the left and must define
+    EOS; a ``<|pad|>`` token is added (embeddings resized) when it has no pad or pad == EOS."""
+    dtype: str = param("float32", choices=policy.DTYPES)
+    """Weights dtype of the policy and reference (the value head stays float32). Mixed precision
+    is ``trainer.precision``."""
     trust_remote_code: bool = False
-    """Run model code shipped with the checkpoint. Off unless you trust its source."""
+    """Run model and tokenizer code shipped with the checkpoint. Off unless you trust its source."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass: less memory, ~30% slower updates."""
+    """Recompute activations in the backward pass: less memory, slower updates."""
     value_head_path: Optional[str] = None
-    """Directory holding ``value_head.safetensors`` to start the value head from (else zeros)."""
-    value_head_init: str = "zeros"
-    """zeros: V = 0 at the start; reward_model: copy the reward model's score head (needs the
-    same hidden size; meaningful when policy and reward model share a pretrained backbone)."""
+    """Directory holding ``value_head.safetensors`` (e.g. a previous ``export_dir``) to start the
+    value head from (else zeros). The file must exist."""
+    value_head_init: str = param("zeros", choices=policy.VALUE_HEAD_INITS)
+    """zeros: V = 0 at the start (unless ``value_head_path``). reward_model: copy the reward
+    model's linear score head, mapped by the reward normalisation (needs ``reward.kind=model`` and
+    the same hidden size; meaningful when policy and reward model share a backbone)."""
     build_tiny: Optional[TinyModelConfig] = None
-    """If set and ``name_or_path`` does not exist yet, build a tiny random GPT-2 there first."""
+    """If set, ``name_or_path`` is inside ``paths.cache_dir`` and holds no ``config.json`` yet:
+    build a tiny random GPT-2 there first (``model=tiny``). An existing directory is reused as
+    is, so changing ``build_tiny.*`` needs a new ``name_or_path``."""
 
 
 @dataclass
 class RewardConfig:
-    kind: str = "function"
-    """function: a Python callable; model: an AutoModelForSequenceClassification."""
+    """The scorer: ``reward_fn(prompts, responses) -> one float per response``, on the decoded text
+    (``prompt + response`` is the decoded whole sequence, cut at the first EOS). Every batch is
+    checked: a wrong count or a non-number raises ``RewardError`` naming the prompt (as does an
+    exception in ``fn``); NaN/inf pass through to the non-finite guard. The raw scores then go
+    through ``gain * raw + bias`` (reward normalisation) for every kind."""
+
+    kind: str = param("function", choices=rewards.KINDS)
+    """function: a Python callable (``fn``); model: an ``AutoModelForSequenceClassification``."""
     fn: Optional[str] = None
-    """(function) dotted path of ``fn(prompts, responses) -> list[float]``."""
-    kwargs: Dict[str, Any] = field(default_factory=dict)
-    """(function) extra keyword arguments passed to ``fn``."""
+    """(function) ``pkg.module.fn`` or ``pkg.module:fn``, called as
+    ``fn(prompts, responses, **kwargs) -> list[float]``; imported before any model loads."""
+    kwargs: Dict[str, Any] = param(factory=dict)
+    """(function) Extra keyword arguments for ``fn``: ``+reward.kwargs.<arg>=<value>`` (the ``+``
+    adds a key the dict does not have), or ``'reward.kwargs={word:good}'``."""
     name_or_path: Optional[str] = None
-    """(model) hub id or local directory of the reward model."""
-    batch_size: int = 32
-    """(model) texts scored per forward."""
-    max_length: int = 512
-    """(model) tokens kept per text, truncated from the left (the response end is kept)."""
-    dtype: str = "float32"
-    input: str = "auto"
-    """(model) auto | tokens | text. tokens: score the policy's token ids directly (no decode
-    and re-encode); needs the policy's vocabulary and a tokenizer that adds no special tokens.
-    text: always score the decoded text. auto: tokens when possible."""
-    label_index: int = 0
-    """(model) which logit is the score."""
+    """(model) Hub id or local directory of the reward model, with its own tokenizer (right
+    padding, left truncation; pad = EOS if it has none). Checked like ``model.name_or_path``."""
+    batch_size: int = param(32, ge=1)
+    """(model) Texts scored per forward."""
+    max_length: int = param(512, ge=1)
+    """(model) Tokens kept per ``prompt + response``, cut from the left (the response end stays)."""
+    dtype: str = param("float32", choices=policy.DTYPES)
+    """(model) Weights dtype of the reward model."""
+    input: str = param("auto", choices=REWARD_INPUTS)
+    """(model) tokens: score the policy's token ids directly (special tokens masked as
+    ``skip_special_tokens`` drops them; no decode and re-encode; needs the policy's vocabulary and
+    a reward tokenizer that adds no special tokens, else a config error at startup). text: always
+    score the decoded text with the reward model's own tokenizer. auto: tokens when possible."""
+    label_index: int = param(0, ge=0)
+    """(model) Which logit is the score."""
     gain: float = 1.0
-    """score = gain * raw + bias, for every reward kind; replaced by the fit when ``normalize``."""
+    """score = gain * raw + bias, for every reward kind, when ``normalize`` is off."""
     bias: float = 0.0
+    """See ``gain``."""
     normalize: bool = True
-    """Before training, set gain/bias so the scores of responses sampled from the reference policy
-    have mean 0 and std 1 ([N+] reward normalisation): the KL coefficient then means the same
-    thing whatever the reward's scale. Without variance the scores are only centred (a warning)."""
-    normalize_samples: int = 256
-    """Reference-policy responses scored to fit the normalisation (per run, split over ranks)."""
+    """Before the first iteration, fit gain and bias so the scores of responses sampled from the
+    reference policy on the run's prompts have mean 0 and std 1 ([N+] reward normalisation), for
+    every reward kind: the KL coefficient then means the same thing whatever the reward's scale.
+    Fitted once per run (own seeded sampler), saved in checkpoints, restored on resume. Scores
+    without variance are only centred (one warning); non-finite ones are left out."""
+    normalize_samples: int = param(256, ge=2)
+    """Reference responses scored for the fit, split over ranks (``normalize_samples // world``)."""
     trust_remote_code: bool = False
+    """(model) Run code shipped with the reward model."""
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    """adamw | adam | sgd (torch.optim)."""
-    lr: float = 1.0e-5
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1.0e-5
-    """1e-5 rather than torch's 1e-8, as OpenAI's RLHF code ([N+] detail)."""
-    weight_decay: float = 0.0
-    scheduler: str = "constant"
-    """constant | linear | cosine, applied per PPO iteration after ``warmup_steps``."""
-    warmup_steps: int = 0
-    """PPO iterations of linear warmup: iteration i < w uses lr (i + 1) / (w + 1)."""
-    min_lr_ratio: float = 0.0
-    """Final lr / lr for linear and cosine decay."""
+    """The optimizer over the policy's trainable parameters (value head included), and its lr
+    schedule, stepped once per PPO iteration (stages: once per optimizer step)."""
+
+    name: str = param("adamw", choices=optim.OPTIMIZERS)
+    """``torch.optim`` class; ``sgd`` uses ``lr`` and ``weight_decay`` only (no momentum)."""
+    lr: float = param(1.0e-5, gt=0)
+    """Base learning rate (``model=tiny``, ``model=reviews`` and ``model=arithmetic`` set the rate
+    their small models need)."""
+    betas: List[float] = param(factory=lambda: [0.9, 0.999])
+    """Adam/AdamW only."""
+    eps: float = param(1.0e-5, gt=0)
+    """Adam/AdamW only. 1e-5 rather than torch's 1e-8, as OpenAI's RLHF code ([N+])."""
+    weight_decay: float = param(0.0, ge=0)
+    """Decoupled (AdamW) or L2 (Adam, SGD) weight decay."""
+    scheduler: str = param("constant", choices=optim.SCHEDULERS)
+    """Decay from 1 to ``min_lr_ratio`` between step ``warmup_steps`` and ``trainer.max_steps``
+    (``optim.py:lr_lambda``)."""
+    warmup_steps: int = param(0, ge=0)
+    """Steps (PPO iterations) of linear warmup: step i < w trains at lr (i + 1) / (w + 1)."""
+    min_lr_ratio: float = param(0.0, ge=0, le=1)
+    """Final lr / lr of the linear and cosine decays, reached at ``trainer.max_steps``."""
     fused: bool = True
-    """torch's fused kernel (one per parameter); false: ``foreach`` (one per op over all tensors)."""
+    """torch's fused implementation (one kernel per parameter for the whole update; an AdamW step
+    on the 2-layer benchmark model: 0.2 ms against 0.7 ms); false: ``foreach`` (one kernel per op
+    over all parameters). Same math either way."""
 
 
 @dataclass
 class PPOConfig:
-    clip: float = 0.2
+    """PPO's hyperparameters; names follow the seed tutorial."""
+
+    clip: float = param(0.2, gt=0, hint="0.2 is the usual value")
     """Policy ratio clip epsilon."""
-    vf_clip: float = 0.2
-    """Value clip range around the rollout's values."""
-    gamma: float = 1.0
-    """Discount per token."""
-    lam: float = 0.95
+    vf_clip: float = param(0.2, gt=0, hint="0.2 is the usual value")
+    """Value clip range around the rollout's values (in reward units)."""
+    gamma: float = param(1.0, ge=0, le=1)
+    """Per-token discount in GAE."""
+    lam: float = param(0.95, ge=0, le=1)
     """GAE lambda."""
-    kl_coef: float = 0.05
-    """beta: per-token KL penalty weight in the reward (initial value when adaptive)."""
-    kl_estimator: str = "k1"
-    """Estimator in the per-token penalty: k1 | k2 | k3."""
+    kl_coef: float = param(0.05, ge=0)
+    """beta in ``reward_t = -beta * KL_t`` (plus the score at the last response token); the
+    initial value when ``adaptive_kl``. Weighed against normalised scores (``reward.normalize``)."""
+    kl_estimator: str = param("k1", choices=ppo.KL_ESTIMATORS)
+    """Per-token KL estimator in the penalty. ``objective/kl`` and the adaptive controller always
+    use k1."""
     adaptive_kl: bool = False
-    """Ziegler et al. adaptive controller: move beta so the KL tracks ``kl_target``."""
-    kl_target: float = 6.0
-    """Target per-sequence KL (nats) of the adaptive controller."""
-    kl_horizon: int = 10000
+    """Ziegler et al. controller: after each iteration ``beta <- beta * (1 + clip(KL / kl_target - 1,
+    +-0.2) * B * W / kl_horizon)`` with KL = ``objective/kl`` (skipped when non-finite)."""
+    kl_target: float = param(6.0, gt=0)
+    """Target ``objective/kl`` (nats per sequence) of the adaptive controller."""
+    kl_horizon: int = param(10000, gt=0)
     """Horizon (episodes) of the adaptive controller."""
-    vf_coef: float = 0.1
-    """Weight of the value loss in the total loss."""
-    ent_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss)."""
-    ppo_epochs: int = 4
+    vf_coef: float = param(0.1, ge=0)
+    """Weight of the value loss: loss = pg_loss + vf_coef * vf_loss - ent_coef * entropy."""
+    ent_coef: float = param(0.0, ge=0)
+    """Weight of the entropy bonus; with 0 the entropy is a monitor computed without gradient."""
+    ppo_epochs: int = param(4, ge=1)
     """Passes over each rollout."""
-    minibatch_size: int = 8
-    """Episodes per gradient step; must divide ``data.batch_size``."""
+    minibatch_size: int = param(8, ge=1)
+    """Episodes per gradient step, per rank; must divide ``data.batch_size``. Updates per
+    iteration: ``ppo_epochs * data.batch_size / minibatch_size``."""
     max_grad_norm: float = 1.0
-    """Gradient norm clip (``self.clip_gradients``); <= 0 disables."""
+    """Global L2 gradient-norm clip; <= 0 disables it."""
     whiten_rewards: bool = False
-    """Whiten per-token rewards (keeping the mean) before GAE."""
+    """Whiten per-token rewards (KL penalty + score) before GAE over the response tokens of all
+    ranks, keeping the mean. The ``objective/*`` metrics are taken before it."""
     missing_eos_penalty: Optional[float] = None
-    """Subtracted from the score of responses that never emit EOS (only with stop_at_eos)."""
-    max_new_tokens: int = 32
-    """Response length limit."""
-    temperature: float = 1.0
-    """Sampling temperature; logprobs use logits / temperature too (top-k/top-p truncation is
-    not applied to logprobs, as in TRL and OpenAI's RLHF code)."""
-    top_k: int = 0
+    """Subtracted from the score of responses without EOS (only with ``stop_at_eos``)."""
+    max_new_tokens: int = param(32, ge=1)
+    """Response length limit; sampling stops early once every row has emitted EOS."""
+    temperature: float = param(1.0, gt=0, hint="logprobs divide by it")
+    """Sampling temperature. Every log-probability (policy, reference, update ratio, entropy) is
+    taken from logits / temperature; top-k/top-p truncation is not applied to them (as in TRL
+    and OpenAI's RLHF code)."""
+    top_k: int = param(0, ge=0, hint="0 turns it off")
     """Sample from the k most likely tokens (0 = off)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1.0 = off)."""
+    top_p: float = param(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1.0 = off); at least one token is always kept."""
     stop_at_eos: bool = True
-    """Stop a response at EOS. False runs every response to max_new_tokens (benchmarks)."""
+    """Stop a response at its first EOS. False runs every response to ``max_new_tokens``, EOS an
+    ordinary token, ``missing_eos_penalty`` ignored (benchmarks)."""
     fast_decode: bool = True
-    """Sample GPT-2-architecture models with a lean per-token step (same logits, about half the
-    per-token overhead; ``fast_decode.py``). Other models always decode through their forward."""
-    max_nonfinite_iterations: int = 3
-    """Stop the run after this many PPO iterations in a row with a non-finite reward, loss or
-    gradient (each such update is skipped, weights untouched, and counted)."""
-    rollout_forward_batch_size: Optional[int] = None
-    """Rows per scoring forward during the rollout (bounds memory; null = whole batch)."""
+    """Sample an exact ``GPT2LMHeadModel`` policy (no cross-attention, no upcast attention, whole
+    unsharded weights) with a lean per-token step (``fast_decode.py``): the same ops on the same
+    weights, logits bitwise equal to the model's forward, about half the per-token overhead. The
+    prefill and every logprob PPO learns from still go through the model's forward. Other models
+    always decode through their forward."""
+    max_nonfinite_iterations: int = param(3, ge=1)
+    """Stop the run (``NonFiniteError``, exit 1) after this many PPO iterations in a row with a
+    skipped update (non-finite reward, rollout, loss or gradient; weights untouched, counted in
+    ``health/skipped_updates``)."""
+    rollout_forward_batch_size: Optional[int] = param(None, ge=1)
+    """Rows per policy / reference scoring forward during the rollout (bounds memory; null = the
+    whole batch). Sampling always runs on the whole batch; the reward model uses
+    ``reward.batch_size``."""
     fuse_rollout_forward: bool = True
-    """When one minibatch is the whole batch, take the old logprobs and values from the first
-    update's forward (detached) instead of a separate no-grad forward: the same numbers, one
-    policy forward fewer per iteration. False always runs the separate forward."""
+    """When one minibatch is the whole batch, the rollout's old-policy forward runs with gradients
+    and the first update reuses it (``PPOModule._old_logprobs_and_values``): the same numbers
+    (the weights have not moved), one policy forward fewer per iteration. False always runs a
+    separate no-grad forward."""
 
 
 @dataclass
 class DataConfig:
+    """PPO's prompts: read and tokenised once (no special tokens) before any model loads, cut or
+    refused by ``truncation``, left-padded in batches. Under DDP every rank draws the same
+    permutation (seeded by ``seed`` and the epoch) and takes every world-size-th prompt; the
+    position in an epoch follows ``global_step``, so a resumed run continues with the next unseen
+    batch. The stages read only ``batch_size``, ``shuffle`` and ``num_workers``."""
+
     path: Optional[str] = None
-    """Local prompt file: ``.txt`` (one prompt a line) or ``.jsonl`` (a ``prompt_field`` per line)."""
+    """Local prompt file: ``.txt`` or no extension (one prompt per non-empty line) or ``.jsonl``
+    (one object a line with a string ``prompt_field``). Must exist, hold prompts and parse, checked
+    before any model loads. Relative paths resolve against the launch directory."""
     hf_dataset: Optional[str] = None
-    """Hugging Face dataset name (used when ``path`` is null)."""
+    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``);
+    ``path`` and ``hf_dataset`` both null is an error."""
     hf_split: str = "train"
+    """Dataset split."""
     prompt_field: str = "prompt"
-    batch_size: int = 16
-    """Prompts per PPO iteration per device (the rollout batch)."""
-    max_prompt_length: int = 128
+    """JSONL field or dataset column holding the prompt."""
+    batch_size: int = param(16, ge=1)
+    """Prompts per PPO iteration per rank (the rollout batch; globally ``batch_size * world``).
+    Incomplete batches are dropped; the prompt set must fill one batch on every rank. Stages:
+    examples (pairs) per batch per rank."""
+    max_prompt_length: int = param(128, ge=1)
     """Prompt tokens kept; longer prompts follow ``truncation``."""
-    truncation: str = "left"
-    """left: keep the last max_prompt_length tokens (one warning); error: refuse long prompts."""
+    truncation: str = param("left", choices=data.TRUNCATION)
+    """left: keep the last ``max_prompt_length`` tokens (one warning); error: refuse long prompts."""
     shuffle: bool = True
-    num_workers: int = 0
+    """Reshuffle the prompts every epoch."""
+    num_workers: int = param(0, ge=0)
+    """Stages only: DataLoader workers. The PPO prompt loader runs in the main process."""
 
 
 @dataclass
 class TrainerConfig:
+    """Instantiated as ``lightning.Trainer`` (plus ``plugins=[AtomicCheckpointIO()]``); any other
+    ``Trainer`` argument can be added with ``+trainer.<arg>=<value>``."""
+
     _target_: str = "lightning.Trainer"
+    """Class instantiated."""
     accelerator: str = "auto"
+    """cpu, gpu, auto, ..."""
     devices: Any = "auto"
+    """Devices per node; -1 = all."""
     strategy: Any = "auto"
-    num_nodes: int = 1
+    """ddp, fsdp, ... (``trainer=ddp_cpu`` runs DDP over 2 CPU processes)."""
+    num_nodes: int = param(1, ge=1)
+    """Nodes."""
     precision: Any = "32-true"
-    max_steps: int = 100
-    """PPO iterations (one rollout + its updates each)."""
+    """e.g. bf16-mixed (``trainer=gpu``)."""
+    max_steps: int = param(100, ge=1, hint="the number of PPO iterations")
+    """PPO: iterations (one rollout plus its updates each). Stages: optimizer steps. Also the
+    horizon of the lr decay."""
     max_epochs: int = -1
-    """Passes over the prompt set; -1 = until max_steps."""
+    """Passes over the prompt set; -1 = until ``max_steps``."""
     log_every_n_steps: int = 1
+    """Stages: how often ``train/*`` reach the loggers. PPO metrics are logged every iteration."""
     enable_progress_bar: bool = True
+    """PPO shows ``objective/scores`` and ``objective/kl``."""
     enable_model_summary: bool = True
+    """The parameter table at the start."""
     enable_checkpointing: bool = True
+    """False also needs no ``ModelCheckpoint`` callbacks (``callbacks=none``): Lightning refuses them."""
     deterministic: Any = False
+    """Lightning's ``deterministic`` switch."""
     default_root_dir: Optional[str] = "${paths.output_dir}"
+    """Where Lightning puts what nothing else places (its default checkpoint with ``callbacks=none``)."""
     num_sanity_val_steps: int = 0
+    """No sanity validation."""
     use_distributed_sampler: bool = False
-    """Off: the prompt loader shards over ranks itself, in an order a resumed run can replay."""
+    """Off: the PPO prompt loader and the stage loaders shard over ranks themselves, in an order a
+    resumed run can replay."""
     limit_val_batches: Any = 0
-    """PPO has no validation loop; the sft / reward_model tasks set 1.0."""
+    """PPO has no validation loop; ``task=sft`` / ``task=reward_model`` set 1.0."""
     val_check_interval: Any = None
+    """Stages: validate every this many optimizer steps (the task files set 50)."""
     check_val_every_n_epoch: Optional[int] = 1
+    """Null lets ``val_check_interval`` count steps across epochs (the task files set it)."""
 
 
 @dataclass
 class PathsConfig:
+    """Where a run writes and where reusable builds are cached."""
+
     output_dir: str = "${hydra:runtime.output_dir}"
-    """The run directory (logs, checkpoints, exported policy)."""
+    """The run directory (logs, checkpoints, samples, exported policy):
+    ``outputs/<task_name>/<date_time>``, or ``multirun/<task_name>/<date_time>/<job>`` in a sweep."""
     cache_dir: str = "${oc.env:PPO_LIGHTNING_CACHE,${oc.env:HOME,.}/.cache/ppo_lightning}"
-    """Built tiny models and other reusable artefacts."""
+    """Recipe builds (``${recipe_dir:<name>}``), built tiny models and other reusable artefacts."""
 
 
 @dataclass
 class TrainConfig:
+    """The root: one field per config group, then the run-level keys."""
+
     task: Any = field(default_factory=lambda: {"name": "ppo"})
     """The job: ``task.name`` = ppo | sft | reward_model | export, plus that task's own keys
-    (conf/task/*.yaml; the stage keys are typed by ``SFTConfig`` / ``RewardModelConfig`` in
-    ``ppo_lightning/stages`` and checked, naming ``task.<key>``, before anything loads)."""
+    (``conf/task/*.yaml``; the stage keys are typed by ``SFTConfig`` / ``RewardModelConfig`` and
+    checked, naming ``task.<key>``, before anything loads)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy (``ModelConfig``)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward (``RewardConfig``)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer and lr schedule (``OptimizerConfig``)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO (``PPOConfig``)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The prompts (``DataConfig``)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The Lightning Trainer (``TrainerConfig``)."""
     paths: PathsConfig = field(default_factory=PathsConfig)
+    """Output and cache directories (``PathsConfig``)."""
     logger: Dict[str, Any] = field(default_factory=dict)
-    """Named Lightning loggers, each with a ``_target_``."""
+    """Named Lightning loggers, each a mapping with a ``_target_`` (null entries are skipped);
+    each gets the resolved config through ``log_hyperparams``."""
     callbacks: Dict[str, Any] = field(default_factory=dict)
-    """Named Lightning callbacks, each with a ``_target_``."""
+    """Named Lightning callbacks, each a mapping with a ``_target_`` (null entries are skipped)."""
     task_name: str = "${task.name}"
-    """Names the output directory (outputs/<task_name>/<date>)."""
+    """Names the run directories (``outputs/<task_name>/<date_time>``)."""
     seed: int = 42
-    """Global seed: data order, weight init of new heads; rank r samples with seed + 1000 r."""
+    """``L.seed_everything(seed)``, the prompt order; rank r samples with ``seed + 1000 r``."""
     ckpt_path: Optional[str] = None
-    """Resume from this Lightning checkpoint."""
+    """A Lightning checkpoint to resume from (PPO and stages) or to export (``task=export``); must
+    be an existing file. Keep ``model.*``: the reference is rebuilt from ``model.name_or_path``."""
     export_dir: Optional[str] = "${paths.output_dir}/policy"
-    """Where the trained policy is written as an HF directory at the end (null: skip)."""
-    recipe: Optional[str] = None
-    """reviews | arithmetic | null: build the recipe's models and prompts offline before PPO
-    (cached) and print a before/after table after it (ppo_lightning/recipes)."""
+    """PPO: where rank 0 writes the trained policy as a Hugging Face directory (safetensors,
+    tokenizer, generation config, plus ``value_head.safetensors``); null skips it.
+    ``task=export``: the target, required."""
+    recipe: Optional[str] = param(None, choices=recipes.RECIPES)
+    """The recipe this job runs (set by its preset, ``conf/experiment/preset``): before PPO it
+    builds its models and prompts once (cached under ``${recipe_dir:<name>}``, atomically), after
+    PPO rank 0 prints a before/after table and writes ``eval.json``. Null: none."""
     optimized_metric: str = "objective/scores"
-    """Metric returned to Hydra sweepers (its last logged value)."""
+    """Metric whose last logged value ``train.py`` returns to Hydra sweepers (docs/metrics.md); an
+    unknown name or a non-finite value returns None."""
 
 
+# ============================================================================= registration
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     if not OmegaConf.has_resolver("ppo_asset"):
@@ -259,64 +430,33 @@ def register_configs() -> None:
 
 
 def _recipe_dir(name: str, *, _root_) -> str:
-    from ppo_lightning.recipes import recipe_root
-
-    return str(recipe_root(_root_.paths.cache_dir, name))
+    return str(recipes.recipe_root(_root_.paths.cache_dir, name))
 
 
 register_configs()
 
 
-def _check(ok: bool, key: str, value: Any, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: {what}")
+# ============================================================================= validation
+SECTIONS = {"model": ModelConfig, "model.build_tiny": TinyModelConfig, "reward": RewardConfig,
+            "optimizer": OptimizerConfig, "ppo": PPOConfig, "data": DataConfig, "trainer": TrainerConfig}
 
 
 def validate(cfg) -> None:
-    """Range and cross-group checks that types alone cannot express; raises ``ConfigError``.
-    Files and imports are checked by ``factory.check_inputs``, which calls this first."""
-    p, d, o = cfg.ppo, cfg.data, cfg.optimizer
-    _check(p.clip > 0, "ppo.clip", p.clip, "must be > 0 (0.2 is the usual value)")
-    _check(p.vf_clip > 0, "ppo.vf_clip", p.vf_clip, "must be > 0 (0.2 is the usual value)")
-    _check(0 <= p.gamma <= 1, "ppo.gamma", p.gamma, "must be in [0, 1]")
-    _check(0 <= p.lam <= 1, "ppo.lam", p.lam, "must be in [0, 1]")
-    _check(p.kl_coef >= 0, "ppo.kl_coef", p.kl_coef, "must be >= 0")
-    _check(p.kl_estimator in ("k1", "k2", "k3"), "ppo.kl_estimator", p.kl_estimator, "choose k1, k2 or k3")
-    _check(p.kl_target > 0, "ppo.kl_target", p.kl_target, "must be > 0")
-    _check(p.kl_horizon > 0, "ppo.kl_horizon", p.kl_horizon, "must be > 0")
-    _check(p.max_nonfinite_iterations >= 1, "ppo.max_nonfinite_iterations", p.max_nonfinite_iterations, "must be >= 1")
-    _check(p.ppo_epochs >= 1, "ppo.ppo_epochs", p.ppo_epochs, "must be >= 1")
-    _check(p.minibatch_size >= 1, "ppo.minibatch_size", p.minibatch_size, "must be >= 1")
-    _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "must be >= 1")
-    _check(d.batch_size % p.minibatch_size == 0, "ppo.minibatch_size", p.minibatch_size,
-           f"must divide data.batch_size={d.batch_size} (the rollout batch); choose a divisor, "
-           f"e.g. ppo.minibatch_size={_largest_divisor(d.batch_size, p.minibatch_size)}")
-    _check(p.max_new_tokens >= 1, "ppo.max_new_tokens", p.max_new_tokens, "must be >= 1")
-    _check(p.temperature > 0, "ppo.temperature", p.temperature, "must be > 0 (logprobs divide by it)")
-    _check(0 < p.top_p <= 1, "ppo.top_p", p.top_p, "must be in (0, 1]")
-    _check(p.top_k >= 0, "ppo.top_k", p.top_k, "must be >= 0 (0 turns it off)")
-    _check(o.name in ("adamw", "adam", "sgd"), "optimizer.name", o.name, "choose adamw, adam or sgd")
-    _check(o.lr > 0, "optimizer.lr", o.lr, "must be > 0")
-    _check(o.scheduler in ("constant", "linear", "cosine"), "optimizer.scheduler", o.scheduler,
-           "choose constant, linear or cosine")
-    _check(o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "must be >= 0")
-    _check(d.truncation in ("left", "error"), "data.truncation", d.truncation, "choose left or error")
-    _check(d.max_prompt_length >= 1, "data.max_prompt_length", d.max_prompt_length, "must be >= 1")
-    _check(cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype", cfg.model.dtype,
-           "choose float32, bfloat16 or float16")
-    _check(cfg.reward.kind in ("function", "model"), "reward.kind", cfg.reward.kind,
-           "choose function or model")
-    _check(cfg.model.value_head_init in ("zeros", "reward_model"), "model.value_head_init",
-           cfg.model.value_head_init, "choose zeros or reward_model")
-    _check(cfg.model.value_head_init != "reward_model" or cfg.reward.kind == "model",
-           "model.value_head_init", cfg.model.value_head_init, "needs reward=model")
-    _check(cfg.reward.normalize_samples >= 2, "reward.normalize_samples", cfg.reward.normalize_samples, "must be >= 2")
-    _check(cfg.reward.input in ("auto", "tokens", "text"), "reward.input", cfg.reward.input,
-           "choose auto, tokens or text")
-    _check(cfg.reward.dtype in ("float32", "bfloat16", "float16"), "reward.dtype", cfg.reward.dtype,
-           "choose float32, bfloat16 or float16")
-    _check(cfg.trainer.max_steps >= 1, "trainer.max_steps", cfg.trainer.max_steps,
-           "must be >= 1 (the number of PPO iterations)")
+    """Every field's own check (``param``), then the constraints across fields that no single
+    field can express; raises ``ConfigError`` naming the key. Files and imports are checked by
+    ``factory.check_inputs``, which calls this first."""
+    for prefix, cls in SECTIONS.items():
+        node = OmegaConf.select(cfg, prefix)
+        if node is not None:
+            check_fields(node, cls, prefix)
+    check_fields(cfg, TrainConfig)  # the run-level keys
+    p, d = cfg.ppo, cfg.data
+    if d.batch_size % p.minibatch_size:
+        raise ConfigError(f"ppo.minibatch_size={p.minibatch_size!r}: must divide data.batch_size={d.batch_size} "
+                          f"(the rollout batch); choose a divisor, e.g. ppo.minibatch_size="
+                          f"{_largest_divisor(d.batch_size, p.minibatch_size)}")
+    if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
+        raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

@@ -20,6 +20,8 @@ from ppo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+TRUNCATION = ("left", "error")  # data.truncation: keep a long prompt's last tokens, or refuse it
+
 
 def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
     """Prompts from ``.txt`` (one per non-empty line) or ``.jsonl`` (``field`` of each object)."""

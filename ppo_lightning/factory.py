@@ -95,7 +95,8 @@ def _built_by_hint(path: str, cfg: DictConfig) -> str:
     for name in RECIPES:
         if _under(path, recipe_root(cfg.paths.cache_dir, name)):
             return (f" It is built by recipe={name}, which this job does not run: add recipe={name} "
-                    f"(experiment={name} sets it), or point the key at your own file or model.")
+                    f"(the preset of reward={name} data={name} sets it), or point the key at your "
+                    "own file or model.")
     return ""
 
 

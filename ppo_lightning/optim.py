@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+SCHEDULERS = ("constant", "linear", "cosine")
 
 
 def _get(cfg: Any, name: str, default: Any) -> Any:

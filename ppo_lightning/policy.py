@@ -25,6 +25,7 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 DEFAULT_PAD_TOKEN = "<|pad|>"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VALUE_HEAD_INITS = ("zeros", "reward_model")  # model.value_head_init
 
 
 # ----------------------------------------------------------------------------- model sources

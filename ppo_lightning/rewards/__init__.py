@@ -10,7 +10,9 @@ from ppo_lightning.rewards.base import RewardError, check_scores, fit_normalizat
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
 
-__all__ = ["RewardError", "check_scores", "fit_normalization", "FunctionReward", "import_callable",
+KINDS = ("function", "model")  # reward.kind
+
+__all__ = ["KINDS", "RewardError", "check_scores", "fit_normalization", "FunctionReward", "import_callable",
            "RewardModel", "build_reward"]
 
 
@@ -26,4 +28,4 @@ def build_reward(cfg):
                               "or hub id (reward=model reward.name_or_path=/path/to/rm)")
         return RewardModel(cfg.name_or_path, batch_size=cfg.batch_size, max_length=cfg.max_length,
                            dtype=cfg.dtype, label_index=cfg.label_index, trust_remote_code=cfg.trust_remote_code)
-    raise ConfigError(f"reward.kind={cfg.kind!r}: choose 'function' or 'model'")
+    raise ConfigError(f"reward.kind={cfg.kind!r}: choose one of {', '.join(KINDS)}")

@@ -16,6 +16,8 @@ from ppo_lightning.policy import (DTYPES, disable_dropout, fuse_activations, pos
                                   resolve_source)
 from ppo_lightning.rewards.base import check_scores
 
+INPUTS = ("auto", "tokens", "text")  # reward.input: see RewardModel.use_policy_tokens
+
 
 class RewardModel(nn.Module):
     def __init__(self, name_or_path: str, batch_size: int = 32, max_length: int = 512,
@@ -66,8 +68,8 @@ class RewardModel(nn.Module):
         tokenizer adds no special tokens of its own (BERT-style [CLS] ... [SEP]).
         ``mode``: ``auto`` (use it when that holds), ``tokens`` (require it), ``text`` (never).
         """
-        if mode not in ("auto", "tokens", "text"):
-            raise ConfigError(f"reward.input={mode!r}: choose auto, tokens or text")
+        if mode not in INPUTS:
+            raise ConfigError(f"reward.input={mode!r}: choose one of {', '.join(INPUTS)}")
         same_vocab = policy_tokenizer.get_vocab() == self.tokenizer.get_vocab()
         adds_specials = (self.tokenizer("a b")["input_ids"]
                          != self.tokenizer("a b", add_special_tokens=False)["input_ids"])
