@@ -477,7 +477,7 @@ def test_custom_field_names_and_type_errors(tmp_path, tok):
     (dict(path="{tmp}/p.txt", hf_dataset="x"), r"both set"),
     (dict(max_prompt_length=64, max_length=64), r"task.max_prompt_length=64: must be >= 1 and < task.max_length"),
     (dict(val_fraction=1.0), r"task.val_fraction=1.0"),
-    (dict(truncation="left"), r"task.truncation='left': choose truncate, drop or error"),
+    (dict(truncation="left"), r"task.truncation=.left.: choose one of truncate \| drop \| error"),
 ])
 def test_sft_config_and_source_errors(tmp_path, tiny_lm_dir, kwargs, match):
     (tmp_path / "p.txt").write_text("hello\n")

@@ -135,7 +135,7 @@ def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int, i
     from ppo_lightning.factory import build, compose_config
 
     cfg = compose_config([
-        "experiment=null", "logger=none", "callbacks=none", "export_dir=null", f"seed={seed}",
+        "logger=none", "callbacks=none", "export_dir=null", f"seed={seed}",
         "model=reviews", f"model.name_or_path={tmp / 'sft'}",
         "reward=model", f"reward.name_or_path={reward_dir}", "reward.max_length=32", "reward.normalize=true",
         "data=file", f"data.path={tmp / 'prompts_train.txt'}", "data.batch_size=32", "data.max_prompt_length=8",

@@ -26,7 +26,8 @@ from ppo_lightning.policy import context_length
 
 log = logging.getLogger(__name__)
 
-from ppo_lightning.optim import OPTIMIZERS, configure_optimizers
+from ppo_lightning.config import OptimizerConfig, check_fields
+from ppo_lightning.optim import configure_optimizers
 
 
 # ----------------------------------------------------------------------------- configs
@@ -71,29 +72,18 @@ def check(ok: bool, key: str, value: Any, what: str) -> None:
         raise ConfigError(f"{key}={value!r}: {what}")
 
 
-def check_common(cfg, key_prefix: str) -> None:
-    """Range checks of the keys both stage configs have."""
+def check_common(cfg, cls: type, key_prefix: str) -> None:
+    """Each field's own check (``config.param``), then: ``path`` and ``hf_dataset`` not both set."""
+    check_fields(cfg, cls, key_prefix)
     p = key_prefix
-    check(0.0 <= cfg.val_fraction < 1.0, f"{p}.val_fraction", cfg.val_fraction,
-          "must be in [0, 1) (0 turns validation off)")
-    check(cfg.val_batch_size is None or cfg.val_batch_size >= 1, f"{p}.val_batch_size",
-          cfg.val_batch_size, "must be >= 1 (or null: data.batch_size)")
-    check(cfg.max_grad_norm is None or cfg.max_grad_norm >= 0, f"{p}.max_grad_norm", cfg.max_grad_norm,
-          "must be >= 0 (0 or null turns clipping off)")
     if cfg.path is not None and cfg.hf_dataset is not None:
         raise ConfigError(f"{p}.path={cfg.path!r} and {p}.hf_dataset={cfg.hf_dataset!r} are both set; "
                           "choose one")
 
 
 def check_optimizer(optim_cfg) -> None:
-    name = get(optim_cfg, "name", "adamw")
-    check(name in OPTIMIZERS, "optimizer.name", name, "choose adamw, adam or sgd")
-    check(get(optim_cfg, "lr", 1e-5) > 0, "optimizer.lr", get(optim_cfg, "lr", 1e-5), "must be > 0")
-    sched = get(optim_cfg, "scheduler", "constant")
-    check(sched in ("constant", "linear", "cosine"), "optimizer.scheduler", sched,
-          "choose constant, linear or cosine")
-    check(get(optim_cfg, "warmup_steps", 0) >= 0, "optimizer.warmup_steps",
-          get(optim_cfg, "warmup_steps", 0), "must be >= 0")
+    """``optimizer.*`` against ``OptimizerConfig``'s checks (a partial dict or None is fine)."""
+    check_fields(optim_cfg if optim_cfg is not None else {}, OptimizerConfig, "optimizer")
 
 
 # ----------------------------------------------------------------------------- records

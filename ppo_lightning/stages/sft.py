@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import SumMetric
 
+from ppo_lightning.config import param
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
@@ -59,38 +60,38 @@ class SFTConfig:
     """JSON field / dataset column holding the prompt."""
     response_field: str = "response"
     """JSON field / dataset column holding the target response."""
-    max_length: Optional[int] = None
-    """Tokens per example: prompt + response + EOS (null: the model's context, at most 512)."""
-    max_prompt_length: int = 128
+    max_length: Optional[int] = param(None, ge=2)
+    """Tokens per example: prompt + response + EOS (null: the model's context, at most 512); at
+    most the model's context."""
+    max_prompt_length: int = param(128, ge=1)
     """Prompt tokens kept (the last ones); must be < ``max_length``. Keep PPO's
     ``data.max_prompt_length`` (default 128) at most this, so PPO prompts look like SFT ones."""
-    truncation: str = "truncate"
+    truncation: str = param("truncate", choices=TRUNCATION)
     """Examples over a limit. truncate: cut the prompt from the left, then the response's end
     (losing its EOS); drop: skip them (one warning); error: refuse them."""
-    val_fraction: float = 0.05
-    """Fraction of records held out for validation (at least one; 0 turns validation off)."""
+    val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
+    """Fraction of records held out for validation (at least one; 0 turns validation off); at
+    least one record must remain for training."""
     seed: int = 0
     """Seed of the train / validation split and of the training order."""
-    val_batch_size: Optional[int] = None
+    val_batch_size: Optional[int] = param(None, ge=1)
     """Examples per validation batch (null: ``data.batch_size``)."""
-    max_grad_norm: Optional[float] = 1.0
+    max_grad_norm: Optional[float] = param(1.0, ge=0)
     """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
 
 
 def check_sft_config(cfg: SFTConfig, key_prefix: str = "task") -> None:
-    """Range checks; raises ``ConfigError`` naming the key."""
+    """Each field's check, then ``max_prompt_length < max_length``; raises ``ConfigError``."""
     p = key_prefix
-    check_common(cfg, p)
+    check_common(cfg, SFTConfig, p)
     max_length = DEFAULT_MAX_LENGTH if cfg.max_length is None else cfg.max_length
-    check(max_length >= 2, f"{p}.max_length", cfg.max_length, "must be >= 2")
-    check(1 <= cfg.max_prompt_length < max_length, f"{p}.max_prompt_length", cfg.max_prompt_length,
+    check(cfg.max_prompt_length < max_length, f"{p}.max_prompt_length", cfg.max_prompt_length,
           f"must be >= 1 and < {p}.max_length={max_length} (a response token must fit)")
-    check(cfg.truncation in TRUNCATION, f"{p}.truncation", cfg.truncation, "choose truncate, drop or error")
 
 
 # ----------------------------------------------------------------------------- examples
 def tokenize_sft(records: Sequence[Mapping[str, str]], tokenizer, max_length: int, max_prompt_length: int,
-                 truncation: str = "truncate", source: str = "records",
+                 truncation: str = param("truncate", choices=TRUNCATION), source: str = "records",
                  key_prefix: str = "task") -> list[dict[str, list[int]]]:
     """``{"input_ids", "labels"}`` per record (``prompt`` / ``response`` keys); see the module doc."""
     if not records:
