@@ -377,8 +377,8 @@ class TrainConfig:
 
     task: Any = field(default_factory=lambda: {"name": "ppo"})
     """The job: ``task.name`` = ppo | sft | reward_model | export, plus that task's own keys
-    (``conf/task/*.yaml``; the stage keys are typed by ``SFTConfig`` / ``RewardModelConfig`` and
-    checked, naming ``task.<key>``, before anything loads)."""
+    (``conf/task/*.yaml``; ``task=sft`` / ``task=reward_model`` type their keys by ``SFTTask`` /
+    ``RewardModelTask`` at composition, and check their ranges before anything loads)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (``ModelConfig``)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -418,9 +418,114 @@ class TrainConfig:
     unknown name or a non-finite value returns None."""
 
 
+# ============================================================================= the stage tasks
+SFT_TRUNCATION = ("truncate", "drop", "error")  # task.truncation of task=sft (stages/sft.py:tokenize_sft)
+
+
+@dataclass
+class SFTConfig:
+    """Keys of the SFT stage. Batch size, shuffling and loader workers come from ``data.*``."""
+
+    path: Optional[str] = None
+    """Local ``.jsonl`` of (prompt, response) pairs, one JSON object a line."""
+    hf_dataset: Optional[str] = None
+    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
+    hf_split: str = "train"
+    """Split of ``hf_dataset`` to read; the validation split is carved out of it."""
+    prompt_field: str = "prompt"
+    """JSON field / dataset column holding the prompt."""
+    response_field: str = "response"
+    """JSON field / dataset column holding the target response."""
+    max_length: Optional[int] = param(None, ge=2)
+    """Tokens per example: prompt + response + EOS (null: the model's context, at most 512); at
+    most the model's context."""
+    max_prompt_length: int = param(128, ge=1)
+    """Prompt tokens kept (the last ones); must be < ``max_length``. Keep PPO's
+    ``data.max_prompt_length`` (default 128) at most this, so PPO prompts look like SFT ones."""
+    truncation: str = param("truncate", choices=SFT_TRUNCATION)
+    """Examples over a limit. truncate: cut the prompt from the left, then the response's end
+    (losing its EOS); drop: skip them (one warning); error: refuse them."""
+    val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
+    """Fraction of records held out for validation (at least one; 0 turns validation off); at
+    least one record must remain for training."""
+    seed: int = 0
+    """Seed of the train / validation split and of the training order."""
+    val_batch_size: Optional[int] = param(None, ge=1)
+    """Examples per validation batch (null: ``data.batch_size``)."""
+    max_grad_norm: Optional[float] = param(1.0, ge=0)
+    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
+
+
+@dataclass
+class RewardModelConfig:
+    """Keys of the reward-model stage. Batch size (pairs), shuffling and loader workers come from
+    ``data.*``."""
+
+    path: Optional[str] = None
+    """Local ``.jsonl`` of preference pairs, one JSON object a line."""
+    hf_dataset: Optional[str] = None
+    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
+    hf_split: str = "train"
+    """Split of ``hf_dataset`` to read; the validation split is carved out of it."""
+    prompt_field: str = "prompt"
+    """JSON field / dataset column holding the prompt."""
+    chosen_field: str = "chosen"
+    """JSON field / dataset column holding the preferred response."""
+    rejected_field: str = "rejected"
+    """JSON field / dataset column holding the dispreferred response."""
+    max_length: Optional[int] = param(None, ge=1)
+    """Tokens per scored text, cut from the left (null: the model's context, at most 512). Give
+    PPO's ``reward.max_length`` (default 512) the same value."""
+    val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
+    """Fraction of pairs held out for validation (at least one; 0 turns validation off)."""
+    seed: int = 0
+    """Seed of the split, of the training order and of the new score head's init."""
+    val_batch_size: Optional[int] = param(None, ge=1)
+    """Pairs per validation batch (null: ``data.batch_size``)."""
+    max_grad_norm: Optional[float] = param(1.0, ge=0)
+    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
+    center_rewards_coef: float = param(0.0, ge=0)
+    """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps rewards centred on 0
+    (Eisenstein et al. 2023; TRL's ``center_rewards_coefficient``). 0 = off."""
+
+
+@dataclass
+class SFTTask(SFTConfig):
+    """``task=sft`` (``stages/sft.py``): supervised fine-tuning with prompt-masked cross-entropy
+    (prompt tokenised alone without special tokens, response alone plus EOS, loss on the response
+    tokens and EOS). Uses ``model.*``, ``optimizer.*`` (schedule per optimizer step),
+    ``trainer.*`` (``max_steps`` = optimizer steps), ``logger``, ``callbacks`` and, of ``data.*``,
+    ``batch_size``, ``shuffle`` and ``num_workers``. Unknown ``task.*`` keys and wrong types fail
+    at composition."""
+
+    name: str = "sft"
+    """The job (``train.py:run_task``)."""
+    save_dir: str = "${paths.output_dir}/sft_model"
+    """Output HF directory (safetensors, tokenizer, generation config), written on rank 0: a PPO
+    policy (``model.name_or_path=<save_dir>``). Must be non-empty."""
+
+
+@dataclass
+class RewardModelTask(RewardModelConfig):
+    """``task=reward_model`` (``stages/reward_model.py``): a Bradley-Terry reward model, loss
+    ``-log sigmoid(r(prompt + chosen) - r(prompt + rejected))`` on a one-output
+    ``AutoModelForSequenceClassification`` (a causal-LM directory loads with a new score head),
+    texts tokenised as ``reward=model`` scores them in PPO. Uses the same groups as ``task=sft``."""
+
+    name: str = "reward_model"
+    """The job (``train.py:run_task``)."""
+    save_dir: str = "${paths.output_dir}/reward_model"
+    """Output HF directory (safetensors, tokenizer), written on rank 0, for
+    ``reward=model reward.name_or_path=<save_dir>``. Must be non-empty."""
+
+
 # ============================================================================= registration
 def register_configs() -> None:
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    # the task=sft / task=reward_model nodes: conf/task/<name>.yaml puts them at `task`
+    cs.store(group="task", name="sft_schema", node=SFTTask)
+    cs.store(group="task", name="reward_model_schema", node=RewardModelTask)
     if not OmegaConf.has_resolver("ppo_asset"):
         # ${ppo_asset:toy_prompts.txt} -> a data file shipped inside the package
         OmegaConf.register_new_resolver("ppo_asset", lambda name: str(ASSETS / name))

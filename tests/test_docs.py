@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 from ppo_lightning.config import TrainConfig
@@ -21,6 +22,15 @@ def _keys(cls, prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{f.name}")
     return out
+
+
+def test_config_md_is_generated_from_the_schema_and_conf():
+    """docs/config.md is docs/gen_config.py's output: regenerate it after changing a config field,
+    its docstring or check, or a conf/ file (python docs/gen_config.py)."""
+    spec = importlib.util.spec_from_file_location("gen_config", DOCS / "gen_config.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (DOCS / "config.md").read_text() == gen.render(), "stale: run python docs/gen_config.py"
 
 
 def test_every_config_key_has_a_row_in_docs_config_md():

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
-from ppo_lightning.config import param
+from ppo_lightning.config import RewardModelConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, fuse_activations, resolve_source
@@ -42,39 +42,6 @@ from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_con
                                          resolve_max_length, split_indices, synced_value)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RewardModelConfig:
-    """Keys of the reward-model stage. Batch size (pairs), shuffling and loader workers come from
-    ``data.*``."""
-
-    path: Optional[str] = None
-    """Local ``.jsonl`` of preference pairs, one JSON object a line."""
-    hf_dataset: Optional[str] = None
-    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
-    hf_split: str = "train"
-    """Split of ``hf_dataset`` to read; the validation split is carved out of it."""
-    prompt_field: str = "prompt"
-    """JSON field / dataset column holding the prompt."""
-    chosen_field: str = "chosen"
-    """JSON field / dataset column holding the preferred response."""
-    rejected_field: str = "rejected"
-    """JSON field / dataset column holding the dispreferred response."""
-    max_length: Optional[int] = param(None, ge=1)
-    """Tokens per scored text, cut from the left (null: the model's context, at most 512). Give
-    PPO's ``reward.max_length`` (default 512) the same value."""
-    val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
-    """Fraction of pairs held out for validation (at least one; 0 turns validation off)."""
-    seed: int = 0
-    """Seed of the split, of the training order and of the new score head's init."""
-    val_batch_size: Optional[int] = param(None, ge=1)
-    """Pairs per validation batch (null: ``data.batch_size``)."""
-    max_grad_norm: Optional[float] = param(1.0, ge=0)
-    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
-    center_rewards_coef: float = param(0.0, ge=0)
-    """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps rewards centred on 0
-    (Eisenstein et al. 2023; TRL's ``center_rewards_coefficient``). 0 = off."""
 
 
 def check_reward_model_config(cfg: RewardModelConfig, key_prefix: str = "task") -> None:
@@ -213,7 +180,7 @@ class RewardModelModule(StageOptimization, L.LightningModule):
     """
 
     def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0,
-                 center_rewards_coef: float = param(0.0, ge=0), max_length: int = 512):
+                 center_rewards_coef: float = 0.0, max_length: int = 512):
         super().__init__()
         self.max_length = max_length
         self.model = model

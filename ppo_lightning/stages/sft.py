@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.aggregation import SumMetric
 
-from ppo_lightning.config import param
+from ppo_lightning.config import SFTConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
@@ -43,41 +43,6 @@ from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_con
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-TRUNCATION = ("truncate", "drop", "error")
-
-
-@dataclass
-class SFTConfig:
-    """Keys of the SFT stage. Batch size, shuffling and loader workers come from ``data.*``."""
-
-    path: Optional[str] = None
-    """Local ``.jsonl`` of (prompt, response) pairs, one JSON object a line."""
-    hf_dataset: Optional[str] = None
-    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
-    hf_split: str = "train"
-    """Split of ``hf_dataset`` to read; the validation split is carved out of it."""
-    prompt_field: str = "prompt"
-    """JSON field / dataset column holding the prompt."""
-    response_field: str = "response"
-    """JSON field / dataset column holding the target response."""
-    max_length: Optional[int] = param(None, ge=2)
-    """Tokens per example: prompt + response + EOS (null: the model's context, at most 512); at
-    most the model's context."""
-    max_prompt_length: int = param(128, ge=1)
-    """Prompt tokens kept (the last ones); must be < ``max_length``. Keep PPO's
-    ``data.max_prompt_length`` (default 128) at most this, so PPO prompts look like SFT ones."""
-    truncation: str = param("truncate", choices=TRUNCATION)
-    """Examples over a limit. truncate: cut the prompt from the left, then the response's end
-    (losing its EOS); drop: skip them (one warning); error: refuse them."""
-    val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
-    """Fraction of records held out for validation (at least one; 0 turns validation off); at
-    least one record must remain for training."""
-    seed: int = 0
-    """Seed of the train / validation split and of the training order."""
-    val_batch_size: Optional[int] = param(None, ge=1)
-    """Examples per validation batch (null: ``data.batch_size``)."""
-    max_grad_norm: Optional[float] = param(1.0, ge=0)
-    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
 
 
 def check_sft_config(cfg: SFTConfig, key_prefix: str = "task") -> None:
@@ -91,7 +56,7 @@ def check_sft_config(cfg: SFTConfig, key_prefix: str = "task") -> None:
 
 # ----------------------------------------------------------------------------- examples
 def tokenize_sft(records: Sequence[Mapping[str, str]], tokenizer, max_length: int, max_prompt_length: int,
-                 truncation: str = param("truncate", choices=TRUNCATION), source: str = "records",
+                 truncation: str = "truncate", source: str = "records",
                  key_prefix: str = "task") -> list[dict[str, list[int]]]:
     """``{"input_ids", "labels"}`` per record (``prompt`` / ``response`` keys); see the module doc."""
     if not records:
