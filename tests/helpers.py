@@ -1,12 +1,32 @@
-"""Callbacks the tests inject through Hydra (``+callbacks.<name>._target_=tests.helpers.X``), a
-naive greedy decoder the sampler tests compare against, and a whole rollout in one call."""
+"""What several test files share: ``train.py`` in a subprocess (``run_train``), callbacks the tests
+inject through Hydra (``+callbacks.<name>._target_=tests.helpers.X``), reward functions that
+misbehave on purpose, a naive greedy decoder the sampler tests compare against, and a whole
+rollout in one call."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
 import torch
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(args: list[str], cache_dir: Path, timeout: float = 600, env_extra: dict | None = None,
+              env_drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python train.py <args>`` as a user runs it, in a subprocess: offline, the test session's
+    model cache, one intra-op thread, no ``HYDRA_FULL_ERROR`` (so errors print their one line)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
+           **(env_extra or {})}
+    for k in ("HYDRA_FULL_ERROR", *env_drop):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 class SaveRankWeights(L.Callback):

@@ -2,36 +2,30 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, read_metrics
+from tests.conftest import read_metrics
+from tests.helpers import run_train
+
+pytestmark = pytest.mark.slow  # every test runs train.py in a subprocess
 
 TINY_RUN = ["experiment=tiny_char", "trainer.max_steps=2", "ppo.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
             "ppo.ppo_epochs=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
-def run(args: list[str], cache_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir),
-           "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 def test_cfg_job_prints_composed_config(cache_dir):
-    p = run(["model=gpt2", "ppo.clip=0.2", "--cfg", "job"], cache_dir)
+    p = run_train(["model=gpt2", "ppo.clip=0.2", "--cfg", "job"], cache_dir)
     assert p.returncode == 0, p.stderr
     assert "name_or_path: gpt2" in p.stdout and "clip: 0.2" in p.stdout
 
 
 def test_hub_model_offline_fails_fast_with_a_fix(cache_dir, tmp_path):
     t0 = time.monotonic()
-    p = run(["model=gpt2", f"hydra.run.dir={tmp_path}"], cache_dir)
+    p = run_train(["model=gpt2", f"hydra.run.dir={tmp_path}"], cache_dir)
     elapsed = time.monotonic() - t0
     assert p.returncode == 1
     assert "model.name_or_path='gpt2'" in p.stderr and "local directory" in p.stderr
@@ -45,7 +39,7 @@ def test_hub_model_offline_fails_fast_with_a_fix(cache_dir, tmp_path):
     ("trainer=nope", "trainer"),
 ])
 def test_bad_overrides_fail_at_composition(cache_dir, override, key):
-    p = run([override, "--cfg", "job"], cache_dir)
+    p = run_train([override, "--cfg", "job"], cache_dir)
     assert p.returncode == 1
     assert key in p.stderr
 
@@ -57,14 +51,14 @@ def test_bad_overrides_fail_at_composition(cache_dir, override, key):
     ("reward.fn=no_such_pkg.fn", "reward.fn='no_such_pkg.fn': cannot import module 'no_such_pkg'"),
 ])
 def test_bad_values_fail_before_loading_models(cache_dir, tmp_path, override, message):
-    p = run(["experiment=tiny_char", override, f"hydra.run.dir={tmp_path}"], cache_dir)
+    p = run_train(["experiment=tiny_char", override, f"hydra.run.dir={tmp_path}"], cache_dir)
     assert p.returncode == 1, p.stderr[-2000:]
     assert message in p.stderr
     assert "Traceback" not in p.stderr
 
 
 def test_sweep_runs_every_job_and_logs_metrics(cache_dir, tmp_path):
-    p = run(["-m", "ppo.clip=0.1,0.3", *TINY_RUN, f"hydra.sweep.dir={tmp_path}"], cache_dir)
+    p = run_train(["-m", "ppo.clip=0.1,0.3", *TINY_RUN, f"hydra.sweep.dir={tmp_path}"], cache_dir)
     assert p.returncode == 0, p.stderr[-3000:]
     for job in ("0", "1"):
         rows = read_metrics(tmp_path / job / "metrics.csv")

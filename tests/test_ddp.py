@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import read_metrics
-from tests.test_cli import TINY_RUN, run
+from tests.helpers import run_train
+from tests.test_cli import TINY_RUN
+
+pytestmark = pytest.mark.slow  # two processes
 
 
 def test_ddp_cpu_two_ranks_end_with_identical_weights(cache_dir, tmp_path):
     weights = tmp_path / "weights"
-    p = run(["trainer=ddp_cpu", *TINY_RUN, "trainer.max_steps=3", "optimizer.lr=1e-3",
+    p = run_train(["trainer=ddp_cpu", *TINY_RUN, "trainer.max_steps=3", "optimizer.lr=1e-3",
              f"hydra.run.dir={tmp_path / 'run'}",
              "+callbacks.rank_weights._target_=tests.helpers.SaveRankWeights",
              f"+callbacks.rank_weights.dir={weights}"], cache_dir, timeout=600)

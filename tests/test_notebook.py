@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from tests.conftest import ROOT
@@ -21,6 +22,7 @@ def test_committed_notebook_has_no_outputs():
             assert not cell.outputs and cell.execution_count is None, "clear the notebook's outputs"
 
 
+@pytest.mark.slow  # a notebook kernel
 def test_quickstart_notebook_trains_and_the_score_rises(tmp_path, cache_dir, monkeypatch):
     run_dir = tmp_path / "run"
     # the kernel inherits this process's environment

@@ -3,27 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, read_metrics
+from tests.conftest import read_metrics
+from tests.helpers import run_train
+
+pytestmark = pytest.mark.slow  # recipe builds and whole jobs in subprocesses
 
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
-
-
-def run(args: list[str], cache_dir: Path, env_extra: dict | None = None,
-        env_drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
-           **(env_extra or {})}
-    for k in ("HYDRA_FULL_ERROR", *env_drop):
-        env.pop(k, None)
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +35,13 @@ def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path,
     d = review_files
     common = [*QUIET, "logger=csv", f"model.name_or_path={d / 'base'}", "optimizer.lr=3e-3",
               "data.batch_size=64", "task.max_length=32", "task.val_fraction=0.1"]
-    sft = run(["task=sft", f"task.path={d / 'sft.jsonl'}", "task.max_prompt_length=8", "trainer.max_steps=150", "trainer.val_check_interval=50",
+    sft = run_train(["task=sft", f"task.path={d / 'sft.jsonl'}", "task.max_prompt_length=8", "trainer.max_steps=150", "trainer.val_check_interval=50",
                *common, f"hydra.run.dir={tmp_path / 'sft'}"], cache_dir)
     assert sft.returncode == 0, sft.stderr[-3000:]
     val = [r["val/loss"] for r in read_metrics(tmp_path / "sft" / "metrics.csv") if "val/loss" in r]
     assert len(val) >= 3 and val[-1] < val[0] - 1.0, val  # validation loss fell
 
-    rm = run(["task=reward_model", f"task.path={d / 'prefs.jsonl'}", "trainer.max_steps=200",
+    rm = run_train(["task=reward_model", f"task.path={d / 'prefs.jsonl'}", "trainer.max_steps=200",
               "trainer.val_check_interval=100", *common, "optimizer.lr=1e-3", "data.batch_size=32",
               f"hydra.run.dir={tmp_path / 'rm'}"], cache_dir)
     assert rm.returncode == 0, rm.stderr[-3000:]
@@ -63,7 +52,7 @@ def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path,
     AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "sft_model")
     AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm" / "reward_model")
 
-    ppo = run(["recipe=null", f"model.name_or_path={tmp_path / 'sft' / 'sft_model'}", "reward=model",
+    ppo = run_train(["recipe=null", f"model.name_or_path={tmp_path / 'sft' / 'sft_model'}", "reward=model",
                f"reward.name_or_path={tmp_path / 'rm' / 'reward_model'}", f"data.path={d / 'prompts.txt'}",
                "data.batch_size=16", "ppo.minibatch_size=8", "trainer.max_steps=3", "logger=csv",
                "callbacks=none", *QUIET, f"hydra.run.dir={tmp_path / 'ppo'}"], cache_dir)
@@ -76,8 +65,9 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
     writes an offline W&B run with the samples table (nobody is logged in here)."""
     home = tmp_path / "home"
     home.mkdir()
-    p = run([*QUIET, "trainer.max_steps=60", f"hydra.run.dir={tmp_path / 'run'}"], cache_dir,
-            env_extra={"HOME": str(home), "NETRC": str(home / ".netrc")}, env_drop=("WANDB_MODE", "WANDB_API_KEY"))
+    p = run_train([*QUIET, "trainer.max_steps=60", f"hydra.run.dir={tmp_path / 'run'}"], cache_dir, timeout=1200,
+                  env_extra={"HOME": str(home), "NETRC": str(home / ".netrc")},
+                  env_drop=("WANDB_MODE", "WANDB_API_KEY"))
     assert p.returncode == 0, p.stderr[-4000:]
     assert "reviews: held-out prompts, before and after PPO" in p.stdout
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
@@ -95,7 +85,7 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
 
 
 def test_arithmetic_recipe_raises_accuracy(tmp_path, cache_dir):
-    p = run(["experiment=arithmetic", *QUIET, "logger=csv", "trainer.max_steps=60",
+    p = run_train(["experiment=arithmetic", *QUIET, "logger=csv", "trainer.max_steps=60",
              f"hydra.run.dir={tmp_path / 'run'}"], cache_dir)
     assert p.returncode == 0, p.stderr[-4000:]
     result = json.loads((tmp_path / "run" / "eval.json").read_text())

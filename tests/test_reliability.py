@@ -3,41 +3,34 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, compose_cfg, read_metrics
+from tests.conftest import compose_cfg, read_metrics
+from tests.helpers import run_train
 
 FAST = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=2",
         "ppo.max_new_tokens=8", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
-def run(args: list[str], cache_dir: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
 
 
+@pytest.mark.slow  # three runs in subprocesses, one of them killed
 def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, cache_dir):
     common = [*FAST, "trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3",
               "callbacks.best_checkpoint.every_n_train_steps=3", "export_dir=null"]
-    full = run([*common, f"hydra.run.dir={tmp_path / 'full'}"], cache_dir)
+    full = run_train([*common, f"hydra.run.dir={tmp_path / 'full'}"], cache_dir)
     assert full.returncode == 0, full.stderr[-3000:]
 
-    killed = run([*common, f"hydra.run.dir={tmp_path / 'killed'}",
+    killed = run_train([*common, f"hydra.run.dir={tmp_path / 'killed'}",
                   "+callbacks.kill._target_=tests.helpers.KillAtStep", "+callbacks.kill.step=5"], cache_dir)
     assert killed.returncode == -9  # SIGKILL, mid-training
     last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 3  # the checkpoint before the kill
     assert not list(last.parent.glob("*.tmp"))  # no half-written file left behind
 
-    resumed = run([*common, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={last}"], cache_dir)
+    resumed = run_train([*common, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={last}"], cache_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     expected = {int(r["step"]): r for r in read_metrics(tmp_path / "full" / "metrics.csv")}
@@ -101,9 +94,10 @@ def test_nan_rewards_skip_those_steps_and_count_them(tmp_path, cache_dir):
     assert math.isfinite(metrics["objective/kl_coef"])
 
 
+@pytest.mark.slow  # a subprocess that must exit 1
 def test_persistent_nan_stops_the_run_and_keeps_the_checkpoint(tmp_path, cache_dir):
     # normalize=false: with it, the reference samples' all-NaN scores stop the run before training
-    p = run([*FAST, "trainer.max_steps=8", "reward=function", "reward.fn=tests.helpers.always_nan",
+    p = run_train([*FAST, "trainer.max_steps=8", "reward=function", "reward.fn=tests.helpers.always_nan",
              "reward.normalize=false", "callbacks.model_checkpoint.every_n_train_steps=1",
              f"hydra.run.dir={tmp_path}"], cache_dir)
     assert p.returncode == 1

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
 import yaml
 
 from tests.conftest import ROOT, read_metrics
+from tests.helpers import run_train
+
+pytestmark = pytest.mark.slow  # Hydra sweeps in subprocesses
 
 # Two PPO iterations on the tiny model; metrics.csv only (no W&B run, no checkpoints, no export).
 TINY_RUN = ["trainer.max_steps=2", "ppo.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
@@ -20,11 +19,6 @@ TINY_RUN = ["trainer.max_steps=2", "ppo.max_new_tokens=8", "data.batch_size=8", 
             "callbacks=none", "trainer.enable_checkpointing=false", "logger=csv", "export_dir=null"]
 
 
-def run(args: list[str], cache_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir),
-           "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 class CrashAtStep(L.Callback):
@@ -40,7 +34,7 @@ class CrashAtStep(L.Callback):
 
 def test_optuna_search_runs_trials_and_writes_the_best(cache_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason='needs pip install -e ".[optuna]"')
-    p = run(["hparams_search=ppo_optuna", "experiment=tiny_char", "hydra.sweeper.n_trials=2", *TINY_RUN,
+    p = run_train(["hparams_search=ppo_optuna", "experiment=tiny_char", "hydra.sweeper.n_trials=2", *TINY_RUN,
              f"hydra.sweep.dir={tmp_path}"], cache_dir)
     assert p.returncode == 0, p.stderr[-3000:]
 
@@ -65,7 +59,7 @@ def test_optuna_search_goes_on_after_a_failed_trial(cache_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason='needs pip install -e ".[optuna]"')
     # ppo.clip=-1 fails validation (in milliseconds); with this seed the sampler draws it for
     # trials 0-2 and 0.2 for trial 3.
-    p = run(["hparams_search=ppo_optuna", "experiment=tiny_char", "hydra.sweeper.n_trials=4",
+    p = run_train(["hparams_search=ppo_optuna", "experiment=tiny_char", "hydra.sweeper.n_trials=4",
              "hydra.sweeper.sampler.seed=1234", "ppo.clip=choice(0.2,-1)", *TINY_RUN,
              f"hydra.sweep.dir={tmp_path}"], cache_dir)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -83,7 +77,7 @@ def test_sweep_goes_on_after_failing_jobs(cache_dir, tmp_path):
     # 4 jobs, in this order: (clip=-1, step=1) and (clip=-1, step=100) fail validation with a
     # ConfigError; (clip=0.2, step=1) crashes with a RuntimeError in the middle of Trainer.fit;
     # (clip=0.2, step=100) never meets the crash and must train normally in the same process.
-    p = run(["-m", "ppo.clip=-1,0.2", "+callbacks.crash._target_=tests.test_sweeps.CrashAtStep",
+    p = run_train(["-m", "ppo.clip=-1,0.2", "+callbacks.crash._target_=tests.test_sweeps.CrashAtStep",
              "+callbacks.crash.step=1,100", *TINY_RUN, f"hydra.sweep.dir={tmp_path}"], cache_dir)
     assert p.returncode == 0, p.stderr[-3000:]
 

@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -36,7 +35,7 @@ from ppo_lightning.config import RewardModelConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, fuse_activations, resolve_source
-from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
+from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check_common,
                                          StageOptimization, check_optimizer, ensure_tiny_source, get,
                                          make_loader, pad_rows, read_records, reset_val_metrics,
                                          resolve_max_length, split_indices, synced_value)

@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
