@@ -36,14 +36,15 @@ def tiny_rm_dir(cache_dir) -> Path:
     return save_tiny_reward_model(cache_dir / "tiny-rm")
 
 
-def compose_cfg(overrides: list[str], output_dir: Path, cache_dir: Path):
+def compose_cfg(overrides: list[str], output_dir: Path, cache_dir: Path, experiment: str | None = "tiny_char"):
     """``train.yaml`` composed with the real Hydra compose API (schemas and all).
 
     Unless the overrides pick an experiment, ``experiment=tiny_char``: the tiny offline model
     and toy prompts (the default reviews recipe builds models first; its own tests do that).
+    ``experiment=None`` composes exactly what ``python train.py <overrides>`` would.
     """
-    if not any(o.startswith("experiment=") for o in overrides):
-        overrides = ["experiment=tiny_char", *overrides]
+    if experiment and not any(o.startswith("experiment=") for o in overrides):
+        overrides = [f"experiment={experiment}", *overrides]
     import ppo_lightning.config  # noqa: F401  registers the schema
     from hydra import compose, initialize_config_dir
 

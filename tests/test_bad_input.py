@@ -10,6 +10,7 @@ import json
 import logging
 import runpy
 import sys
+import time
 
 import pytest
 
@@ -112,3 +113,37 @@ def test_stage_key_with_wrong_type(tmp_path, cache_dir, monkeypatch, capfd):
     code, err = run_main(["task=sft", "task.val_fraction=abc", "task.path=x.jsonl"], tmp_path, cache_dir,
                          monkeypatch, capfd)
     assert code == 1 and "task.val_fraction" in err and "abc" in err
+
+
+@pytest.mark.parametrize("case", ["empty prompts", "malformed prompts", "missing model", "bad range"])
+def test_the_default_job_checks_its_inputs_before_building_the_recipe(case, tmp_path, monkeypatch, capfd):
+    """``python train.py data.path=empty.txt`` (the default job: the reviews recipe) says what is
+    wrong within seconds, and builds nothing: the recipe's cache directory is never created."""
+    empty_cache = tmp_path / "cache"
+    args = {"empty prompts": [f"data.path={_write(tmp_path / 'empty.txt', chr(10) * 3)}"],
+            "malformed prompts": [f"data.path={_write(tmp_path / 'p.jsonl', '{nope' + chr(10))}"],
+            "missing model": ["model.name_or_path=/no/such/model"],
+            "bad range": ["ppo.clip=0"]}[case]
+    expected = {"empty prompts": "holds no prompts", "malformed prompts": "line 1: not valid JSON",
+                "missing model": "model.name_or_path='/no/such/model': no such directory",
+                "bad range": "ppo.clip=0.0: must be > 0"}[case]
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    _rebind_log_streams()
+    monkeypatch.setattr(sys, "argv", ["train.py", f"hydra.run.dir={tmp_path / 'run'}",
+                                      f"paths.cache_dir={empty_cache}", *args])
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    err = capfd.readouterr().err
+    assert e.value.code == 1 and expected in err and "Traceback" not in err, err
+    assert time.monotonic() - t0 < 30
+    assert not empty_cache.exists() or not any(empty_cache.iterdir())
+
+
+def test_a_missing_recipe_output_names_the_recipe(tmp_path, monkeypatch, capfd):
+    """Keeping reward=reviews without data=reviews drops the preset (and its recipe): the missing
+    reward model's error says which recipe builds it."""
+    prompts = _write(tmp_path / "p.txt", "hello\n" * 40)
+    code, err = run_main(["reward=reviews", "data=file", f"data.path={prompts}"], tmp_path, tmp_path / "cache",
+                         monkeypatch, capfd)  # a cache where no recipe has been built
+    assert code == 1 and "reward.name_or_path=" in err and "built by recipe=reviews" in err, err

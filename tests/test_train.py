@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from ppo_lightning.train import train
 from tests.conftest import compose_cfg, read_metrics
@@ -178,3 +179,23 @@ def test_direct_clipping_matches_lightning_clip_gradients(tmp_path, cache_dir, m
     assert weights[True].keys() == weights[False].keys()
     for k in weights[True]:
         torch.testing.assert_close(weights[True][k], weights[False][k], atol=1e-6, rtol=0)
+
+
+def test_a_small_sparse_reward_learns_under_the_defaults(tmp_path, cache_dir):
+    """A reward of small scale (the fraction of response characters from a rare set, ~0.01 on the
+    initial policy) with every PPO key at its default: reward normalisation puts it on the scale
+    the KL coefficient assumes, and it rises clearly. (Without normalisation it stays at ~0.01:
+    the KL penalty is several times the score.)"""
+    from ppo_lightning.config import ASSETS, PPOConfig
+
+    cfg = compose_cfg(["model=tiny", "data=file", f"data.path={ASSETS / 'toy_prompts.txt'}", "reward=function",
+                       "reward.fn=ppo_lightning.rewards.rules.char_fraction", "+reward.kwargs.chars=xyz",
+                       "trainer.max_steps=60", "logger=csv", "callbacks=none", "export_dir=null",
+                       "trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
+                       "trainer.enable_model_summary=false"], tmp_path, cache_dir, experiment=None)
+    assert OmegaConf.to_object(cfg.ppo) == PPOConfig() and cfg.reward.normalize
+    train(cfg)
+    raw = [r["objective/raw_scores"] for r in read_metrics(tmp_path / "metrics.csv")]
+    first, last = sum(raw[:5]) / 5, sum(raw[-5:]) / 5
+    assert first < 0.03, f"the reward should start small, at ~0.01: {first:.4f}"
+    assert last >= first + 0.05 and last >= 1.5 * first, f"{first:.4f} -> {last:.4f}"
