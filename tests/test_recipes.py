@@ -90,3 +90,18 @@ def test_arithmetic_recipe_raises_accuracy(tmp_path, cache_dir):
     assert p.returncode == 0, p.stderr[-4000:]
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert result["after"]["accuracy"] > result["before"]["accuracy"] + 0.05
+
+
+def test_the_headline_command_runs_offline_with_a_local_stand_in(tmp_path, cache_dir, tiny_lm_dir):
+    """``python train.py model=gpt2 ppo.clip=0.2`` with the GPT-2 weights swapped for a local
+    GPT-2-architecture directory (no hub here): the reviews task's recipe builds (or reuses) its
+    reward model and prompts, PPO runs, and the table is printed."""
+    p = run_train(["model=gpt2", "ppo.clip=0.2", f"model.name_or_path={tiny_lm_dir}", "trainer.max_steps=3",
+                   "logger=csv", "callbacks=none", *QUIET, f"hydra.run.dir={tmp_path / 'run'}"], cache_dir,
+                  timeout=1200)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "reviews: held-out prompts, before and after PPO" in p.stdout
+    rows = read_metrics(tmp_path / "run" / "metrics.csv")
+    assert len(rows) == 3 and rows[0]["objective/kl_coef"] == 0.2  # the reviews task's preset
+    config = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
+    assert "clip: 0.2" in config and "recipe: reviews" in config

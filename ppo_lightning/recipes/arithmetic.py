@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from ppo_lightning.recipes import recipe_root
-from ppo_lightning.recipes.common import build_cached, fit_stage, report, sample_and_score, save_base_model
+from ppo_lightning.recipes.common import build_cached, fit_stage, report, sample_and_evaluate, save_base_model
 from ppo_lightning.tasks import arithmetic
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,12 @@ def evaluate(cfg, module, out_dir: Path | None) -> str:
     c = module.ppo_cfg
     gen = {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
            "top_p": c.top_p, "stop_at_eos": c.stop_at_eos}
-    before = sample_and_score(module.ref_lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
-    after = sample_and_score(module.policy.lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
+    before = sample_and_evaluate(module.ref_lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
+    after = sample_and_evaluate(module.policy.lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
     greedy = dict(gen, greedy=True)
     scorers_g = {"accuracy (greedy)": arithmetic.reward_fn}
-    before.update({k: v for k, v in sample_and_score(module.ref_lm, module.ref_lm, module.tokenizer, prompts,
-                                                     scorers_g, greedy, cfg.seed).items() if k in scorers_g})
-    after.update({k: v for k, v in sample_and_score(module.policy.lm, module.ref_lm, module.tokenizer, prompts,
-                                                    scorers_g, greedy, cfg.seed).items() if k in scorers_g})
+    before.update({k: v for k, v in sample_and_evaluate(module.ref_lm, module.ref_lm, module.tokenizer, prompts,
+                                                        scorers_g, greedy, cfg.seed).items() if k in scorers_g})
+    after.update({k: v for k, v in sample_and_evaluate(module.policy.lm, module.ref_lm, module.tokenizer, prompts,
+                                                       scorers_g, greedy, cfg.seed).items() if k in scorers_g})
     return report(before, after, out_dir / "eval.json" if out_dir else None)

@@ -85,8 +85,8 @@ def fit_stage(stage: str, base_dir: Path, out_dir: Path, records: list[dict], *,
 
 
 @torch.no_grad()
-def sample_and_score(lm, ref_lm, tokenizer, prompts: list[str], scorers: dict[str, Callable],
-                     gen: dict, seed: int, batch_size: int = 64) -> dict:
+def sample_and_evaluate(lm, ref_lm, tokenizer, prompts: list[str], scorers: dict[str, Callable],
+                        gen: dict, seed: int, batch_size: int = 64) -> dict:
     """Sample one response per prompt from ``lm``; score them; KL(lm || ref) per sequence (k1)."""
     device = next(lm.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
