@@ -208,6 +208,8 @@ class PPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------- part 2: updates
     def training_step(self, batch: dict, batch_idx: int) -> None:
+        """``ppo_epochs`` passes over the rollout's minibatches, one ``_update`` each; then the end
+        of the iteration (``_end_iteration``) and its metrics."""
         c, r = self.ppo_cfg, self.rollout
         t0 = time.perf_counter()
         lr, kl_coef = self.lr_schedulers().get_last_lr()[0], self.kl_ctl.value  # what this iteration uses
