@@ -3,7 +3,7 @@
     python benchmarks/metric_sync.py
     python benchmarks/metric_sync.py --metrics 20 --iterations 200 --world-size 2
 
-``PPOModule._log_iteration`` reduces its ~20 scalar metrics per iteration with ONE collective: it
+``PPOModule._rollout_metrics`` reduces its ~20 scalar metrics per iteration with ONE collective: it
 stacks them and calls ``trainer.strategy.reduce(values, reduce_op="mean")`` (an all_reduce, then a
 division by the world size). The alternative measured here is one ``torchmetrics`` ``MeanMetric``
 per metric, each ``update(x)``, ``compute()`` (which syncs over the process group) and
@@ -47,7 +47,7 @@ def free_port() -> int:
 
 
 def stacked(xs: list[torch.Tensor], world: int) -> list[float]:
-    """What ``_log_iteration`` does: one all_reduce of the stacked metrics, then the mean."""
+    """What ``PPOModule._rollout_metrics`` does: one all_reduce of the stacked metrics, then the mean."""
     values = torch.stack(xs)
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
     values /= world

@@ -60,13 +60,14 @@ def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path,
     overrides = [
         f"model.name_or_path={policy_dir}", "model.build_tiny=null",
         "reward=model", f"reward.name_or_path={reward_dir}", f"reward.batch_size={w.rollout_batch}",
-        f"data.path={prompts_file}", f"data.batch_size={w.rollout_batch}",
+        "data=file", f"data.path={prompts_file}", f"data.batch_size={w.rollout_batch}",
         f"data.max_prompt_length={w.prompt_tokens}",
         f"ppo.minibatch_size={w.minibatch_size}", f"ppo.ppo_epochs={w.ppo_epochs}",
         f"ppo.max_new_tokens={w.response_tokens}", "ppo.stop_at_eos=false",
         f"trainer.max_steps={w.iterations}", "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false", "trainer.enable_checkpointing=false",
-        "logger=none", "callbacks=none", "export_dir=null", "recipe=null",
+        "logger=none", "callbacks=none", "export_dir=null",
+        "reward.normalize=false",  # TRL's PPOTrainer scores raw: the same work on both sides
         f"paths.output_dir={out_dir}", f"paths.cache_dir={out_dir}",
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -72,7 +72,7 @@ never inherits another task's settings. Two kinds of files set keys of more than
   while both its reward and its prompts are chosen: `python train.py model=gpt2` keeps the
   reviews task's, `python train.py model=tiny data=file data.path=P reward=function reward.fn=F`
   gets none and runs on the schema defaults below. Overriding only `data.path` keeps `data=reviews`
-  and its preset: choose `data=file` for your own prompts.
+  and its preset (a warning says so): choose `data=file` for your own prompts.
 - **Experiments** (`experiment=<name>`): named jobs that pick groups and set a few keys.
 
 One exception, kept on purpose: a model choice may set the learning rate it needs

@@ -67,6 +67,10 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
     if d.path is None and d.hf_dataset is None:
         raise ConfigError("data.path and data.hf_dataset are both null: set data.path=prompts.txt "
                           "(one prompt a line) or .jsonl, or data.hf_dataset=<name>")
+    if d.path is not None and built_by_recipe is not None and not pending(d.path):
+        log.warning("data.path=%s is not recipe=%s's prompts: this job keeps that task's data group and "
+                    "preset (prompt limit, KL coefficient, response length); for your own prompts with the "
+                    "library's defaults choose data=file", d.path, cfg.recipe)
     if d.path is not None and not pending(d.path):
         if not os.path.isfile(d.path):
             raise ConfigError(f"data.path={d.path!r}: no such file. Give a .txt (one prompt a line) or "

@@ -134,9 +134,11 @@ def test_the_default_job_checks_its_inputs_before_building_the_recipe(case, tmp_
     t0 = time.monotonic()
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    err = capfd.readouterr().err
+    out, err = capfd.readouterr()
     assert e.value.code == 1 and expected in err and "Traceback" not in err, err
     assert time.monotonic() - t0 < 30
+    if case == "empty prompts":  # data.path alone keeps data=reviews and its preset: said once
+        assert "choose data=file" in out + err
     assert not empty_cache.exists() or not any(empty_cache.iterdir())
 
 
