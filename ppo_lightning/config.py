@@ -329,7 +329,9 @@ class TrainerConfig:
     num_nodes: int = param(1, ge=1)
     """Nodes."""
     precision: Any = "32-true"
-    """e.g. bf16-mixed (``trainer=gpu``)."""
+    """32-true, bf16-mixed (``trainer=gpu``) or bf16-true. The rollout runs in the same precision
+    context as the update; the value head, logprobs and losses are float32 in every one. float16
+    (16-mixed, 16-true) is refused: use bf16."""
     max_steps: int = param(100, ge=1, hint="the number of PPO iterations")
     """PPO: iterations (one rollout plus its updates each). Stages: optimizer steps. Also the
     horizon of the lr decay."""
@@ -542,6 +544,7 @@ register_configs()
 
 
 # ============================================================================= validation
+FP16_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine-float16")  # refused by validate
 SECTIONS = {"model": ModelConfig, "model.build_tiny": TinyModelConfig, "reward": RewardConfig,
             "optimizer": OptimizerConfig, "ppo": PPOConfig, "data": DataConfig, "trainer": TrainerConfig}
 
@@ -560,6 +563,10 @@ def validate(cfg) -> None:
         raise ConfigError(f"ppo.minibatch_size={p.minibatch_size!r}: must divide data.batch_size={d.batch_size} "
                           f"(the rollout batch); choose a divisor, e.g. ppo.minibatch_size="
                           f"{_largest_divisor(d.batch_size, p.minibatch_size)}")
+    if str(cfg.trainer.precision) in FP16_PRECISIONS:
+        raise ConfigError(f"trainer.precision={cfg.trainer.precision}: float16 is not supported (it needs loss "
+                          "scaling, which PPO's skip-on-overflow would have to share); use bf16-mixed (GPUs "
+                          "since Ampere, and CPUs) or 32-true")
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
 

@@ -99,10 +99,15 @@ class PPOModule(L.LightningModule):
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(self.seed + 1000 * self.global_rank)
         self.ref_lm.eval()
-        from lightning.pytorch.plugins.precision import Precision
+        from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-        self._plain_clipping = (type(self.trainer.precision_plugin) is Precision
+        # Gradients that are not loss-scaled (fp32, bf16-mixed, bf16-true) on one device or DDP:
+        # clip them directly (see _clip_and_check_gradients). Lightning's MixedPrecision refuses
+        # to clip for a fused optimizer even with bf16, where there is no scaler to undo.
+        plugin = self.trainer.precision_plugin
+        self._plain_clipping = (type(plugin) in (Precision, MixedPrecision, HalfPrecision)
+                                and getattr(plugin, "scaler", None) is None
                                 and type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy))
         # What `self.log` must carry into trainer.callback_metrics: the metrics a callback
         # monitors (ModelCheckpoint, EarlyStopping, ...) and the progress bar's. Each `self.log`
@@ -116,7 +121,8 @@ class PPOModule(L.LightningModule):
                 read.update(re.findall(r"\{([^}:]+)", cb.filename))
         self._trainer_metrics = tuple(sorted(read))
         if self.reward_norm is None:  # a resumed run restored it from the checkpoint
-            self._fit_reward_normalization()
+            with self.trainer.precision_plugin.forward_context():  # the rollouts' numerics
+                self._fit_reward_normalization()
 
     @torch.no_grad()
     def _fit_reward_normalization(self) -> None:
@@ -159,6 +165,13 @@ class PPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------- part 1: rollout
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        # Lightning runs only training_step in the precision plugin's context (autocast for
+        # bf16-mixed): the rollout enters it itself, so sampling, the reference, the reward model
+        # and the old logprobs see the numerics the update sees (ratio exactly 1 at the start).
+        with self.trainer.precision_plugin.forward_context():
+            self._rollout(batch)
+
+    def _rollout(self, batch: dict) -> None:
         c = self.ppo_cfg
         t0 = time.perf_counter()
         samples = sample_and_score(
@@ -313,10 +326,10 @@ class PPOModule(L.LightningModule):
     def _clip_and_check_gradients(self, opt) -> bool:
         """Clip to ``ppo.max_grad_norm`` (when > 0); return whether the gradient norm is finite.
 
-        With a plain strategy and precision (one device or DDP, 32-true) this is
-        what Lightning's ``clip_gradients`` runs, ``clip_grad_norm_`` over the optimizer's
-        parameters, whose return value is the norm the finiteness check needs: one pass over the
-        gradients instead of two. Other setups (AMP unscaling, FSDP's sharded norm) go through
+        With a plain strategy and unscaled gradients (one device or DDP; 32-true, bf16-mixed or
+        bf16-true) this is what Lightning's ``clip_gradients`` runs, ``clip_grad_norm_`` over the
+        optimizer's parameters, whose return value is the norm the finiteness check needs: one
+        pass over the gradients instead of two. Other setups (FSDP's sharded norm) go through
         ``self.clip_gradients`` and a separate norm.
         """
         max_norm = self.ppo_cfg.max_grad_norm

@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ppo_lightning.errors import ConfigError
@@ -212,8 +213,11 @@ class PolicyWithValueHead(nn.Module):
         else:
             hidden = out.hidden_states[-1]
         hidden = hidden[:, -(R + 1):-1]  # [B, R, H]: the states before each response token
-        values = self.v_head(hidden.float()).squeeze(-1)  # [B, R]
-        return logits, values
+        # The value is a regression target: computed in float32 whatever the LM's precision. Autocast
+        # would run the linear layer in bf16 even on float32 inputs, and bf16-true stores it in bf16.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            values = F.linear(hidden.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
+        return logits, values  # [B, R, V], [B, R]
 
 
 def make_reference(lm: nn.Module) -> nn.Module:
