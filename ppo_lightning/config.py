@@ -114,7 +114,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Run model and tokenizer code shipped with the checkpoint. Off unless you trust its source."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass: less memory, slower updates."""
+    """Recompute each decoder layer's activations in the backward pass (Hugging Face's, non-reentrant)
+    instead of keeping them: the same gradients (test), less memory, slower updates. The policy's LM
+    then stays in train mode (dropout is zeroed) and samples in eval mode (KV cache)."""
     value_head_path: Optional[str] = None
     """Directory holding ``value_head.safetensors`` (e.g. a previous ``export_dir``) to start the
     value head from (else zeros). The file must exist."""

@@ -146,12 +146,12 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     if ctx is not None and need > ctx:
         raise ConfigError(f"data.max_prompt_length + ppo.max_new_tokens = {need} exceeds the model's "
                           f"context of {ctx} tokens; lower data.max_prompt_length or ppo.max_new_tokens")
-    if cfg.model.gradient_checkpointing:
-        lm.gradient_checkpointing_enable()
     policy = PolicyWithValueHead(lm)
     if cfg.model.value_head_path:
         load_value_head(policy, cfg.model.value_head_path)
     ref_lm = make_reference(lm)
+    if cfg.model.gradient_checkpointing:  # the policy only: the frozen reference never backprops
+        policy.enable_gradient_checkpointing()
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward)
         reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)

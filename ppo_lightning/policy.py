@@ -156,6 +156,17 @@ def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32",
     return model
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Hugging Face's per-layer activation (gradient) checkpointing, non-reentrant.
+
+    transformers >= 5.24 names it ``activation_checkpointing_enable`` (the old name warns)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def _keep_head_input(module: nn.Module, args: tuple) -> None:
     """Forward pre-hook on the LM head: keep its input (the final hidden state) on the module.
     A plain function, so ``copy.deepcopy`` of the LM (the reference) copies no policy with it."""
@@ -186,6 +197,33 @@ class PolicyWithValueHead(nn.Module):
     @property
     def config(self):
         return self.lm.config
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the LM recomputes its layers' activations in the backward pass."""
+        return any(getattr(m, "gradient_checkpointing", False) is True for m in self.lm.modules())
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each decoder block's activations in the backward pass instead of keeping
+        them: activation memory grows with the number of blocks' inputs, not their internals.
+
+        Hugging Face checkpoints only while the LM is in train mode, so it stays there (dropout is
+        zeroed, so train mode changes no number); ``rollout.generate`` switches it to eval while it
+        samples, where the KV cache needs ``use_cache``. Non-reentrant checkpointing: it needs no
+        input that requires grad, and works under ``no_grad``.
+        """
+        if not getattr(self.lm, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"model.gradient_checkpointing=true: {type(self.lm).__name__} does not support "
+                              "gradient checkpointing")
+        enable_activation_checkpointing(self.lm)
+        self.lm.train()
+
+    def train(self, mode: bool = True):
+        """Lightning sets train mode on fit; the LM keeps eval mode unless it checkpoints."""
+        super().train(mode)
+        if not self.checkpointing:
+            self.lm.eval()
+        return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:

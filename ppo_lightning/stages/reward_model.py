@@ -34,7 +34,7 @@ from torchmetrics.aggregation import MeanMetric, SumMetric
 from ppo_lightning.config import RewardModelConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
-from ppo_lightning.policy import DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, fuse_activations, resolve_source
+from ppo_lightning.policy import enable_activation_checkpointing, DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, fuse_activations, resolve_source
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check_common,
                                          StageOptimization, check_optimizer, ensure_tiny_source, get,
                                          make_loader, pad_rows, read_records, reset_val_metrics,
@@ -325,7 +325,7 @@ def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None
 
     model = load_sequence_classifier(name, tokenizer, get(model_cfg, "dtype", "float32"), trust, seed=cfg.seed)
     if get(model_cfg, "gradient_checkpointing", False):
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
     module = RewardModelModule(model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm,
                                center_rewards_coef=cfg.center_rewards_coef, max_length=cfg.max_length)
     return module, datamodule

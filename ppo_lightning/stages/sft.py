@@ -33,7 +33,7 @@ from torchmetrics.aggregation import SumMetric
 from ppo_lightning.config import SFTConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
-from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
+from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
                                          StageOptimization, check_optimizer, ensure_tiny_source, get,
                                          make_loader, pad_rows, read_records, reset_val_metrics,
@@ -297,7 +297,7 @@ def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     if gc is not None and gc.eos_token_id is None:
         gc.eos_token_id = tokenizer.eos_token_id
     if get(model_cfg, "gradient_checkpointing", False):
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
     module = SFTModule(model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm)
     return module, datamodule
 

@@ -1,0 +1,82 @@
+"""Memory switches keep the update unchanged: gradient checkpointing recomputes the decoder blocks
+in the backward pass (really: the blocks run twice) and gives the same gradients and the same run.
+What it saves: ``python benchmarks/memory.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, position_ids_from_mask
+from ppo_lightning.train import train
+from tests.conftest import compose_cfg, read_metrics
+
+QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none",
+         "trainer.enable_checkpointing=false", "logger=csv"]
+
+
+def _policy_and_batch(tiny_lm_dir):
+    tok = load_tokenizer(str(tiny_lm_dir))
+    policy = PolicyWithValueHead(load_causal_lm(str(tiny_lm_dir), tok))
+    torch.nn.init.normal_(policy.v_head.weight, std=0.1)
+    enc = tok(["hello there, friend", "a", "the cat sat"], return_tensors="pt", padding=True)
+    ids = torch.cat([enc.input_ids, torch.randint(0, 256, (3, 6), generator=torch.Generator().manual_seed(0))], 1)
+    am = torch.cat([enc.attention_mask, torch.ones(3, 6, dtype=torch.long)], 1)
+    return policy, ids, am, enc.input_ids.shape[1]
+
+
+def _grads_and_block_calls(policy, ids, am, P):
+    calls = []
+    mlp = policy.lm.transformer.h[0].mlp  # inside a block: its forward runs again in a recompute
+    mlp.forward = lambda *a, _f=type(mlp).forward.__get__(mlp), **k: calls.append(1) or _f(*a, **k)
+    policy.zero_grad()
+    logits, values = policy(ids, am, position_ids_from_mask(am), P)
+    (torch.log_softmax(logits.float(), -1).mean() + values.pow(2).mean()).backward()
+    del mlp.forward
+    return {k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None}, len(calls)
+
+
+def test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_gradients(tiny_lm_dir):
+    policy, ids, am, P = _policy_and_batch(tiny_lm_dir)
+    policy.train()  # what Lightning does at fit start
+    assert not policy.lm.training  # no checkpointing: the LM keeps eval mode
+    plain, plain_calls = _grads_and_block_calls(policy, ids, am, P)
+    policy.enable_gradient_checkpointing()
+    policy.train()
+    assert policy.lm.training  # Hugging Face checkpoints only in train mode
+    ckpt, ckpt_calls = _grads_and_block_calls(policy, ids, am, P)
+    assert (plain_calls, ckpt_calls) == (1, 2)  # the block ran again in the backward pass
+    assert plain.keys() == ckpt.keys() and len(plain) > 10
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_a_checkpointing_policy_still_samples_with_the_kv_cache(tiny_lm_dir):
+    from ppo_lightning.rollout import generate
+
+    policy, ids, am, P = _policy_and_batch(tiny_lm_dir)
+    kw = dict(max_new_tokens=8, eos_token_id=256, pad_token_id=257, greedy=True)
+    plain = generate(policy.lm, ids[:, :P], am[:, :P], **kw)
+    policy.enable_gradient_checkpointing()
+    ckpt = generate(policy.lm, ids[:, :P], am[:, :P], **kw)
+    assert torch.equal(plain[0], ckpt[0]) and policy.lm.training  # train mode restored after sampling
+
+
+@pytest.mark.parametrize("minibatch", [8, 16])  # two minibatches, and one (the fused forward)
+def test_gradient_checkpointing_leaves_the_run_unchanged(tmp_path, cache_dir, minibatch):
+    runs, weights = {}, {}
+    for ckpt in (False, True):
+        out = tmp_path / str(ckpt)
+        cfg = compose_cfg([*QUIET, "trainer.max_steps=3", "ppo.max_new_tokens=12", f"ppo.minibatch_size={minibatch}",
+                           f"model.gradient_checkpointing={ckpt}", f"export_dir={out / 'policy'}"], out, cache_dir)
+        train(cfg)
+        runs[ckpt] = read_metrics(out / "metrics.csv")
+        from safetensors.torch import load_file
+        weights[ckpt] = load_file(str(out / "policy" / "model.safetensors"))
+    for a, b in zip(runs[False], runs[True]):
+        for k in a:
+            if not k.startswith("perf/"):
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    for k in weights[False]:
+        torch.testing.assert_close(weights[True][k], weights[False][k], rtol=1e-4, atol=1e-6, msg=k)
+    assert runs[True][-1]["policy/approxkl_avg"] > 0  # the weights moved
