@@ -33,6 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VARIANTS = {
     "full": [],
     "gradient_checkpointing": ["model.gradient_checkpointing=true"],
+    "micro_batches_4": ["ppo.micro_batch_size=4"],
+    "checkpointing_and_micro_batches_4": ["model.gradient_checkpointing=true", "ppo.micro_batch_size=4"],
 }
 
 

@@ -241,6 +241,11 @@ class PPOConfig:
     minibatch_size: int = param(8, ge=1)
     """Episodes per gradient step, per rank; must divide ``data.batch_size``. Updates per
     iteration: ``ppo_epochs * data.batch_size / minibatch_size``."""
+    micro_batch_size: Optional[int] = param(None, ge=1)
+    """Rows per forward and backward inside a minibatch (gradient accumulation); must divide
+    ``minibatch_size``; null = the whole minibatch. Each micro-batch's losses are its share of the
+    minibatch's token mean, so the step is the whole minibatch's (test): memory for activations
+    scales with this, not with ``minibatch_size``."""
     max_grad_norm: float = 1.0
     """Global L2 gradient-norm clip; <= 0 disables it."""
     whiten_rewards: bool = False
@@ -569,6 +574,10 @@ def validate(cfg) -> None:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision}: float16 is not supported (it needs loss "
                           "scaling, which PPO's skip-on-overflow would have to share); use bf16-mixed (GPUs "
                           "since Ampere, and CPUs) or 32-true")
+    if p.micro_batch_size is not None and p.minibatch_size % p.micro_batch_size:
+        raise ConfigError(f"ppo.micro_batch_size={p.micro_batch_size!r}: must divide ppo.minibatch_size="
+                          f"{p.minibatch_size}; choose a divisor, e.g. ppo.micro_batch_size="
+                          f"{_largest_divisor(p.minibatch_size, p.micro_batch_size)}")
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
 

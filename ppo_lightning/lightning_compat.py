@@ -13,6 +13,7 @@ iteration once (``count_iteration``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from lightning.pytorch.core.optimizer import do_nothing_closure
@@ -39,6 +40,14 @@ def count_iteration(optimizer: "LightningOptimizer") -> None:
     """
     optimizer._on_before_step()
     optimizer._on_after_step()
+
+
+def no_gradient_sync(trainer: "L.Trainer"):
+    """A context in which backward passes accumulate gradients without all-reducing them (DDP's
+    ``no_sync``, through the strategy); a no-op on one process. For all micro-batches of a
+    minibatch but the last."""
+    block = getattr(trainer.strategy, "block_backward_sync", None)
+    return block() if block is not None else contextlib.nullcontext()
 
 
 def attached_trainer(module: "L.LightningModule") -> "L.Trainer | None":

@@ -13,6 +13,7 @@ The module orchestrates; the math lives in ``ppo.py`` and ``rollout.py``. Lightn
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from ppo_lightning import ppo
 from ppo_lightning.kl_control import build_kl_controller
-from ppo_lightning.lightning_compat import count_iteration, step_optimizer
+from ppo_lightning.lightning_compat import count_iteration, no_gradient_sync, step_optimizer
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
 from ppo_lightning.rewards import fit_normalization
@@ -189,14 +190,15 @@ class PPOModule(L.LightningModule):
     def _old_logprobs_and_values(self, samples: Samples) -> tuple[Tensor, Tensor]:
         """The old policy's logprobs and values of the sampled responses ``[B, R]``.
 
-        The fused first forward (``ppo.fuse_rollout_forward``): when one minibatch is the whole
-        batch, the first update would run exactly this forward again, on the same rows with the
+        The fused first forward (``ppo.fuse_rollout_forward``): when one minibatch (and one
+        micro-batch) is the whole batch, the first update would run exactly this forward again, on the same rows with the
         same weights. So it runs once, with gradients, and is kept in ``_first_forward`` for that
         update (``_forward``); its detached outputs are the old logprobs and values. This is the
         only place the two parts of an iteration share a forward.
         """
         c = self.ppo_cfg
-        if c.fuse_rollout_forward and c.minibatch_size >= samples.batch_size:
+        whole = samples.batch_size
+        if c.fuse_rollout_forward and c.minibatch_size >= whole and (c.micro_batch_size or whole) >= whole:
             with torch.enable_grad():
                 self._first_forward = self._policy_forward(samples)
             _, values, logprobs = self._first_forward
@@ -260,21 +262,40 @@ class PPOModule(L.LightningModule):
 
     def _update(self, mb: Rollout) -> dict[str, Tensor] | None:
         """One clipped PPO step on a minibatch: its statistics, or None when it was skipped for a
-        non-finite loss or gradient norm (weights untouched; the decision is taken on all ranks)."""
-        c, opt = self.ppo_cfg, self.optimizers()
-        mask = mb.response_mask
-        logits, new_values, new_logp = self._forward(mb)
-        pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, mb.logprobs, mb.advantages, mask, c.clip)
-        vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, mb.values, mb.returns, mask, c.vf_clip)
-        with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
-            entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.float()), mask)
-        loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
+        non-finite loss or gradient norm (weights untouched; the decision is taken on all ranks).
 
+        With ``ppo.micro_batch_size`` the minibatch's rows go through forward and backward a
+        micro-batch at a time, gradients accumulating: each micro-batch's losses are its share of
+        the minibatch's token mean (``ppo.token_mean``), so the gradient, and the step, are the
+        whole minibatch's. Gradients are all-reduced once, on the last micro-batch.
+        """
+        c, opt = self.ppo_cfg, self.optimizers()
+        n_tokens = mb.response_mask.sum()
+        parts = self._micro_batches(mb)
+        stats: dict[str, Tensor] = {}
+        new_logps = []
         opt.zero_grad()
-        if not self._all_ranks(bool(torch.isfinite(loss))):
-            self._last_nonfinite = f"loss {loss.item()}"
-            return None
-        self.manual_backward(loss)
+        for i, part in enumerate(parts):
+            with contextlib.nullcontext() if i == len(parts) - 1 else no_gradient_sync(self.trainer):
+                mask = part.response_mask
+                logits, new_values, new_logp = self._forward(part)
+                pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, part.logprobs, part.advantages, mask, c.clip,
+                                                           n_tokens)
+                vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, part.values, part.returns, mask, c.vf_clip,
+                                                          n_tokens)
+                with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
+                    entropy = ppo.token_mean(ppo.entropy_from_logits(logits.float()), mask, n_tokens)
+                loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
+                if not self._all_ranks(bool(torch.isfinite(loss))):
+                    opt.zero_grad()  # weights untouched
+                    self._last_nonfinite = f"loss {loss.item()}"
+                    return None
+                self.manual_backward(loss)
+            for k, v in (("policy/clipfrac_avg", pg_clipfrac), ("policy/entropy_avg", entropy.detach()),
+                         ("loss/policy_avg", pg_loss.detach()), ("loss/value_avg", vf_loss.detach()),
+                         ("val/clipfrac_avg", vf_clipfrac)):
+                stats[k] = stats[k] + v if k in stats else v  # shares of the minibatch's mean
+            new_logps.append(new_logp.detach())
         if not self._all_ranks(self._clip_and_check_gradients(opt)):
             opt.zero_grad()  # weights untouched
             self._last_nonfinite = "gradient norm"
@@ -282,15 +303,18 @@ class PPOModule(L.LightningModule):
         step_optimizer(self.trainer, opt)
 
         with torch.no_grad():
+            mask, new_logp = mb.response_mask, torch.cat(new_logps) if len(new_logps) > 1 else new_logps[0]
             ratio = torch.exp(new_logp - mb.logprobs)
-            return {"policy/approxkl_avg": ppo.approx_kl(new_logp, mb.logprobs, mask),
-                    "policy/clipfrac_avg": pg_clipfrac,
-                    "policy/entropy_avg": entropy.detach(),
-                    "loss/policy_avg": pg_loss.detach(),
-                    "loss/value_avg": vf_loss.detach(),
-                    "val/clipfrac_avg": vf_clipfrac,
+            return {"policy/approxkl_avg": ppo.approx_kl(new_logp, mb.logprobs, mask), **stats,
                     "val/ratio": ppo.masked_mean(ratio, mask),
                     "val/ratio_var": ppo.masked_var(ratio, mask, unbiased=False)}
+
+    def _micro_batches(self, mb: Rollout) -> list[Rollout]:
+        """The minibatch in ``ppo.micro_batch_size`` rows at a time (itself when unset or larger)."""
+        size = self.ppo_cfg.micro_batch_size
+        if not size or size >= mb.batch_size:
+            return [mb]
+        return [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)]
 
     def _end_iteration(self, batch_size: int, skipped: int, kl: float) -> None:
         """What changes once per iteration, however many updates it took: the step counter, the

@@ -109,24 +109,34 @@ def compute_gae(rewards: Tensor, values: Tensor, values_next: Tensor, resp_mask:
 
 
 # ----------------------------------------------------------------------------- losses
+def token_mean(x: Tensor, mask: Tensor, token_count: Tensor | None = None) -> Tensor:
+    """``masked_mean`` over all tokens, or ``masked_sum / token_count``: a micro-batch's share of
+    the token mean of the minibatch it belongs to (``token_count`` = the minibatch's tokens), so
+    the shares of its micro-batches add up to exactly the minibatch's mean."""
+    if token_count is None:
+        return masked_mean(x, mask)
+    return _select(x, mask).sum() / token_count.clamp(min=1)
+
+
 def ppo_policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                    clip: float) -> tuple[Tensor, Tensor]:
+                    clip: float, token_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Clipped surrogate objective (as a loss to minimise) and the fraction of clipped tokens.
 
     ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - clip, 1 + clip))``, averaged over response
-    tokens. ``clip_frac`` counts tokens where the clipped branch was the active (larger) one.
+    tokens (``token_mean``). ``clip_frac`` counts tokens where the clipped branch was the active
+    (larger) one.
     """
     logratio = new_logp - old_logp
     ratio = torch.exp(logratio)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(pg_loss1, pg_loss2), mask)
-    clip_frac = masked_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask)
+    loss = token_mean(torch.maximum(pg_loss1, pg_loss2), mask, token_count)
+    clip_frac = token_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask, token_count)
     return loss, clip_frac
 
 
 def ppo_value_loss(new_values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-                   vf_clip: float) -> tuple[Tensor, Tensor]:
+                   vf_clip: float, token_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` and its clip fraction.
 
     ``V_clip = V_old + clip(V - V_old, -vf_clip, vf_clip)`` keeps the value head from moving far
@@ -135,8 +145,8 @@ def ppo_value_loss(new_values: Tensor, old_values: Tensor, returns: Tensor, mask
     v_clipped = old_values + torch.clamp(new_values - old_values, -vf_clip, vf_clip)
     vf_loss1 = (new_values - returns) ** 2
     vf_loss2 = (v_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(vf_loss1, vf_loss2), mask)
-    clip_frac = masked_mean((vf_loss2 > vf_loss1).to(new_values.dtype), mask)
+    loss = 0.5 * token_mean(torch.maximum(vf_loss1, vf_loss2), mask, token_count)
+    clip_frac = token_mean((vf_loss2 > vf_loss1).to(new_values.dtype), mask, token_count)
     return loss, clip_frac
 
 

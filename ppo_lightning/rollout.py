@@ -67,8 +67,8 @@ class Rollout(_Sequences):
         return torch.stack([torch.isfinite(t).all() for t in (
             self.scores, self.logprobs, self.ref_logprobs, self.values, self.advantages, self.returns)]).all()
 
-    def index(self, idx: Tensor) -> "Rollout":
-        """The rows ``idx`` of every tensor: a minibatch."""
+    def index(self, idx: Tensor | slice) -> "Rollout":
+        """The rows ``idx`` of every tensor: a minibatch, or a micro-batch of one."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return Rollout(**{k: v[idx] if isinstance(v, Tensor) else v for k, v in fields.items()})
 
