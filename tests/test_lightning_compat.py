@@ -80,3 +80,23 @@ def test_attached_trainer_is_none_until_the_module_is_attached():
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(torch.randn(4, 3), batch_size=2))
     assert attached_trainer(module) is trainer
+
+
+def test_no_gradient_sync_is_ddps_no_sync_through_the_strategy():
+    """On one device a no-op context; on DDP the strategy's ``block_backward_sync`` (DDP's
+    ``no_sync``). tests/test_ddp.py checks the accumulated update across 2 processes."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from ppo_lightning.lightning_compat import no_gradient_sync
+
+    assert callable(getattr(DDPStrategy, "block_backward_sync", None))
+    module = ManualModule()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(torch.randn(4, 3), batch_size=2))
+    x = torch.randn(2, 3)
+    with no_gradient_sync(trainer):
+        module.layer(x).sum().backward()
+    g = module.layer.weight.grad.clone()
+    module.layer(x).sum().backward()  # accumulates onto the first
+    torch.testing.assert_close(module.layer.weight.grad, 2 * g)
