@@ -95,6 +95,7 @@ def test_no_gradient_sync_is_ddps_no_sync_through_the_strategy():
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader(torch.randn(4, 3), batch_size=2))
     x = torch.randn(2, 3)
+    module.zero_grad()
     with no_gradient_sync(trainer):
         module.layer(x).sum().backward()
     g = module.layer.weight.grad.clone()
