@@ -40,8 +40,6 @@ VARIANTS = {
 
 def child(workload: str, variant: str, iterations: int, model_root: Path) -> dict:
     import psutil
-    import yaml
-    from omegaconf import OmegaConf
 
     from throughput import compose
     from workloads import WORKLOADS, build_models, make_prompts
@@ -54,11 +52,8 @@ def child(workload: str, variant: str, iterations: int, model_root: Path) -> dic
         out = Path(out)
         prompts = out / "prompts.txt"
         prompts.write_text("\n".join(make_prompts(w)) + "\n")
-        cfg = compose(w, policy_dir, reward_dir, prompts, out)
-        cfg.trainer.max_steps = iterations
-        for o in VARIANTS[variant]:
-            key, value = o.split("=")
-            OmegaConf.update(cfg, key, yaml.safe_load(value))
+        cfg = compose(w, policy_dir, reward_dir, prompts, out,
+                      extra=(f"trainer.max_steps={iterations}", *VARIANTS[variant]))
         module, datamodule, trainer = build(cfg)
         proc = psutil.Process()
         gc.collect()

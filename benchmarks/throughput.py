@@ -53,7 +53,8 @@ class PerfTotals(L.Callback):
         self.iterations += 1
 
 
-def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path, out_dir: Path):
+def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path, out_dir: Path,
+            extra: tuple[str, ...] = ()):
     import ppo_lightning.config  # noqa: F401
     from hydra import compose as hydra_compose, initialize_config_dir
 
@@ -68,7 +69,7 @@ def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path,
         "trainer.enable_model_summary=false", "trainer.enable_checkpointing=false",
         "logger=none", "callbacks=none", "export_dir=null",
         "reward.normalize=false",  # TRL's PPOTrainer scores raw: the same work on both sides
-        f"paths.output_dir={out_dir}", f"paths.cache_dir={out_dir}",
+        f"paths.output_dir={out_dir}", f"paths.cache_dir={out_dir}", *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return hydra_compose("train", overrides=overrides)

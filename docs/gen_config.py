@@ -107,15 +107,19 @@ def render_type(annotation: str) -> str:
 
 
 def render_value(v) -> str:
-    if v is dataclasses.MISSING or v == "???":
-        return "required"
+    """A default or a set value in a key table: code, or "required"."""
+    return "required" if v is dataclasses.MISSING or v == "???" else f"`{_flow(v)}`"
+
+
+def _flow(v) -> str:
+    """A value as YAML writes it inline: null, true, [0.9, 0.999], {}, or the text itself."""
     if v is None:
-        return "`null`"
+        return "null"
     if isinstance(v, bool):
-        return f"`{str(v).lower()}`"
+        return str(v).lower()
     if isinstance(v, (list, dict)):
-        return f"`{yaml.safe_dump(v, default_flow_style=True).strip()}`"
-    return f"`{v}`"
+        return yaml.safe_dump(v, default_flow_style=True).strip()
+    return str(v)
 
 
 def default_of(f: dataclasses.Field):
@@ -232,11 +236,6 @@ def groups_table() -> str:
             "keep the schema defaults in the key tables below.\n\n" + "\n".join(rows) + "\n")
 
 
-def _flow(v) -> str:
-    return "null" if v is None else yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("\n...").strip() \
-        if isinstance(v, (list, dict, bool)) else str(v)
-
-
 def key_table(cls: type, prefix: str, sets: dict[str, list[str]], title: str) -> str:
     docs = field_docs(cls)
     intro = md(" ".join(inspect.cleandoc(cls.__doc__ or "").split()))
@@ -279,10 +278,6 @@ def _task_sets(name: str) -> dict[str, list[str]]:
 
 
 def run_level_table(sets: dict[str, list[str]]) -> str:
-    class RunLevel:  # the non-section fields of TrainConfig
-        """Run-level keys of ``TrainConfig`` (``conf/train.yaml``). ``task.name`` is ppo | sft |
-        reward_model | export; the stage tasks' own keys follow."""
-
     docs = field_docs(C.TrainConfig)
     rows = ["| Key | Type | Default | Check | Set by | Meaning |", "|---|---|---|---|---|---|"]
     top = {k: v for k, v in flatten(yaml.safe_load((CONF / "train.yaml").read_text())).items()
@@ -299,8 +294,9 @@ def run_level_table(sets: dict[str, list[str]]) -> str:
     hydra_keys = flatten(yaml.safe_load((CONF / "train.yaml").read_text())["hydra"], "hydra.")
     for k, v in hydra_keys.items():
         rows.append(f"| `{k}` | str | {render_value(v)} | | train.yaml | Hydra's own key. |")
-    return ("### Run-level keys (`TrainConfig`)\n\n" + md(" ".join(inspect.cleandoc(RunLevel.__doc__).split()))
-            + "\n\n" + "\n".join(rows) + "\n")
+    return ("### Run-level keys (`TrainConfig`)\n\nRun-level keys of `TrainConfig` (`conf/train.yaml`). "
+            "`task.name` is ppo \\| sft \\| reward_model \\| export; the stage tasks' own keys follow.\n\n"
+            + "\n".join(rows) + "\n")
 
 
 def dict_groups_section() -> str:

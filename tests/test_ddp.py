@@ -12,41 +12,37 @@ from tests.test_cli import TINY_RUN
 pytestmark = pytest.mark.slow  # two processes
 
 
-def test_ddp_cpu_two_ranks_end_with_identical_weights(cache_dir, tmp_path):
-    weights = tmp_path / "weights"
-    p = run_train(["trainer=ddp_cpu", *TINY_RUN, "trainer.max_steps=3", "optimizer.lr=1e-3",
-             f"hydra.run.dir={tmp_path / 'run'}",
-             "+callbacks.rank_weights._target_=tests.helpers.SaveRankWeights",
-             f"+callbacks.rank_weights.dir={weights}"], cache_dir, timeout=600)
+def ddp_run(tmp_path, cache_dir, name: str, extra: list[str]) -> dict:
+    """``trainer=ddp_cpu`` for a few iterations; the ranks' final policy weights must be identical
+    (returned once, with the run's metrics rows)."""
+    weights = tmp_path / name
+    p = run_train(["trainer=ddp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *extra, f"hydra.run.dir={tmp_path / ('run_' + name)}",
+                   "+callbacks.rank_weights._target_=tests.helpers.SaveRankWeights",
+                   f"+callbacks.rank_weights.dir={weights}"], cache_dir, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     w0 = torch.load(weights / "rank0.pt", weights_only=True)
     w1 = torch.load(weights / "rank1.pt", weights_only=True)
     assert w0.keys() == w1.keys()
     for k in w0:
-        assert torch.equal(w0[k], w1[k]), k
+        assert torch.equal(w0[k], w1[k]), (name, k)
+    return {"weights": w0, "rows": read_metrics(tmp_path / ("run_" + name) / "metrics.csv")}
+
+
+def test_ddp_cpu_two_ranks_end_with_identical_weights(cache_dir, tmp_path):
+    run = ddp_run(tmp_path, cache_dir, "whole", ["trainer.max_steps=3"])
     # the weights moved, so the ranks agree on an update, not just on the initialisation
     from transformers import AutoModelForCausalLM
     init = AutoModelForCausalLM.from_pretrained(cache_dir / "tiny-gpt2-l2-h2-d64").state_dict()
-    assert not torch.equal(init["transformer.h.0.attn.c_attn.weight"], w0["lm.transformer.h.0.attn.c_attn.weight"])
-    rows = read_metrics(tmp_path / "run" / "metrics.csv")
-    assert [r["episode"] for r in rows] == [16.0, 32.0, 48.0]  # 8 prompts x 2 ranks per iteration
+    assert not torch.equal(init["transformer.h.0.attn.c_attn.weight"],
+                           run["weights"]["lm.transformer.h.0.attn.c_attn.weight"])
+    assert [r["episode"] for r in run["rows"]] == [16.0, 32.0, 48.0]  # 8 prompts x 2 ranks per iteration
 
 
 def test_ddp_micro_batches_all_reduce_once_and_give_the_same_update(cache_dir, tmp_path):
     """Micro-batches under DDP: the non-last micro-batches accumulate without an all-reduce
     (``no_sync``), the last one all-reduces the accumulated gradient. Ranks end identical, and equal
     the unsplit DDP run's weights within fp32 tolerance."""
-    final = {}
-    for name, extra in (("whole", []), ("micro", ["ppo.micro_batch_size=2"])):
-        weights = tmp_path / name
-        p = run_train(["trainer=ddp_cpu", *TINY_RUN, "trainer.max_steps=2", "optimizer.lr=1e-3", *extra,
-                       f"hydra.run.dir={tmp_path / ('run_' + name)}",
-                       "+callbacks.rank_weights._target_=tests.helpers.SaveRankWeights",
-                       f"+callbacks.rank_weights.dir={weights}"], cache_dir, timeout=600)
-        assert p.returncode == 0, p.stderr[-4000:]
-        w0 = torch.load(weights / "rank0.pt", weights_only=True)
-        w1 = torch.load(weights / "rank1.pt", weights_only=True)
-        assert all(torch.equal(w0[k], w1[k]) for k in w0), name
-        final[name] = w0
-    for k in final["whole"]:
-        torch.testing.assert_close(final["micro"][k], final["whole"][k], rtol=1e-5, atol=1e-6, msg=k)
+    whole = ddp_run(tmp_path, cache_dir, "whole", ["trainer.max_steps=2"])["weights"]
+    micro = ddp_run(tmp_path, cache_dir, "micro", ["trainer.max_steps=2", "ppo.micro_batch_size=2"])["weights"]
+    for k in whole:
+        torch.testing.assert_close(micro[k], whole[k], rtol=1e-5, atol=1e-6, msg=k)
