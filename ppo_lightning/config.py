@@ -276,10 +276,13 @@ class PPOConfig:
     """Stop the run (``NonFiniteError``, exit 1) after this many PPO iterations in a row with a
     skipped update (non-finite reward, rollout, loss or gradient; weights untouched, counted in
     ``health/skipped_updates``)."""
+    rollout_generate_batch_size: Optional[int] = param(None, ge=1)
+    """Rows sampled at a time during the rollout (null = the whole batch): bounds the KV cache,
+    which grows with rows x (prompt + response) x layers x width. Greedy decoding gives the same
+    tokens either way (test); a seeded sampling run draws different tokens with a different value."""
     rollout_forward_batch_size: Optional[int] = param(None, ge=1)
     """Rows per policy / reference scoring forward during the rollout (bounds memory; null = the
-    whole batch). Sampling always runs on the whole batch; the reward model uses
-    ``reward.batch_size``."""
+    whole batch). The reward model uses ``reward.batch_size``."""
     fuse_rollout_forward: bool = True
     """When one minibatch is the whole batch, the rollout's old-policy forward runs with gradients
     and the first update reuses it (``PPOModule._old_logprobs_and_values``): the same numbers

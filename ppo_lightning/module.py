@@ -144,7 +144,8 @@ class PPOModule(L.LightningModule):
             resp, mask = generate(self.ref_lm, ids, am, max_new_tokens=c.max_new_tokens,
                                   eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                                   temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-                                  stop_at_eos=c.stop_at_eos, fast_decode=c.fast_decode, generator=g)
+                                  stop_at_eos=c.stop_at_eos, fast_decode=c.fast_decode, generator=g,
+                                  chunk_size=c.rollout_generate_batch_size)
             # the same scoring path (token ids or decoded text) as the rollouts
             raw.append(score_responses(self.reward_fn, self.tokenizer, ids, am, resp, mask))
         reduce = None
@@ -179,7 +180,8 @@ class PPOModule(L.LightningModule):
             policy=self.policy, ref_lm=self.ref_lm, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
             gen={"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
-                 "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "fast_decode": c.fast_decode},
+                 "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "fast_decode": c.fast_decode,
+                 "chunk_size": c.rollout_generate_batch_size},
             missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
             reward_norm=self.reward_norm, generator=self.generator)
         logprobs, values = self._old_logprobs_and_values(samples)
@@ -191,9 +193,10 @@ class PPOModule(L.LightningModule):
         """The old policy's logprobs and values of the sampled responses ``[B, R]``.
 
         The fused first forward (``ppo.fuse_rollout_forward``): when one minibatch (and one
-        micro-batch) is the whole batch, the first update would run exactly this forward again, on the same rows with the
-        same weights. So it runs once, with gradients, and is kept in ``_first_forward`` for that
-        update (``_forward``); its detached outputs are the old logprobs and values. This is the
+        micro-batch) is the whole batch, the first update would run exactly this forward again, on
+        the same rows with the same weights. So it runs once, with gradients, and is kept in
+        ``_first_forward`` for that update (``_forward``); its detached outputs are the old
+        logprobs and values. This is the
         only place the two parts of an iteration share a forward.
         """
         c = self.ppo_cfg

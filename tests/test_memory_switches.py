@@ -119,3 +119,28 @@ def test_micro_batch_size_must_divide_the_minibatch(tmp_path, cache_dir):
     cfg = compose_cfg(["ppo.minibatch_size=8", "ppo.micro_batch_size=3"], tmp_path, cache_dir)
     with pytest.raises(ConfigError, match=r"^ppo.micro_batch_size=3: must divide ppo.minibatch_size=8.*=2"):
         validate(cfg)
+
+
+def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chunked(tmp_path, cache_dir,
+                                                                                     monkeypatch):
+    """ppo.rollout_forward_batch_size: the reference and old-policy forwards in chunks of 5 rows (of
+    16, two minibatches so the old-policy forward is not fused) give the same run. And
+    ppo.rollout_generate_batch_size reaches the sampler: 16 prompts sampled 6, 6 and 4 at a time."""
+    from ppo_lightning import rollout
+
+    common = ["ppo.minibatch_size=8"]
+    base_rows, base_w = _run(tmp_path, cache_dir, "whole", common)
+    rows, w = _run(tmp_path, cache_dir, "chunked", [*common, "ppo.rollout_forward_batch_size=5"])
+    for k in base_w:
+        torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
+    for a, b in zip(base_rows, rows):
+        for k in a:
+            if not k.startswith("perf/"):
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+
+    sampled_rows = []
+    loop = rollout._sample_loop
+    monkeypatch.setattr(rollout, "_sample_loop", lambda lm, ids, *a: sampled_rows.append(len(ids)) or loop(lm, ids, *a))
+    _run(tmp_path, cache_dir, "chunked_generation", [*common, "ppo.rollout_generate_batch_size=6",
+                                                      "reward.normalize=false"])
+    assert sampled_rows == [6, 6, 4] * 2  # two iterations

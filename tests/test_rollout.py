@@ -58,6 +58,27 @@ def test_kv_cache_generation_matches_full_forward_greedy(tiny_lm_dir):
     assert mask.shape == resp.shape and bool(mask.all())
 
 
+def test_chunked_generation_gives_the_whole_batch_tokens(tiny_lm_dir):
+    """``chunk_size`` rows at a time (ppo.rollout_generate_batch_size): greedy tokens and masks
+    equal the whole batch's, chunks that stop early padded to the longest, on the fast decode path
+    and the model's forward."""
+    tok, lm, _, _ = _setup(tiny_lm_dir)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=12, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+    eos_row = lm.lm_head.weight.data[tok.eos_token_id].clone()
+    for scale in range(1, 13):  # make EOS likely enough that rows stop at different steps
+        lm.lm_head.weight.data[tok.eos_token_id] = eos_row * scale
+        whole, whole_mask = generate(lm, enc.input_ids, enc.attention_mask, **kw)
+        if len(set(whole_mask.sum(1).tolist())) > 2:
+            break
+    assert len(set(whole_mask.sum(1).tolist())) > 2, "need rows of different lengths"
+    for fast in (True, False):
+        for chunk in (1, 3):
+            resp, mask = generate(lm, enc.input_ids, enc.attention_mask, chunk_size=chunk, fast_decode=fast, **kw)
+            assert torch.equal(resp, whole) and torch.equal(mask, whole_mask), (fast, chunk)
+            assert not resp.is_inference() and mask.dtype == whole_mask.dtype
+
+
 def test_everything_after_eos_is_masked_and_scored_at_last_token(tiny_lm_dir):
     tok, _, policy, ref = _setup(tiny_lm_dir)
     _, r = _rollout(tok, policy, ref, eos_bias=0.08)
