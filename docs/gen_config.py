@@ -244,8 +244,9 @@ def key_table(cls: type, prefix: str, sets: dict[str, list[str]], title: str) ->
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         default = default_of(f)
-        if dataclasses.is_dataclass(default):
-            continue  # a section of its own
+        if dataclasses.is_dataclass(default):  # a section of its own (model.lora)
+            nested.append((key, type(default)))
+            continue
         if isinstance(f.type, str) and "TinyModelConfig" in f.type:
             nested.append((key, C.TinyModelConfig))
         check = C.describe_check(f.metadata)

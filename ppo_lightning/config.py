@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from ppo_lightning import data, optim, policy, ppo, recipes, rewards
+from ppo_lightning import data, optim, policy, ppo, recipes, rewards, tiny
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.rewards.model import INPUTS as REWARD_INPUTS
 
@@ -80,7 +80,10 @@ def check_fields(node: Any, cls: type, prefix: str = "") -> None:
 # ============================================================================= schemas
 @dataclass
 class TinyModelConfig:
-    """A random GPT-2 over a byte vocabulary (256 bytes + EOS + pad), built offline (``tiny.py``)."""
+    """A random causal LM over a byte vocabulary (256 bytes + EOS + pad), built offline (``tiny.py``)."""
+
+    arch: str = param("gpt2", choices=tiny.ARCHITECTURES)
+    """Architecture: GPT-2, or Llama, Qwen2 and GPT-NeoX layouts of the same size."""
 
     n_layer: int = param(2, ge=1)
     """Transformer layers."""
@@ -92,6 +95,26 @@ class TinyModelConfig:
     """Context length (bounds ``data.max_prompt_length + ppo.max_new_tokens``)."""
     seed: int = 0
     """Init seed of the random weights."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters through ``peft`` (``pip install -e ".[lora]"``): the base weights stay
+    frozen and only the adapters and the value head train. The reference is then the same network
+    with its adapters switched off (no second copy of the weights); checkpoints hold the adapters,
+    the value head and the optimizer; export writes the merged model plus ``adapter/``."""
+
+    r: int = param(0, ge=0, hint="0 turns LoRA off: full fine-tuning")
+    """Adapter rank; 0 = off (full fine-tuning). 8 to 64 are usual."""
+    alpha: float = param(32.0, gt=0)
+    """Scale of the adapters' update: ``W + (alpha / r) B A``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input; must be 0: PPO needs logprobs that are a deterministic
+    function of the weights, or the ratio is not 1 at the start of an update."""
+    target_modules: Optional[List[str]] = None
+    """Names of the layers to adapt (e.g. ``[q_proj,v_proj]``); null = every linear layer but
+    the output head, per architecture (GPT-2: c_attn, c_proj, c_fc; Llama and Qwen2: q/k/v/o_proj,
+    gate/up/down_proj; GPT-NeoX: query_key_value, dense, dense_h_to_4h, dense_4h_to_h)."""
 
 
 @dataclass
@@ -124,10 +147,29 @@ class ModelConfig:
     """zeros: V = 0 at the start (unless ``value_head_path``). reward_model: copy the reward
     model's linear score head, mapped by the reward normalisation (needs ``reward.kind=model`` and
     the same hidden size; meaningful when policy and reward model share a backbone)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (``LoRAConfig``); off unless ``model.lora.r > 0``."""
     build_tiny: Optional[TinyModelConfig] = None
     """If set, ``name_or_path`` is inside ``paths.cache_dir`` and holds no ``config.json`` yet:
     build a tiny random GPT-2 there first (``model=tiny``). An existing directory is reused as
     is, so changing ``build_tiny.*`` needs a new ``name_or_path``."""
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference, the anchor of the KL penalty. Its memory: one more copy of the
+    policy's weights in ``ref.dtype`` (params x 4 bytes in float32, x 2 in bfloat16), none with
+    LoRA (the policy with its adapters off is the reference)."""
+
+    name_or_path: Optional[str] = None
+    """null: the policy's initial weights (a copy made after loading ``model.name_or_path``; with
+    LoRA, the policy itself with its adapters off). Else a hub id or ``save_pretrained`` directory
+    over the policy's vocabulary, e.g. the SFT model when the policy starts from another checkpoint.
+    Checked like ``model.name_or_path``."""
+    dtype: Optional[str] = param(None, choices=policy.DTYPES)
+    """Weights dtype of the reference; null = ``model.dtype``. ``bfloat16`` halves its memory; under
+    ``trainer.precision=bf16-mixed`` its matmuls run in bf16 anyway, so only the rounding of its
+    weights differs, but the first iteration's KL is then not exactly 0."""
 
 
 @dataclass
@@ -393,6 +435,8 @@ class TrainConfig:
     ``RewardModelTask`` at composition, and check their ranges before anything loads)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy (``ModelConfig``)."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference (``RefConfig``)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The reward (``RewardConfig``)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -555,7 +599,8 @@ register_configs()
 
 # ============================================================================= validation
 FP16_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine-float16")  # refused by validate
-SECTIONS = {"model": ModelConfig, "model.build_tiny": TinyModelConfig, "reward": RewardConfig,
+SECTIONS = {"model": ModelConfig, "model.lora": LoRAConfig, "model.build_tiny": TinyModelConfig,
+            "ref": RefConfig, "reward": RewardConfig,
             "optimizer": OptimizerConfig, "ppo": PPOConfig, "data": DataConfig, "trainer": TrainerConfig}
 
 
@@ -581,6 +626,15 @@ def validate(cfg) -> None:
         raise ConfigError(f"ppo.micro_batch_size={p.micro_batch_size!r}: must divide ppo.minibatch_size="
                           f"{p.minibatch_size}; choose a divisor, e.g. ppo.micro_batch_size="
                           f"{_largest_divisor(p.minibatch_size, p.micro_batch_size)}")
+    lora = cfg.model.lora
+    if lora.dropout != 0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout!r}: must be 0 (PPO needs logprobs that are a "
+                          "deterministic function of the weights, or the ratio is not 1 at the start of an update)")
+    if lora.r > 0 and (cfg.ref.name_or_path is not None or cfg.ref.dtype is not None):
+        key = "ref.name_or_path" if cfg.ref.name_or_path is not None else "ref.dtype"
+        raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} with model.lora.r={lora.r}: with LoRA the "
+                          "reference is the policy with its adapters off (no second copy of the weights); unset "
+                          f"{key}, or set model.lora.r=0 to keep a separate reference")
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
 

@@ -21,7 +21,8 @@ from ppo_lightning.config import validate
 from ppo_lightning.data import PromptDataModule, read_prompts
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.module import PPOModule
-from ppo_lightning.policy import (PolicyWithValueHead, VALUE_HEAD_FILE, context_length, load_causal_lm,
+from ppo_lightning.lora import DisabledAdapters, apply_lora
+from ppo_lightning.policy import (PolicyWithValueHead, VALUE_HEAD_FILE, context_length, freeze, load_causal_lm,
                                   load_tokenizer, load_value_head, make_reference, resolve_source)
 from ppo_lightning.recipes import RECIPES, recipe_root
 from ppo_lightning.rewards import build_reward
@@ -84,6 +85,7 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
     sources = [("model.name_or_path", m.name_or_path, m.build_tiny is not None
                 and _under(m.name_or_path, Path(cfg.paths.cache_dir))),
                ("model.tokenizer_name_or_path", m.tokenizer_name_or_path, False),
+               ("ref.name_or_path", cfg.ref.name_or_path, False),
                ("reward.name_or_path", r.name_or_path if r.kind == "model" else None, False)]
     for key, value, built_here in sources:
         if value and not built_here and not pending(value):
@@ -118,8 +120,8 @@ def ensure_model_source(model_cfg, cache_dir: str) -> None:
         return
     if not target.is_relative_to(Path(cache_dir).resolve()):
         return  # resolve_source will report the missing directory
-    log.info("building tiny GPT-2 (%d layers, %d dims) at %s", t.n_layer, t.n_embd, target)
-    save_tiny_causal_lm(target, t.n_layer, t.n_head, t.n_embd, t.n_positions, t.seed)
+    log.info("building tiny %s (%d layers, %d dims) at %s", t.arch, t.n_layer, t.n_embd, target)
+    save_tiny_causal_lm(target, t.n_layer, t.n_head, t.n_embd, t.n_positions, t.seed, t.arch)
 
 
 def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
@@ -146,10 +148,16 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     if ctx is not None and need > ctx:
         raise ConfigError(f"data.max_prompt_length + ppo.max_new_tokens = {need} exceeds the model's "
                           f"context of {ctx} tokens; lower data.max_prompt_length or ppo.max_new_tokens")
-    policy = PolicyWithValueHead(lm)
+    ref_lm = build_reference(cfg, lm, tokenizer)  # before LoRA: a copy, if any, of the plain LM
+    peft_model = None
+    if cfg.model.lora.r > 0:
+        lora = cfg.model.lora
+        peft_model = apply_lora(lm, lora.r, lora.alpha, lora.dropout,
+                                OmegaConf.to_object(lora.target_modules) if lora.target_modules else None)
+        ref_lm = DisabledAdapters(peft_model)
+    policy = PolicyWithValueHead(lm, peft_model)
     if cfg.model.value_head_path:
         load_value_head(policy, cfg.model.value_head_path)
-    ref_lm = make_reference(lm)
     if cfg.model.gradient_checkpointing:  # the policy only: the frozen reference never backprops
         policy.enable_gradient_checkpointing()
     if reward_fn is None:
@@ -166,6 +174,25 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
                        reward_norm=reward_norm, normalize_reward_samples=cfg.reward.normalize_samples,
                        value_head_from_reward=cfg.model.value_head_init == "reward_model")
     return module, datamodule
+
+
+def build_reference(cfg: DictConfig, lm, tokenizer):
+    """The frozen reference (``ref.*``): a copy of the policy's initial LM in ``ref.dtype``, or the
+    model at ``ref.name_or_path``; None with LoRA, whose reference is the policy with its adapters
+    off (``lora.DisabledAdapters``)."""
+    ref = cfg.ref
+    if cfg.model.lora.r > 0:
+        return None
+    if ref.name_or_path is None:
+        return make_reference(lm, ref.dtype)
+    ref_lm = load_causal_lm(ref.name_or_path, tokenizer, ref.dtype or cfg.model.dtype, cfg.model.trust_remote_code,
+                            key="ref.name_or_path")
+    n_ref, n_policy = ref_lm.get_input_embeddings().num_embeddings, lm.get_input_embeddings().num_embeddings
+    if n_ref != n_policy:
+        raise ConfigError(f"ref.name_or_path={ref.name_or_path!r}: its vocabulary has {n_ref} entries, the "
+                          f"policy's {n_policy}; the KL penalty compares the two token by token, so the reference "
+                          "must share the policy's tokenizer")
+    return freeze(ref_lm)
 
 
 def init_value_head_from(policy: PolicyWithValueHead, reward_model, gain: float = 1.0, bias: float = 0.0) -> None:

@@ -62,7 +62,7 @@ class PPOModule(L.LightningModule):
                  normalize_reward_samples: int = 256, value_head_from_reward: bool = False):
         super().__init__()
         self.automatic_optimization = False
-        self.strict_loading = False  # the frozen reference and reward model are not checkpointed
+        self.strict_loading = False  # frozen weights are not checkpointed (see checkpointed)
         self.policy = policy
         self.ref_lm = ref_lm
         self.reward_fn = reward_fn  # registered as a submodule when it is a reward model
@@ -86,6 +86,7 @@ class PPOModule(L.LightningModule):
         self._time_rollout = 0.0
         self._trainer_metrics: tuple[str, ...] = ()  # set in on_fit_start
         self._plain_clipping = False  # set in on_fit_start: clip_grad_norm_ directly
+        self._frozen_policy_keys: frozenset[str] | None = None  # see checkpointed
 
     # ------------------------------------------------------------------------- setup
     def configure_optimizers(self):
@@ -424,10 +425,21 @@ class PPOModule(L.LightningModule):
                          on_epoch=False, batch_size=batch_size)
 
     # ------------------------------------------------------------------------- checkpoints
+    def checkpointed(self, key: str) -> bool:
+        """Whether a state-dict entry is saved in checkpoints. Frozen weights are not: the reference
+        and reward model, and with LoRA the policy's base weights; each is rebuilt from its source
+        (``model.name_or_path``, ``ref.*``, ``reward.*``) when a run resumes or exports."""
+        if key.startswith(("ref_lm.", "reward_fn.")):
+            return False
+        if self._frozen_policy_keys is None:
+            # every state-dict name of a frozen parameter, tied ones included (GPT-2's lm_head)
+            self._frozen_policy_keys = frozenset(f"policy.{k}" for k, v in self.policy.state_dict(keep_vars=True).items()
+                                                 if isinstance(v, nn.Parameter) and not v.requires_grad)
+        return key not in self._frozen_policy_keys
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # The reference and reward model are frozen copies of their sources: rebuilt, not saved.
         sd = checkpoint["state_dict"]
-        for k in [k for k in sd if k.startswith(("ref_lm.", "reward_fn."))]:
+        for k in [k for k in sd if not self.checkpointed(k)]:
             del sd[k]
         checkpoint["ppo_state"] = {
             "kl_ctl": self.kl_ctl.state_dict(),

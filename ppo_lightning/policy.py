@@ -177,9 +177,12 @@ def _keep_head_input(module: nn.Module, args: tuple) -> None:
 class PolicyWithValueHead(nn.Module):
     """A causal LM and a value head on its last hidden state; one forward gives both."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, peft_model=None):
+        """``peft_model``: the ``peft`` model wrapping ``lm`` when LoRA adapters were injected into
+        it (``lora.apply_lora``); kept outside the module tree, since its weights are ``lm``'s."""
         super().__init__()
         self.lm = lm
+        self.__dict__["peft_model"] = peft_model
         hidden = lm.config.get_text_config().hidden_size
         # Kept in float32 whatever the LM's dtype: the value is a regression target.
         self.v_head = nn.Linear(hidden, 1, dtype=torch.float32)
@@ -258,16 +261,24 @@ class PolicyWithValueHead(nn.Module):
         return logits, values  # [B, R, V], [B, R]
 
 
-def make_reference(lm: nn.Module) -> nn.Module:
-    """A frozen copy of the initial policy LM: the anchor of the KL penalty."""
+def make_reference(lm: nn.Module, dtype: str | None = None) -> nn.Module:
+    """A frozen copy of the initial policy LM, in ``dtype`` (default: the LM's): the anchor of the
+    KL penalty."""
     ref = copy.deepcopy(lm)
     head = ref.get_output_embeddings() if hasattr(ref, "get_output_embeddings") else None
     if isinstance(head, nn.Module):  # the policy's value-head hook came along with the copy
         head._forward_pre_hooks.clear()
-    ref.requires_grad_(False)
-    ref.eval()
-    disable_dropout(ref)
-    return ref
+    if dtype is not None:
+        ref.to(DTYPES[dtype])
+    return freeze(ref)
+
+
+def freeze(lm: nn.Module) -> nn.Module:
+    """No gradients, eval mode, dropout off: a reference or reward model."""
+    lm.requires_grad_(False)
+    lm.eval()
+    disable_dropout(lm)
+    return lm
 
 
 def context_length(config) -> int | None:
@@ -287,12 +298,21 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- save / load
 def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.PathLike) -> Path:
     """An HF directory (safetensors + tokenizer + generation config) that plain
-    ``AutoModelForCausalLM.from_pretrained`` loads, with the value head beside it."""
+    ``AutoModelForCausalLM.from_pretrained`` loads, with the value head beside it.
+
+    A LoRA policy is written merged (adapters folded into the base weights), plus its adapters
+    alone under ``adapter/``."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    policy.lm.save_pretrained(directory, safe_serialization=True)
+    if policy.peft_model is not None:
+        from ppo_lightning.lora import ADAPTER_DIR, merged_state_dict, save_adapter
+
+        policy.lm.save_pretrained(directory, state_dict=merged_state_dict(policy.lm), safe_serialization=True)
+        save_adapter(policy.peft_model, directory / ADAPTER_DIR)
+    else:
+        policy.lm.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     save_file({k: v.detach().cpu().contiguous() for k, v in policy.v_head.state_dict().items()},
               str(directory / VALUE_HEAD_FILE))

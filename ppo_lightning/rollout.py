@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ppo_lightning import ppo
 from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
+from ppo_lightning.lora import model_class
 from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
 
 
@@ -111,13 +112,13 @@ def _forward_params(cls: type) -> frozenset[str]:
 
 def _cache_kwarg(lm) -> str:
     """transformers >= 5.24 names the KV cache argument ``cache``; earlier, ``past_key_values``."""
-    return "cache" if "cache" in _forward_params(type(lm)) else "past_key_values"
+    return "cache" if "cache" in _forward_params(model_class(lm)) else "past_key_values"
 
 
 def _logits_to_keep(lm, n: int) -> dict:
     """``logits_to_keep=n`` where the model takes it: the LM head then runs on the last ``n``
     positions only (the logits of the prompt are never used)."""
-    return {"logits_to_keep": n} if "logits_to_keep" in _forward_params(type(lm)) else {}
+    return {"logits_to_keep": n} if "logits_to_keep" in _forward_params(model_class(lm)) else {}
 
 
 def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,

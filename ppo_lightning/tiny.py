@@ -85,18 +85,44 @@ def gpt2_config(n_layer: int = 2, n_head: int = 2, n_embd: int = 64, n_positions
     )
 
 
+ARCHITECTURES = ("gpt2", "llama", "qwen2", "gpt_neox")  # model.build_tiny.arch
+
+
+def causal_lm_config(arch: str, n_layer: int, n_head: int, n_embd: int, n_positions: int):
+    """A causal-LM config of architecture ``arch`` over the byte vocabulary, dropout off. GPT-2
+    (learned positions, ``Conv1D`` layers, tied head), Llama and Qwen2 (rotary, RMSNorm, gated
+    MLP, untied head; Qwen2 with q/k/v biases), GPT-NeoX (partial rotary, fused QKV, parallel
+    residual): the layouts LoRA, sharding and the sampler must all handle."""
+    if arch == "gpt2":
+        return gpt2_config(n_layer, n_head, n_embd, n_positions)
+    from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=BYTE_VOCAB_SIZE, hidden_size=n_embd, intermediate_size=2 * n_embd,
+                  num_hidden_layers=n_layer, num_attention_heads=n_head, max_position_embeddings=n_positions,
+                  bos_token_id=256, eos_token_id=256, pad_token_id=257, tie_word_embeddings=False)
+    if arch == "llama":
+        return LlamaConfig(**common, num_key_value_heads=n_head, attention_dropout=0.0)
+    if arch == "qwen2":
+        return Qwen2Config(**common, num_key_value_heads=n_head, attention_dropout=0.0)
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(**common, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0,
+                             use_parallel_residual=True)
+    raise ValueError(f"arch={arch!r}: choose one of {ARCHITECTURES}")
+
+
 def save_tiny_causal_lm(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,
-                        n_embd: int = 64, n_positions: int = 256, seed: int = 0) -> Path:
-    """Write a randomly initialised GPT-2 causal LM + byte tokenizer to ``path``.
+                        n_embd: int = 64, n_positions: int = 256, seed: int = 0, arch: str = "gpt2") -> Path:
+    """Write a randomly initialised causal LM (``arch``, see ``causal_lm_config``) + byte tokenizer
+    to ``path``.
 
     The write is atomic (a temp dir renamed into place), so concurrent builders (DDP ranks, pytest
     workers) never see a half-written directory.
     """
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     def build(tmp: Path) -> None:
         torch.manual_seed(seed)
-        model = GPT2LMHeadModel(gpt2_config(n_layer, n_head, n_embd, n_positions))
+        model = AutoModelForCausalLM.from_config(causal_lm_config(arch, n_layer, n_head, n_embd, n_positions))
         model.generation_config.pad_token_id = 257
         model.save_pretrained(tmp)
         build_byte_tokenizer().save_pretrained(tmp)

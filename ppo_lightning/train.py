@@ -32,7 +32,8 @@ def export(cfg: DictConfig) -> Path:
 
     ``python train.py task=export ckpt_path=.../last.ckpt export_dir=...`` with the run's own
     model / reward / data config: the module is rebuilt, the checkpoint's weights (policy and
-    value head; the frozen reference is not in checkpoints) loaded with ``weights_only=True``.
+    value head, or LoRA's adapters and value head; frozen weights are rebuilt from their sources,
+    ``PPOModule.checkpointed``) loaded with ``weights_only=True``.
     """
     if not cfg.ckpt_path:
         raise ConfigError("task=export needs ckpt_path=<a .ckpt file written by a PPO run>")
@@ -41,7 +42,7 @@ def export(cfg: DictConfig) -> Path:
     module, _ = build_module(cfg)
     state = torch.load(cfg.ckpt_path, map_location="cpu", weights_only=True)
     missing, unexpected = module.load_state_dict(state["state_dict"], strict=False)
-    missing = [k for k in missing if not k.startswith(("ref_lm.", "reward_fn."))]
+    missing = [k for k in missing if module.checkpointed(k)]
     if missing or unexpected:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} does not match model.name_or_path="
                           f"{cfg.model.name_or_path!r} (missing {missing[:3]}, unexpected "

@@ -17,9 +17,12 @@ FAST = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "pp
 
 
 @pytest.mark.slow  # three runs in subprocesses, one of them killed
-def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, cache_dir):
+@pytest.mark.parametrize("switch", [[], ["model.lora.r=4"]], ids=["full", "lora"])
+def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, cache_dir, switch):
+    """With LoRA the checkpoint holds only the adapters, the value head and their optimizer state;
+    the frozen base is rebuilt from its source, and the trajectory is still the same."""
     common = [*FAST, "trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3",
-              "callbacks.best_checkpoint.every_n_train_steps=3", "export_dir=null"]
+              "callbacks.best_checkpoint.every_n_train_steps=3", "export_dir=null", *switch]
     full = run_train([*common, f"hydra.run.dir={tmp_path / 'full'}"], cache_dir)
     assert full.returncode == 0, full.stderr[-3000:]
 

@@ -253,9 +253,9 @@ def ensure_tiny_source(model_cfg) -> None:
     t = get(model_cfg, "build_tiny", None)
     path = get(model_cfg, "name_or_path", None)
     if t is not None and path and not (Path(path) / "config.json").exists():
-        log.info("building tiny GPT-2 at %s", path)
+        log.info("building tiny %s at %s", get(t, "arch", "gpt2"), path)
         save_tiny_causal_lm(path, get(t, "n_layer", 2), get(t, "n_head", 2), get(t, "n_embd", 64),
-                            get(t, "n_positions", 256), get(t, "seed", 0))
+                            get(t, "n_positions", 256), get(t, "seed", 0), get(t, "arch", "gpt2"))
 
 
 DEFAULT_MAX_LENGTH = 512
