@@ -1,14 +1,39 @@
-"""Peak memory of PPO iterations with each memory switch: one JSON line on stdout.
+"""Peak memory of PPO iterations with each memory switch, and of TRL's PPOTrainer: one JSON line.
 
     python benchmarks/memory.py --workload small
     python benchmarks/memory.py --workload small --variants full,gradient_checkpointing --repeats 3
+    python benchmarks/memory.py --workload medium          # all variants and TRL, ~20 min on 2 cores
 
 Each variant runs in a fresh process (the real config, models and Trainer of
-``benchmarks/throughput.py``). A thread samples the process's RSS every 2 ms during
-``trainer.fit`` (``--iterations`` PPO iterations: rollout and updates); the figure is the peak
-above the RSS the loaded models hold just before fit, so what a switch saves in activations shows
-undiluted by the weights. On a GPU it would be ``torch.cuda.max_memory_allocated``. Variants
-alternate over ``--repeats`` rounds, medians reported, ratios against ``full`` measured in this run.
+``benchmarks/throughput.py``), and so does TRL 1.12's ``PPOTrainer`` on the same workload, models,
+prompts and thread count (``trl_baseline.build_trainer`` / ``train``), for the same number of PPO
+iterations (``--iterations``). A thread samples the process's RSS every 2 ms during
+``trainer.fit`` (TRL: ``trainer.train()``): rollouts and updates. Per variant, in MB:
+
+* ``total_peak_mb``: the process's peak RSS during training, everything included (libraries,
+  the loaded models, optimizer state, activations). The comparison with TRL is about this: TRL
+  keeps four models (policy, reference, reward, value), ppo_lightning three (policy and value
+  head on one backbone, reference, reward), or two with LoRA (the reference is the policy with
+  its adapters off). ``total_peak_ratio_to_trl`` divides it by TRL's.
+* its breakdown: ``imports_mb`` (RSS with the libraries imported, before any model loads),
+  ``loaded_mb`` (RSS with the models loaded, the trainer built and every weight read once:
+  ``from_pretrained`` maps the weights lazily, see ``read_weights``), so ``models_mb`` =
+  ``loaded_mb - imports_mb``, and ``peak_above_loaded_mb`` = ``total_peak_mb - loaded_mb``.
+* ``peak_above_models_mb``: the peak above the RSS just before fit with the weights as
+  ``from_pretrained`` left them (the measure the README's ``small`` table uses; the weights not
+  read while loading count in it). ``ratio_to_full`` is a switch's over full fine-tuning's,
+  measured in this run, so that what a switch saves in activations shows undiluted by the weights.
+* from the tensors rather than the RSS: ``weights_mb`` (every parameter held, shared ones once),
+  ``trainable_params_m`` and ``grads_and_adam_mb`` (4 + 8 bytes per trainable float32 parameter:
+  the gradient and AdamW's two moments), and ``activations_mb`` = ``peak_above_loaded_mb`` minus
+  that estimate (activations, logits, rollout tensors and allocator slack at the peak).
+* ``kernel_peak_mb``: the kernel's high-water mark over training (``VmHWM`` after resetting it
+  through ``/proc/self/clear_refs``), a check on the 2 ms sampler; null where the kernel refuses.
+
+A variant whose overrides the config does not accept (a key it does not have yet) is reported as
+``{"skipped": reason}`` and the others still run. Variants alternate over ``--repeats`` rounds,
+medians reported; the default is 3 rounds, 1 for ``medium`` (each of its runs takes minutes).
+On a GPU the measure would be ``torch.cuda.max_memory_allocated`` (``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +42,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -35,84 +61,234 @@ VARIANTS = {
     "gradient_checkpointing": ["model.gradient_checkpointing=true"],
     "micro_batches_4": ["ppo.micro_batch_size=4"],
     "checkpointing_and_micro_batches_4": ["model.gradient_checkpointing=true", "ppo.micro_batch_size=4"],
+    "lora": ["model.lora.r=16"],
 }
+TRL = "trl"  # TRL's PPOTrainer on the same workload: not a switch of ours, measured alongside
+MB = 2**20
 
 
-def child(workload: str, variant: str, iterations: int, model_root: Path) -> dict:
+def rss() -> int:
     import psutil
 
+    return psutil.Process().memory_info().rss  # psutil caches the Process of this pid
+
+
+class PeakRSS:
+    """The process's peak RSS while the block runs, sampled every ``interval`` seconds in a thread,
+    and the kernel's own high-water mark over the block where it can be reset (``kernel_peak``)."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self.peak = 0
+        self.kernel_peak: int | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._hwm_reset = False
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.peak = rss()
+        try:  # "5": reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+            Path("/proc/self/clear_refs").write_text("5")
+            self._hwm_reset = True
+        except OSError:
+            pass
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+        if self._hwm_reset:
+            status = Path("/proc/self/status").read_text()
+            self.kernel_peak = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def read_weights(models) -> None:
+    """Read every weight once. ``from_pretrained`` maps safetensors files into memory lazily: a
+    weight enters the RSS when first read (and becomes private memory when first written). The
+    first rollout reads them all anyway; reading them before the "loaded" sample puts them in
+    ``models_mb`` rather than in the peak above it, on both sides alike."""
+    import torch
+
+    with torch.no_grad():
+        for m in models:
+            for p in m.parameters():
+                p.detach().sum()
+
+
+def tensor_sizes(models, trainable) -> dict:
+    """Weights held by ``models`` (each parameter once, however often it is shared or tied) and the
+    gradient + AdamW estimate for ``trainable`` parameters (float32: 4 + 2 x 4 bytes each)."""
+    seen, weights = set(), 0
+    for m in models:
+        for p in m.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                weights += p.numel() * p.element_size()
+    n_train = sum(p.numel() for p in trainable)
+    grads_and_adam = sum(p.numel() * p.element_size() * 3 for p in trainable)
+    return {"weights_mb": weights / MB, "trainable_params_m": n_train / 1e6, "grads_and_adam_mb": grads_and_adam / MB}
+
+
+def measured(imports: int, unread: int, loaded: int, peak: PeakRSS, sizes: dict, train_s: float) -> dict:
+    return {"total_peak_mb": peak.peak / MB, "imports_mb": imports / MB, "loaded_mb": loaded / MB,
+            "models_mb": (loaded - imports) / MB, "peak_above_loaded_mb": (peak.peak - loaded) / MB,
+            "peak_above_models_mb": (peak.peak - unread) / MB,
+            "kernel_peak_mb": None if peak.kernel_peak is None else peak.kernel_peak / MB,
+            **sizes, "fit_s": train_s}
+
+
+def child_ours(workload: str, variant: str, iterations: int, model_root: Path, threads: int | None) -> dict:
+    import torch
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
     from throughput import compose
     from workloads import WORKLOADS, build_models, make_prompts
 
+    from ppo_lightning.errors import ConfigError
     from ppo_lightning.factory import build
 
+    if threads:
+        torch.set_num_threads(threads)
     w = WORKLOADS[workload]
+    gc.collect()
+    imports = rss()
     policy_dir, reward_dir = build_models(w, model_root)
     with tempfile.TemporaryDirectory() as out:
         out = Path(out)
         prompts = out / "prompts.txt"
         prompts.write_text("\n".join(make_prompts(w)) + "\n")
-        cfg = compose(w, policy_dir, reward_dir, prompts, out,
-                      extra=(f"trainer.max_steps={iterations}", *VARIANTS[variant]))
-        module, datamodule, trainer = build(cfg)
-        proc = psutil.Process()
+        try:
+            cfg = compose(w, policy_dir, reward_dir, prompts, out,
+                          extra=(f"trainer.max_steps={iterations}", *VARIANTS[variant]))
+            module, datamodule, trainer = build(cfg)
+        except (HydraException, OmegaConfBaseException, ConfigError) as e:  # the config lacks a key
+            return {"skipped": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
+        sizes = tensor_sizes([module], [p for p in module.policy.parameters() if p.requires_grad])
         gc.collect()
-        base = proc.memory_info().rss
-        peak = [base]
-        done = threading.Event()
+        unread = rss()
+        read_weights([module])
+        loaded = rss()
+        with PeakRSS() as peak:
+            t0 = time.perf_counter()
+            trainer.fit(module, datamodule=datamodule)
+            fit_s = time.perf_counter() - t0
+    return {**measured(imports, unread, loaded, peak, sizes, fit_s), "threads": torch.get_num_threads()}
 
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], proc.memory_info().rss)
-                time.sleep(0.002)
 
-        t = threading.Thread(target=sample, daemon=True)
-        t.start()
-        t0 = time.perf_counter()
-        trainer.fit(module, datamodule=datamodule)
-        fit_s = time.perf_counter() - t0
-        done.set()
-        t.join()
-        return {"peak_above_models_mb": (peak[0] - base) / 2**20, "models_mb": base / 2**20, "fit_s": fit_s}
+def child_trl(workload: str, iterations: int, model_root: Path, threads: int | None) -> dict:
+    import datasets  # noqa: F401  imported before the baseline RSS, as ours are
+    import torch
+    import trl.experimental.ppo  # noqa: F401
+    from trl_baseline import build_trainer, train
+    from workloads import WORKLOADS
+
+    w = WORKLOADS[workload]
+    gc.collect()
+    imports = rss()
+    run = build_trainer(w, model_root, episodes=iterations * w.rollout_batch, threads=threads)
+    t = run.trainer
+    # t.model wraps the policy and the value model, the two that train
+    models = [t.model, t.ref_model, t.reward_model]
+    sizes = tensor_sizes(models, [p for p in t.model.parameters() if p.requires_grad])
+    gc.collect()
+    unread = rss()
+    read_weights(models)
+    loaded = rss()
+    with PeakRSS() as peak:
+        train_s = train(run)["total_s"]
+    run.tmp.cleanup()
+    return {**measured(imports, unread, loaded, peak, sizes, train_s), "threads": torch.get_num_threads()}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians over the repeats of every measure; the breakdown's estimate derived from them."""
+    if any("skipped" in r for r in runs):
+        return {"skipped": next(r["skipped"] for r in runs if "skipped" in r)}
+    keys = ("total_peak_mb", "imports_mb", "loaded_mb", "models_mb", "peak_above_loaded_mb", "peak_above_models_mb",
+            "kernel_peak_mb", "weights_mb", "trainable_params_m", "grads_and_adam_mb", "fit_s")
+    out = {}
+    for k in keys:
+        vals = [r[k] for r in runs if r[k] is not None]
+        out[k] = round(statistics.median(vals), 3 if k == "trainable_params_m" else 1) if vals else None
+    out["activations_mb"] = round(out["peak_above_loaded_mb"] - out["grads_and_adam_mb"], 1)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="small")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--variants", default=",".join([*VARIANTS, TRL]),
+                    help=f"comma-separated, from {[*VARIANTS, TRL]} (default: all)")
+    ap.add_argument("--repeats", type=int, help="rounds over the variants (default 3; 1 for medium)")
+    ap.add_argument("--iterations", type=int, default=2, help="PPO iterations per run, both sides")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads in every run (default: torch's)")
+    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--model-root", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.workload, args.child, args.iterations, Path(args.model_root))))
+        model_root = Path(args.model_dir)
+        if args.child == TRL:
+            from trl_baseline import stdout_for_one_line
+
+            result_out = stdout_for_one_line()  # TRL prints to stdout
+            result = child_trl(args.workload, args.iterations, model_root, args.threads)
+            result_out.write(json.dumps(result) + "\n")
+            result_out.flush()
+        else:
+            print(json.dumps(child_ours(args.workload, args.child, args.iterations, model_root, args.threads)))
         return
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        sys.exit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-    results: dict[str, list[dict]] = {v: [] for v in variants}
-    with tempfile.TemporaryDirectory() as model_root:
-        for _ in range(args.repeats):
-            for v in variants:  # alternate, so machine noise hits every variant
-                p = subprocess.run([sys.executable, __file__, "--workload", args.workload, "--child", v,
-                                    "--iterations", str(args.iterations), "--model-root", model_root],
-                                   capture_output=True, text=True, check=True)
-                results[v].append(json.loads(p.stdout.strip().splitlines()[-1]))
-    from workloads import WORKLOADS
+
+    from workloads import WORKLOADS, build_models
 
     w = WORKLOADS[args.workload]
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS and v != TRL]
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; choose from {[*VARIANTS, TRL]}")
+    repeats = args.repeats or (1 if w.name == "medium" else 3)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_root = args.model_dir or tmp
+        build_models(w, model_root)  # once, before any child measures
+        for _ in range(repeats):
+            for v in variants:  # alternate, so machine noise hits every variant
+                if runs[v] and "skipped" in runs[v][-1]:
+                    continue
+                cmd = [sys.executable, __file__, "--workload", w.name, "--child", v,
+                       "--iterations", str(args.iterations), "--model-dir", model_root]
+                if args.threads:
+                    cmd += ["--threads", str(args.threads)]
+                p = subprocess.run(cmd, check=False, capture_output=True, text=True)
+                if p.returncode:
+                    sys.exit(f"variant {v} failed:\n{p.stderr[-4000:]}")
+                runs[v].append(json.loads(p.stdout.strip().splitlines()[-1]))
+    threads = {r["threads"] for rs in runs.values() for r in rs if "threads" in r}
+    assert len(threads) <= 1, f"runs used different thread counts: {threads}"
     out = {"benchmark": "memory", "workload": w.name, "layers": w.n_layer, "width": w.n_embd,
-           "rollout_batch": w.rollout_batch, "minibatch": w.minibatch_size,
-           "tokens_per_row": w.prompt_tokens + w.response_tokens, "iterations": args.iterations,
-           "repeats": args.repeats, "device": "cpu", "measure": "peak RSS above the loaded models, MB"}
-    full = statistics.median(r["peak_above_models_mb"] for r in results["full"]) if "full" in results else None
-    for v, rs in results.items():
-        peak = statistics.median(r["peak_above_models_mb"] for r in rs)
-        out[v] = {"peak_above_models_mb": round(peak, 1),
-                  "fit_s": round(statistics.median(r["fit_s"] for r in rs), 2),
-                  **({"ratio_to_full": round(peak / full, 3)} if full else {})}
+           "vocab": w.vocab_size or 258, "rollout_batch": w.rollout_batch, "minibatch": w.minibatch_size,
+           "tokens_per_row": w.prompt_tokens + w.response_tokens, "ppo_epochs": w.ppo_epochs,
+           "iterations": args.iterations, "repeats": repeats, "threads": threads.pop() if threads else None,
+           "device": "cpu", "measure": "RSS in MB: total peak during training = imports + models + peak above "
+           "loaded; peak above models as in the README's small table; medians over repeats"}
+    results = {v: summarize(rs) for v, rs in runs.items()}
+    full = results.get("full", {}).get("peak_above_models_mb")
+    trl_total = results.get(TRL, {}).get("total_peak_mb")
+    for v, r in results.items():
+        if "skipped" not in r and v != TRL:
+            if full:
+                r["ratio_to_full"] = round(r["peak_above_models_mb"] / full, 3)
+            if trl_total:
+                r["total_peak_ratio_to_trl"] = round(r["total_peak_mb"] / trl_total, 3)
+        out[v] = r
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out))
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py --workload tiny
     python benchmarks/throughput.py --workload small --compare-generate
+    python benchmarks/throughput.py --workload medium   # GPT-2 small's shape, ~2 min on 2 cores
 
 The run is the real thing: ``train.py``'s config composed by Hydra, the reward-model path
 (``reward=model`` on a random GPT-2 sequence classifier), a Lightning Trainer, ``max_steps``
@@ -32,22 +33,26 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-
-from workloads import WORKLOADS, Workload, build_models, make_prompts  # noqa: E402
+import lightning as L
+import torch
+from workloads import WORKLOADS, Workload, build_models, make_prompts
 
 
 class PerfTotals(L.Callback):
-    """Sums the module's per-iteration rollout / update timers."""
+    """Sums the module's per-iteration rollout / update timers; checks that every rollout ran to
+    ``response_tokens`` (when given), the fixed length the workload's numbers assume."""
 
-    def __init__(self):
+    def __init__(self, response_tokens: int | None = None):
+        self.response_tokens = response_tokens
         self.rollout_s = 0.0
         self.update_s = 0.0
         self.iterations = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         m = pl_module.last_metrics
+        if self.response_tokens is not None and m["rollout/response_length"] != self.response_tokens:
+            raise RuntimeError(f"a rollout stopped early: mean response length "
+                               f"{m['rollout/response_length']}, expected {self.response_tokens}")
         self.rollout_s += float(m["perf/time_rollout_s"])
         self.update_s += float(m["perf/time_update_s"])
         self.iterations += 1
@@ -55,8 +60,10 @@ class PerfTotals(L.Callback):
 
 def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path, out_dir: Path,
             extra: tuple[str, ...] = ()):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
     import ppo_lightning.config  # noqa: F401
-    from hydra import compose as hydra_compose, initialize_config_dir
 
     overrides = [
         f"model.name_or_path={policy_dir}", "model.build_tiny=null",
@@ -82,7 +89,7 @@ def run_ppo(w: Workload, model_root: Path, out_dir: Path) -> dict:
     prompts_file = out_dir / "prompts.txt"
     prompts_file.write_text("\n".join(make_prompts(w)) + "\n")
     module, datamodule, trainer = build(compose(w, policy_dir, reward_dir, prompts_file, out_dir))
-    totals = PerfTotals()
+    totals = PerfTotals(w.response_tokens)
     trainer.callbacks.append(totals)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)

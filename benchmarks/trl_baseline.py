@@ -3,11 +3,13 @@
 This is the reference point ppo_lightning is compared against. It runs stock TRL PPO, fp32 on CPU,
 on exactly the workload defined in ``benchmarks/workloads.py``:
 
-* policy: the saved tiny GPT-2 causal LM; reference: a second ``from_pretrained`` of the same dir;
+* policy: the workload's saved GPT-2 causal LM; reference: a second ``from_pretrained`` of the
+  same dir; tokenizer: the one saved with it (byte-level, or ``medium``'s 50257-entry word
+  vocabulary), the very files ppo_lightning loads;
 * reward model and value model: two separate loads of the saved random
   ``GPT2ForSequenceClassification`` dir (TRL's reward-model path; TRL needs a value model too, and
   initialising it from the reward model is what TRL users do);
-* prompts: ``make_prompts(w)`` through the byte tokenizer, each exactly ``w.prompt_tokens`` tokens
+* prompts: ``make_prompts(w)`` through that tokenizer, each exactly ``w.prompt_tokens`` tokens
   (so the collator never pads);
 * responses: exactly ``w.response_tokens`` sampled tokens, no stop token (``stop_token=None``,
   ``stop_token_id=None``, which makes TRL clear ``generation_config.eos_token_id``, so ``generate``
@@ -37,11 +39,15 @@ Usage::
 prints exactly one JSON line on stdout; all other output (TRL's logs, progress bar, and this
 script's per-iteration rollout/update/RSS trace) goes to stderr. ``peak_rss_mb`` is the process's
 ``ru_maxrss`` (so it includes model loading).
+
+``build_trainer`` and ``train`` are the two halves of a run; ``benchmarks/memory.py`` calls them
+in a child process to sample TRL's memory between them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -61,10 +67,10 @@ os.environ["ACCELERATE_USE_CPU"] = "true"  # TRL builds its own Accelerator(); k
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.workloads import WORKLOADS, Workload, build_models, make_prompts
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from benchmarks.workloads import WORKLOADS
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     p.add_argument("--model-dir", default=None,
@@ -130,36 +136,38 @@ class PhaseTimer:
         ppo_trainer_module.forward = forward
 
 
-def main(argv=None) -> None:
-    # Keep stdout for the one JSON line: point fd 1 (and so sys.stdout, tqdm, accelerate's
-    # print, TRL's log prints) at stderr for the rest of the run.
-    result_out = os.fdopen(os.dup(1), "w")
-    sys.stdout.flush()
-    os.dup2(2, 1)
+@dataclasses.dataclass
+class TRLRun:
+    """A constructed TRL ``PPOTrainer`` on a workload, ready for ``train``."""
 
-    args = parse_args(argv)
+    workload: Workload
+    episodes: int
+    trainer: object
+    timer: PhaseTimer
+    tmp: tempfile.TemporaryDirectory
 
+
+def build_trainer(w: Workload, model_root: Path, episodes: int | None = None,
+                  threads: int | None = None) -> TRLRun:
+    """Load the workload's models four times (policy, reference, reward, value) and construct
+    TRL's ``PPOTrainer`` for ``episodes`` prompts (default: the workload's)."""
     import torch
-
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-
-    from datasets import Dataset
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
-                              AutoTokenizer)
-
     import trl.experimental.ppo.ppo_trainer as ppo_trainer_module
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    from benchmarks.workloads import WORKLOADS, build_models, make_prompts
-
-    w = WORKLOADS[args.workload]
-    if w.episodes % w.rollout_batch or w.rollout_batch % w.num_minibatches:
+    episodes = w.episodes if episodes is None else episodes
+    if episodes % w.rollout_batch or w.rollout_batch % w.num_minibatches:
         raise ValueError(f"workload {w.name}: rollout_batch must divide episodes and be divisible "
                          "by num_minibatches")
-
+    if threads is not None:
+        torch.set_num_threads(threads)
     tmp = tempfile.TemporaryDirectory(prefix="trl-baseline-")
-    model_root = Path(args.model_dir) if args.model_dir else Path(tmp.name) / "models"
     policy_dir, reward_dir = build_models(w, model_root)
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
@@ -169,6 +177,8 @@ def main(argv=None) -> None:
         reward_dir, num_labels=1, dtype=torch.float32)
     value_model = AutoModelForSequenceClassification.from_pretrained(
         reward_dir, num_labels=1, dtype=torch.float32)
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise RuntimeError("the workload's tokenizer must have a pad token distinct from EOS")
 
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in make_prompts(w)]
     bad = [len(ids) for ids in prompt_ids if len(ids) != w.prompt_tokens]
@@ -187,7 +197,7 @@ def main(argv=None) -> None:
         local_rollout_forward_batch_size=w.rollout_batch,
         num_mini_batches=w.num_minibatches,
         num_ppo_epochs=w.ppo_epochs,
-        total_episodes=w.episodes,
+        total_episodes=episodes,
         response_length=w.response_tokens,
         stop_token=None,  # no EOS stop, no truncation: full-length responses
         stop_token_id=None,
@@ -214,7 +224,7 @@ def main(argv=None) -> None:
         train_dataset=train_dataset,
         value_model=value_model,
     )
-    assert config.batch_size == w.rollout_batch and config.num_total_batches == w.iterations
+    assert config.batch_size == w.rollout_batch and config.num_total_batches == episodes // w.rollout_batch
     assert config.local_mini_batch_size == w.minibatch_size
     # stop_token=None made TRL clear the policy's eos_token_id: generate() never stops at EOS.
     assert policy.generation_config.eos_token_id is None and trainer.stop_token_id is None
@@ -223,9 +233,16 @@ def main(argv=None) -> None:
 
     timer = PhaseTimer(w.response_tokens, tokenizer.pad_token_id)
     timer.install(ppo_trainer_module)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return TRLRun(w, episodes, trainer, timer, tmp)
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+
+def train(run: TRLRun) -> dict:
+    """``trainer.train()``, timed; checks that it ran every episode at full response length."""
+    import torch
+
+    w, trainer, timer = run.workload, run.trainer, run.timer
     print(f"[trl_baseline] rss before train: {psutil.Process().memory_info().rss / 2**20:.0f} MiB",
           file=sys.stderr)
     gc.collect()
@@ -239,18 +256,17 @@ def main(argv=None) -> None:
         timer.per_iteration[-1] = (timer.per_iteration[-1][0], t_end - timer.rollout_end)
 
     episodes = trainer.state.episode
-    if episodes != w.episodes or timer.iterations != w.iterations:
+    iterations = run.episodes // w.rollout_batch
+    if episodes != run.episodes or timer.iterations != iterations:
         raise RuntimeError(f"ran {episodes} episodes / {timer.iterations} iterations, expected "
-                           f"{w.episodes} / {w.iterations}")
+                           f"{run.episodes} / {iterations}")
     rollout_s = timer.rollout_s
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     print(f"[trl_baseline] threads={torch.get_num_threads()} generate_s={timer.generate_s:.3f} "
           f"sampled_pad_tokens={timer.sampled_pad_tokens}", file=sys.stderr)
     for i, ((r, u), rss) in enumerate(zip(timer.per_iteration, timer.rss_mb)):
         print(f"[trl_baseline] iteration {i}: rollout {r:.3f}s update {u:.3f}s rss {rss:.0f} MiB",
               file=sys.stderr)
-
-    result = {
+    return {
         "impl": "trl",
         "workload": w.name,
         "episodes": episodes,
@@ -259,11 +275,30 @@ def main(argv=None) -> None:
         "rollout_s": rollout_s,
         "update_s": total_s - rollout_s,
         "total_s": total_s,
-        "peak_rss_mb": peak_rss_mb,
     }
+
+
+def stdout_for_one_line():
+    """Keep stdout for the one JSON line: point fd 1 (and so sys.stdout, tqdm, accelerate's
+    print, TRL's log prints) at stderr for the rest of the run; return a file on the real stdout."""
+    result_out = os.fdopen(os.dup(1), "w")
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    return result_out
+
+
+def main(argv=None) -> None:
+    result_out = stdout_for_one_line()
+    args = parse_args(argv)
+    w = WORKLOADS[args.workload]
+    with tempfile.TemporaryDirectory(prefix="trl-models-") as tmp:
+        model_root = Path(args.model_dir) if args.model_dir else Path(tmp)
+        run = build_trainer(w, model_root, threads=args.threads)
+        result = train(run)
+        run.tmp.cleanup()
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     result_out.write(json.dumps(result) + "\n")
     result_out.flush()
-    tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,17 @@
 """Named benchmark workloads, shared by every benchmark script so that they measure the same thing.
 
-A workload fixes the policy and reward-model size, the prompt set and the PPO shape. Models are
-random-initialised GPT-2s over the byte vocabulary (256 bytes + EOS + pad), written to disk with
-``save_pretrained`` and loaded back through the ordinary ``from_pretrained`` path.
+A workload fixes the policy and reward-model size, the vocabulary, the prompt set and the PPO
+shape. Models are random-initialised GPT-2s, written to disk with ``save_pretrained`` together
+with their tokenizer and loaded back through the ordinary ``from_pretrained`` path.
+
+Two vocabularies (``Workload.vocab_size``):
+
+* ``None``: bytes (256 bytes + EOS + pad, ``ppo_lightning.tiny``). Small embedding and LM head,
+  so the transformer blocks and per-call overhead dominate. ``tiny`` and ``small``.
+* ``50257``: GPT-2's vocabulary size, built offline as a word-level tokenizer over synthetic
+  entries (``build_word_tokenizer``), so the embedding and the LM head (768 x 50257, 38.6M of
+  GPT-2 small's 124M parameters) and the logits (``[rows, response, 50257]``) cost what they cost
+  on the real model. ``medium``.
 """
 
 from __future__ import annotations
@@ -11,7 +20,13 @@ import dataclasses
 import random
 from pathlib import Path
 
-from ppo_lightning.tiny import save_tiny_causal_lm, save_tiny_reward_model
+from ppo_lightning.tiny import (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    gpt2_config,
+    save_tiny_causal_lm,
+    save_tiny_reward_model,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,12 +36,14 @@ class Workload:
     n_head: int
     n_embd: int
     num_prompts: int  # size of the prompt set
-    prompt_tokens: int  # every prompt is exactly this many byte tokens
+    prompt_tokens: int  # every prompt is exactly this many tokens
     response_tokens: int  # responses run to this length, no early stop at EOS
     rollout_batch: int  # prompts per PPO iteration
     ppo_epochs: int
     num_minibatches: int
     episodes: int  # total prompts consumed (episodes / rollout_batch iterations)
+    vocab_size: int | None = None  # None: byte-level; else a word-level vocabulary of this size
+    n_positions: int = 256  # position embeddings (at least prompt + response)
 
     @property
     def iterations(self) -> int:
@@ -44,20 +61,106 @@ WORKLOADS = {
     "small": Workload("small", n_layer=6, n_head=6, n_embd=384, num_prompts=64, prompt_tokens=32,
                       response_tokens=64, rollout_batch=16, ppo_epochs=4, num_minibatches=1,
                       episodes=64),
+    # GPT-2 small's shape (124M parameters with its 1024 positions); two iterations of 8 rows keep
+    # one run of a side within a few minutes on 2 CPU cores.
+    "medium": Workload("medium", n_layer=12, n_head=12, n_embd=768, num_prompts=64, prompt_tokens=64,
+                       response_tokens=64, rollout_batch=8, ppo_epochs=4, num_minibatches=1,
+                       episodes=16, vocab_size=50257, n_positions=1024),
 }
 
 
+# ----------------------------------------------------------------------------- word vocabulary
+UNK_TOKEN = "<|unk|>"
+
+
+def word(i: int) -> str:
+    """The ``i``-th synthetic entry of a word-level vocabulary."""
+    return f"w{i}"
+
+
+def build_word_tokenizer(vocab_size: int):
+    """A word-level ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` entries.
+
+    Ids ``0 .. vocab_size - 4`` are the words ``w0, w1, ...`` (split on whitespace), then
+    ``<|unk|>`` (any other word, so every text encodes), ``<|pad|>`` and ``<|endoftext|>`` (EOS
+    last, at GPT-2's id 50256 for 50257 entries): a pad distinct from EOS, as PPO needs. Every id
+    is reachable from text, so prompts can use the whole vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    n_words = vocab_size - 3
+    vocab = {word(i): i for i in range(n_words)}
+    vocab[UNK_TOKEN] = n_words
+    vocab[PAD_TOKEN] = n_words + 1
+    vocab[EOS_TOKEN] = n_words + 2
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.add_special_tokens([UNK_TOKEN, PAD_TOKEN, EOS_TOKEN])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   pad_token=PAD_TOKEN, unk_token=UNK_TOKEN, padding_side="left",
+                                   model_max_length=1_000_000)
+
+
+def build_tokenizer(w: Workload):
+    """The workload's tokenizer (as ``build_models`` saves it with the models)."""
+    if w.vocab_size is None:
+        from ppo_lightning.tiny import build_byte_tokenizer
+
+        return build_byte_tokenizer()
+    return build_word_tokenizer(w.vocab_size)
+
+
 def make_prompts(w: Workload, seed: int = 0) -> list[str]:
-    """``num_prompts`` ASCII strings of exactly ``prompt_tokens`` bytes (one token per byte)."""
+    """``num_prompts`` prompts of exactly ``prompt_tokens`` tokens each for the workload's tokenizer.
+
+    Byte vocabulary: ASCII strings of ``prompt_tokens`` bytes (one token per byte). Word
+    vocabulary: ``prompt_tokens`` words drawn uniformly from the vocabulary's words.
+    """
     rng = random.Random(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz "
-    return ["".join(rng.choice(letters) for _ in range(w.prompt_tokens)) for _ in range(w.num_prompts)]
+    if w.vocab_size is None:
+        letters = "abcdefghijklmnopqrstuvwxyz "
+        return ["".join(rng.choice(letters) for _ in range(w.prompt_tokens)) for _ in range(w.num_prompts)]
+    n_words = w.vocab_size - 3
+    return [" ".join(word(rng.randrange(n_words)) for _ in range(w.prompt_tokens))
+            for _ in range(w.num_prompts)]
 
 
+# ----------------------------------------------------------------------------- models
 def build_models(w: Workload, root: str | Path) -> tuple[Path, Path]:
     """Save (policy dir, reward-model dir) for the workload under ``root``; reuse if present."""
     root = Path(root)
-    n_pos = max(256, w.prompt_tokens + w.response_tokens)
-    policy = save_tiny_causal_lm(root / f"{w.name}-policy", w.n_layer, w.n_head, w.n_embd, n_pos)
-    reward = save_tiny_reward_model(root / f"{w.name}-reward", w.n_layer, w.n_head, w.n_embd, n_pos)
+    n_pos = max(w.n_positions, w.prompt_tokens + w.response_tokens)
+    if w.vocab_size is None:
+        policy = save_tiny_causal_lm(root / f"{w.name}-policy", w.n_layer, w.n_head, w.n_embd, n_pos)
+        reward = save_tiny_reward_model(root / f"{w.name}-reward", w.n_layer, w.n_head, w.n_embd, n_pos)
+        return policy, reward
+    policy = _save_word_model(root / f"{w.name}-policy", w, n_pos, reward=False, seed=0)
+    reward = _save_word_model(root / f"{w.name}-reward", w, n_pos, reward=True, seed=1)
     return policy, reward
+
+
+def _save_word_model(path: Path, w: Workload, n_positions: int, reward: bool, seed: int) -> Path:
+    """A random GPT-2 causal LM (or one-label sequence classifier) over the word vocabulary, with
+    its tokenizer, dropout off; written atomically like ``ppo_lightning.tiny``'s models."""
+    import torch
+    from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    from ppo_lightning.tiny import _atomic_build
+
+    tokenizer = build_word_tokenizer(w.vocab_size)
+    config = gpt2_config(w.n_layer, w.n_head, w.n_embd, n_positions, num_labels=1 if reward else None)
+    config.vocab_size = w.vocab_size
+    config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+
+    def build(tmp: Path) -> None:
+        torch.manual_seed(seed)
+        model = (GPT2ForSequenceClassification if reward else GPT2LMHeadModel)(config)
+        if not reward:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _atomic_build(path, build)
