@@ -133,10 +133,12 @@ def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
 def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     """The ``PPOModule`` (policy with value head, frozen reference, reward) and the prompts."""
     check_inputs(cfg)
+    # first: building the tiny model seeds the global RNG itself, and what follows must not
+    # depend on whether this run built it (LoRA's adapter init draws from that RNG)
+    ensure_model_source(cfg.model, cfg.paths.cache_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     reward_fn = build_reward(cfg.reward) if cfg.reward.kind == "function" else None
 
-    ensure_model_source(cfg.model, cfg.paths.cache_dir)
     tokenizer = load_tokenizer(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path,
                                trust_remote_code=cfg.model.trust_remote_code)
     datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed)

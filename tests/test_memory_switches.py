@@ -144,3 +144,21 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
     _run(tmp_path, cache_dir, "chunked_generation", [*common, "ppo.rollout_generate_batch_size=6",
                                                       "reward.normalize=false"])
     assert sampled_rows == [6, 6, 4] * 2  # two iterations
+
+
+def test_lora_with_checkpointing_and_micro_batches_gives_the_same_adapters(tmp_path, cache_dir):
+    """The memory switches compose with LoRA: gradient checkpointing and micro-batches leave the
+    trained adapters and the value head (the merged export) equal to plain LoRA's."""
+    common = ["model.lora.r=4", "ppo.minibatch_size=8"]
+    base_rows, base_w = _run(tmp_path, cache_dir, "lora", common)
+    rows, w = _run(tmp_path, cache_dir, "lora_switches", [*common, "model.gradient_checkpointing=true",
+                                                           "ppo.micro_batch_size=4"])
+    for k in base_w:
+        torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
+    for a, b in zip(base_rows, rows):
+        for k in a:
+            if k.startswith("perf/"):
+                continue
+            tol = dict(abs=0.02) if k.endswith("clipfrac_avg") else dict(rel=1e-4, abs=1e-6)
+            assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)
+    assert rows[-1]["policy/approxkl_avg"] > 0
