@@ -1,10 +1,12 @@
 """ppo_lightning vs TRL's PPOTrainer on one workload, side by side in one run.
 
     python benchmarks/compare_trl.py --workload tiny --rounds 3
+    python benchmarks/compare_trl.py --workload medium --rounds 1   # ~10 min a round on 2 cores
 
 Runs ``throughput.py`` and ``trl_baseline.py`` alternately in fresh subprocesses (same models,
-same prompts, same thread count), ``--rounds`` times each, and prints one JSON line with the
-median episodes/s of each and their ratio. Alternating spreads machine noise over both. Needs the
+same prompts, same thread count; the models are built once, before the first round),
+``--rounds`` times each, and prints one JSON line with the median episodes/s of each and their
+ratio. Alternating spreads machine noise over both. Needs the
 ``bench`` extra (``pip install -e ".[bench]"``, trl==1.12.0).
 """
 
@@ -16,17 +18,21 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 
 def run(script: str, workload: str, model_dir: str, threads: int | None) -> dict:
     cmd = [sys.executable, str(HERE / script), "--workload", workload, "--model-dir", model_dir]
     if threads:
         cmd += ["--threads", str(threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if p.returncode:
+        sys.exit(f"{script} failed:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -35,7 +41,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int)
     args = ap.parse_args()
+    from workloads import WORKLOADS, build_models
+
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as model_dir:
+        build_models(WORKLOADS[args.workload], model_dir)
         results = {"ppo_lightning": [], "trl": []}
         for _ in range(args.rounds):
             results["ppo_lightning"].append(run("throughput.py", args.workload, model_dir, args.threads))
@@ -56,6 +66,7 @@ def main() -> None:
         "update_s_ppo_lightning": statistics.median(r["update_s"] for r in results["ppo_lightning"]),
         "rollout_s_trl": statistics.median(r["rollout_s"] for r in results["trl"]),
         "update_s_trl": statistics.median(r["update_s"] for r in results["trl"]),
+        "wall_s": round(time.perf_counter() - t0, 1),
     }))
 
 

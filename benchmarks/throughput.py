@@ -47,6 +47,7 @@ class PerfTotals(L.Callback):
         self.rollout_s = 0.0
         self.update_s = 0.0
         self.iterations = 0
+        self.per_iteration: list[dict[str, float]] = []  # every metric of each iteration
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         m = pl_module.last_metrics
@@ -56,6 +57,7 @@ class PerfTotals(L.Callback):
         self.rollout_s += float(m["perf/time_rollout_s"])
         self.update_s += float(m["perf/time_update_s"])
         self.iterations += 1
+        self.per_iteration.append(dict(m))
 
 
 def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path, out_dir: Path,
@@ -106,39 +108,54 @@ def run_ppo(w: Workload, model_root: Path, out_dir: Path) -> dict:
     }
 
 
-def compare_generate(w: Workload, model_root: Path, repeats: int) -> dict:
-    """Our sampler vs bare HF ``generate`` on one rollout batch, alternated ``repeats`` times."""
+def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = "cpu",
+                     bf16: bool = False) -> dict:
+    """Our sampler vs bare HF ``generate`` on one rollout batch, alternated ``repeats`` times, on
+    ``device``; ``bf16``: both under bf16 autocast (the rollout's numerics in ``bf16-mixed``)."""
+    import contextlib
+
     from ppo_lightning.policy import load_causal_lm, load_tokenizer
     from ppo_lightning.rollout import generate
 
+    dev = torch.device(device)
     policy_dir, _ = build_models(w, model_root)
     tok = load_tokenizer(str(policy_dir))
-    lm = load_causal_lm(str(policy_dir), tok).eval()
-    enc = tok(make_prompts(w)[: w.rollout_batch], return_tensors="pt", padding=True)
+    lm = load_causal_lm(str(policy_dir), tok).eval().to(dev)
+    enc = tok(make_prompts(w)[: w.rollout_batch], return_tensors="pt", padding=True).to(dev)
     n_tokens = w.rollout_batch * w.response_tokens
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def numerics():
+        return torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     def ours():
-        resp, _ = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=w.response_tokens,
-                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                           stop_at_eos=False, generator=g)
+        with numerics():
+            resp, _ = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=w.response_tokens,
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                               stop_at_eos=False, generator=g)
         assert resp.shape[1] == w.response_tokens
 
     def hf():
-        with torch.no_grad():
+        with torch.no_grad(), numerics():
             out = lm.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
                               do_sample=True, use_cache=True, max_new_tokens=w.response_tokens,
                               min_new_tokens=w.response_tokens, top_k=0, top_p=1.0, temperature=1.0,
                               pad_token_id=tok.pad_token_id)
         assert out.shape[1] == enc.input_ids.shape[1] + w.response_tokens
 
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     times = {"ours": [], "hf": []}
     for _ in range(2):  # warm-up: the first calls pay for kernel selection and allocation
         ours(), hf()
     for _ in range(repeats):
         for name, fn in (("ours", ours), ("hf", hf)):
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
     ours_tps = n_tokens / statistics.median(times["ours"])
     hf_tps = n_tokens / statistics.median(times["hf"])
