@@ -46,3 +46,14 @@ def test_ddp_micro_batches_all_reduce_once_and_give_the_same_update(cache_dir, t
     micro = ddp_run(tmp_path, cache_dir, "micro", ["trainer.max_steps=2", "ppo.micro_batch_size=2"])["weights"]
     for k in whole:
         torch.testing.assert_close(micro[k], whole[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_ddp_lora_ranks_train_identical_adapters(cache_dir, tmp_path):
+    """LoRA under DDP: only the adapters and the value head are in the gradient all-reduce, the
+    ranks end with identical adapters that moved, and the frozen base is untouched."""
+    run = ddp_run(tmp_path, cache_dir, "lora", ["trainer.max_steps=2", "model.lora.r=4"])
+    w = run["weights"]
+    from transformers import AutoModelForCausalLM
+    init = AutoModelForCausalLM.from_pretrained(cache_dir / "tiny-gpt2-l2-h2-d64").state_dict()
+    assert torch.equal(init["transformer.h.0.attn.c_attn.weight"], w["lm.transformer.h.0.attn.c_attn.base_layer.weight"])
+    assert w["lm.transformer.h.0.attn.c_attn.lora_B.default.weight"].abs().sum() > 0  # B starts at 0
