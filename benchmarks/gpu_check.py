@@ -6,7 +6,9 @@
 Needs no network: the workload's models are built from code (``benchmarks/workloads.py``) and
 the run goes through ``train.py``'s Hydra config (``benchmarks/throughput.py``'s ``compose``) with
 ``trainer.accelerator=gpu trainer.devices=1 trainer.precision=bf16-mixed`` (``cpu`` with
-``--device cpu``: CPU autocast runs bf16 too). Prints one JSON line:
+``--device cpu``: CPU autocast runs bf16 too, but a CPU without native bf16 (no AVX512-BF16 or
+AMX) runs its matmuls ~100x slower than float32, so the smoke test uses ``tiny``). Prints one
+JSON line:
 
 * sampling: tokens/s of our sampler (``ppo_lightning.rollout.generate``) and of Hugging Face's
   ``model.generate(use_cache=True)`` on one rollout batch, both under bf16 autocast, alternated

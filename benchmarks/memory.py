@@ -70,7 +70,7 @@ MB = 2**20
 def rss() -> int:
     import psutil
 
-    return psutil.Process().memory_info().rss  # psutil caches the Process of this pid
+    return psutil.Process().memory_info().rss
 
 
 class PeakRSS:

@@ -9,7 +9,7 @@ Two vocabularies (``Workload.vocab_size``):
 * ``None``: bytes (256 bytes + EOS + pad, ``ppo_lightning.tiny``). Small embedding and LM head,
   so the transformer blocks and per-call overhead dominate. ``tiny`` and ``small``.
 * ``50257``: GPT-2's vocabulary size, built offline as a word-level tokenizer over synthetic
-  entries (``build_word_tokenizer``), so the embedding and the LM head (768 x 50257, 38.6M of
+  words plus unknown, pad and EOS tokens (``build_word_tokenizer``), so the embedding and the LM head (768 x 50257, 38.6M of
   GPT-2 small's 124M parameters) and the logits (``[rows, response, 50257]``) cost what they cost
   on the real model. ``medium``.
 """
@@ -61,8 +61,10 @@ WORKLOADS = {
     "small": Workload("small", n_layer=6, n_head=6, n_embd=384, num_prompts=64, prompt_tokens=32,
                       response_tokens=64, rollout_batch=16, ppo_epochs=4, num_minibatches=1,
                       episodes=64),
-    # GPT-2 small's shape (124M parameters with its 1024 positions); two iterations of 8 rows keep
-    # one run of a side within a few minutes on 2 CPU cores.
+    # GPT-2 small's shape (124M parameters with its 1024 positions) and vocabulary size: 50257
+    # entries, 50254 synthetic words + <|unk|> + <|pad|> + <|endoftext|> (build_word_tokenizer),
+    # prompts of 64 random words. Two iterations of 8 rows: one run of our side takes ~1 min on
+    # 2 quiet CPU cores, TRL's ~2 min.
     "medium": Workload("medium", n_layer=12, n_head=12, n_embd=768, num_prompts=64, prompt_tokens=64,
                        response_tokens=64, rollout_batch=8, ppo_epochs=4, num_minibatches=1,
                        episodes=16, vocab_size=50257, n_positions=1024),
