@@ -635,6 +635,14 @@ def validate(cfg) -> None:
         raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} with model.lora.r={lora.r}: with LoRA the "
                           "reference is the policy with its adapters off (no second copy of the weights); unset "
                           f"{key}, or set model.lora.r=0 to keep a separate reference")
+    strategy = cfg.trainer.strategy
+    target = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
+    if target.lower() in ("fsdp", "fsdpstrategy") or target.endswith(".FSDPStrategy"):
+        raise ConfigError(f"trainer.strategy={target}: Lightning's FSDP1 flattens the weights the sampler reads; "
+                          "use trainer=fsdp (FSDP2, ppo_lightning.sharding.FSDP2Strategy) or trainer=fsdp_cpu")
+    if lora.r > 0 and target.endswith("FSDP2Strategy"):
+        raise ConfigError(f"model.lora.r={lora.r} with trainer.strategy={target}: LoRA is not sharded yet; use "
+                          "trainer=ddp (LoRA's trainable state is small) or model.lora.r=0")
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
 

@@ -32,6 +32,7 @@ from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
 from ppo_lightning.rewards import fit_normalization
 from ppo_lightning.rollout import Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score, score_responses
+from ppo_lightning.sharding import FSDP2Strategy, initialize_root, is_sharded, shard_module, unsharded_for_rollout
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,12 @@ class PPOModule(L.LightningModule):
         self._frozen_policy_keys: frozenset[str] | None = None  # see checkpointed
 
     # ------------------------------------------------------------------------- setup
+    def configure_model(self) -> None:
+        """Under ``FSDP2Strategy`` (``trainer=fsdp``, ``fsdp_cpu``): shard the policy and the
+        reference over the data-parallel mesh (``sharding.shard_module``). Other strategies: nothing."""
+        if isinstance(self.trainer.strategy, FSDP2Strategy):
+            shard_module(self, self.device_mesh["data_parallel"])
+
     def configure_optimizers(self):
         return configure_optimizers(self, [p for p in self.policy.parameters() if p.requires_grad],
                                     self.optim_cfg)
@@ -96,11 +103,14 @@ class PPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         # Each rank samples with its own seed, or all ranks would draw correlated responses
         # ([N+] "per-rank seeds"). Minibatch shuffling uses the same generator. A resumed run
-        # already has its generator, restored from the checkpoint.
+        # restores every rank's generator from the checkpoint (before this hook, or after it
+        # under sharded strategies, which then replace this one).
         if self.generator is None:
             self.generator = torch.Generator(device=self.device)
             self.generator.manual_seed(self.seed + 1000 * self.global_rank)
         self.ref_lm.eval()
+        if is_sharded(self.policy):
+            initialize_root(self.policy, self.device)
         from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -122,9 +132,6 @@ class PPOModule(L.LightningModule):
             if isinstance(getattr(cb, "filename", None), str):
                 read.update(re.findall(r"\{([^}:]+)", cb.filename))
         self._trainer_metrics = tuple(sorted(read))
-        if self.reward_norm is None:  # a resumed run restored it from the checkpoint
-            with self.trainer.precision_plugin.forward_context():  # the rollouts' numerics
-                self._fit_reward_normalization()
 
     @torch.no_grad()
     def _fit_reward_normalization(self) -> None:
@@ -168,10 +175,16 @@ class PPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------- part 1: rollout
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        if self.reward_norm is None:  # once per run: a resumed run restored it from the checkpoint
+            # (here, not in on_fit_start: sharded strategies restore checkpoints after on_fit_start)
+            with self.trainer.precision_plugin.forward_context(), unsharded_for_rollout(self.ref_lm):
+                self._fit_reward_normalization()  # in the rollouts' numerics
         # Lightning runs only training_step in the precision plugin's context (autocast for
         # bf16-mixed): the rollout enters it itself, so sampling, the reference, the reward model
         # and the old logprobs see the numerics the update sees (ratio exactly 1 at the start).
-        with self.trainer.precision_plugin.forward_context():
+        # Under FSDP the policy and reference are gathered once for the whole rollout, not once
+        # per sampled token (sharding.unsharded_for_rollout).
+        with self.trainer.precision_plugin.forward_context(), unsharded_for_rollout(self.policy, self.ref_lm):
             self._rollout(batch)
 
     def _rollout(self, batch: dict) -> None:
@@ -447,8 +460,20 @@ class PPOModule(L.LightningModule):
             "skipped_updates": self.skipped_updates,
             "nonfinite_streak": self.nonfinite_streak,
             "reward_norm": list(self.reward_norm) if self.reward_norm is not None else None,
-            "generator": self.generator.get_state() if self.generator is not None else None,
+            "generators": self._generator_states(),
         }
+
+    def _generator_states(self) -> list[Tensor] | None:
+        """Every rank's sampling-generator state, rank order (a collective: Lightning builds the
+        checkpoint on every rank; rank 0 writes it). Each rank resumes its own stream."""
+        if self.generator is None:
+            return None
+        state = self.generator.get_state()
+        if self.trainer.world_size == 1:
+            return [state]
+        # as int32: gloo's all_gather garbles uint8 tensors
+        gathered = self.trainer.strategy.all_gather(state.to(self.device, torch.int32))  # [world, n]
+        return [s.to("cpu", torch.uint8) for s in gathered]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("ppo_state", {})
@@ -459,6 +484,15 @@ class PPOModule(L.LightningModule):
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         if state.get("reward_norm") is not None:
             self.reward_norm = tuple(state["reward_norm"])
-        if state.get("generator") is not None:
+        states = state.get("generators") or ([state["generator"]] if state.get("generator") is not None else None)
+        if states:
+            rank, world = self.global_rank, self.trainer.world_size
             self.generator = torch.Generator(device=self.device)
-            self.generator.set_state(state["generator"])
+            if len(states) == world:
+                self.generator.set_state(states[rank])
+            else:  # a different number of ranks: a new stream per rank, not a copy of another's
+                self.generator.manual_seed(self.seed + 1000 * rank + 7919 * int(checkpoint.get("global_step", 0)))
+                if rank == 0:
+                    log.warning("the checkpoint holds the sampling streams of %d rank(s); this run has %d, so "
+                                "each rank starts a new stream (the trajectory differs from an uninterrupted run)",
+                                len(states), world)

@@ -296,15 +296,32 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- save / load
-def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.PathLike) -> Path:
+def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.PathLike, write: bool = True) -> Path:
     """An HF directory (safetensors + tokenizer + generation config) that plain
     ``AutoModelForCausalLM.from_pretrained`` loads, with the value head beside it.
 
     A LoRA policy is written merged (adapters folded into the base weights), plus its adapters
-    alone under ``adapter/``."""
+    alone under ``adapter/``. A sharded (FSDP) policy is gathered first: every rank must call
+    this, and only ranks with ``write`` (rank 0) write."""
     from safetensors.torch import save_file
 
+    from ppo_lightning.sharding import full_state_dict, is_sharded
+
     directory = Path(directory)
+    lm_state = None  # the LM's own state dict
+    if is_sharded(policy):
+        whole = full_state_dict(policy)  # a collective
+        # tied weights (GPT-2's lm_head is its token embedding) come back as separate copies: keep one
+        first = {}
+        for k, v in policy.lm.state_dict(keep_vars=True).items():
+            first.setdefault(id(v), k)
+        keep = set(first.values())
+        lm_state = {k.removeprefix("lm."): v for k, v in whole.items() if k.startswith("lm.") and k[3:] in keep}
+        v_state = {k.removeprefix("v_head."): v for k, v in whole.items() if k.startswith("v_head.")}
+    else:
+        v_state = policy.v_head.state_dict()
+    if not write:
+        return directory
     directory.mkdir(parents=True, exist_ok=True)
     if policy.peft_model is not None:
         from ppo_lightning.lora import ADAPTER_DIR, merged_state_dict, save_adapter
@@ -312,10 +329,9 @@ def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.Path
         policy.lm.save_pretrained(directory, state_dict=merged_state_dict(policy.lm), safe_serialization=True)
         save_adapter(policy.peft_model, directory / ADAPTER_DIR)
     else:
-        policy.lm.save_pretrained(directory, safe_serialization=True)
+        policy.lm.save_pretrained(directory, state_dict=lm_state, safe_serialization=True)
     tokenizer.save_pretrained(directory)
-    save_file({k: v.detach().cpu().contiguous() for k, v in policy.v_head.state_dict().items()},
-              str(directory / VALUE_HEAD_FILE))
+    save_file({k: v.detach().cpu().contiguous() for k, v in v_state.items()}, str(directory / VALUE_HEAD_FILE))
     return directory
 
 

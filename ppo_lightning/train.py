@@ -65,9 +65,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module, datamodule, trainer = build(cfg)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
-        if cfg.export_dir and trainer.is_global_zero:
-            path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
-            log.info("policy exported to %s (loads with AutoModelForCausalLM.from_pretrained)", path)
+        if cfg.export_dir:  # every rank: a sharded policy is gathered first
+            path = save_policy(module.policy, module.tokenizer, cfg.export_dir, write=trainer.is_global_zero)
+            if trainer.is_global_zero:
+                log.info("policy exported to %s (loads with AutoModelForCausalLM.from_pretrained)", path)
         if recipe is not None and trainer.is_global_zero:
             table = recipe.evaluate(cfg, module, Path(cfg.paths.output_dir))
             print(f"\n{cfg.recipe}: held-out prompts, before and after PPO\n{table}\n", flush=True)

@@ -41,6 +41,24 @@ class SaveRankWeights(L.Callback):
         torch.save(state, self.dir / f"rank{trainer.global_rank}.pt")
 
 
+class SaveShardLayout(L.Callback):
+    """When training starts, every rank writes ``{parameter: [elements held here, elements in all]}``
+    of its policy to ``<dir>/rank<k>.json``: under FSDP each rank holds a shard."""
+
+    def __init__(self, dir: str):
+        self.dir = Path(dir)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import json
+
+        from torch.distributed.tensor import DTensor
+
+        layout = {n: [p.to_local().numel() if isinstance(p, DTensor) else p.numel(), p.numel()]
+                  for n, p in pl_module.policy.named_parameters()}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(layout))
+
+
 class KillAtStep(L.Callback):
     """SIGKILLs its own process when iteration ``step`` is about to start: a crash mid-run."""
 

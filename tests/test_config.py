@@ -110,3 +110,16 @@ def test_every_declared_check_is_enforced_and_names_the_key(tmp_path, cache_dir,
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=\S+: (must be|choose) "):
         C.validate(cfg)
     assert C.describe_check(f.metadata)  # and the docs show it (docs/gen_config.py)
+
+
+def test_sharded_trainers_compose_to_fsdp2_and_fsdp1_is_refused(tmp_path, cache_dir):
+    from ppo_lightning.config import validate
+    from ppo_lightning.errors import ConfigError
+
+    for trainer, accelerator, devices in (("fsdp", "gpu", -1), ("fsdp_cpu", "cpu", 2)):
+        cfg = compose_cfg([f"trainer={trainer}"], tmp_path, cache_dir)
+        validate(cfg)
+        assert cfg.trainer.strategy._target_ == "ppo_lightning.sharding.FSDP2Strategy"
+        assert (cfg.trainer.accelerator, cfg.trainer.devices) == (accelerator, devices)
+    with pytest.raises(ConfigError, match=r"^trainer.strategy=fsdp: Lightning's FSDP1 .* use trainer=fsdp"):
+        validate(compose_cfg(["trainer.strategy=fsdp"], tmp_path, cache_dir))

@@ -17,10 +17,13 @@ FAST = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "pp
 
 
 @pytest.mark.slow  # three runs in subprocesses, one of them killed
-@pytest.mark.parametrize("switch", [[], ["model.lora.r=4"]], ids=["full", "lora"])
+@pytest.mark.parametrize("switch", [[], ["model.lora.r=4"], ["trainer=ddp_cpu"], ["trainer=fsdp_cpu"]],
+                         ids=["full", "lora", "ddp_cpu", "fsdp_cpu"])
 def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, cache_dir, switch):
     """With LoRA the checkpoint holds only the adapters, the value head and their optimizer state;
-    the frozen base is rebuilt from its source, and the trajectory is still the same."""
+    the frozen base is rebuilt from its source. With two processes every rank is killed, and the
+    checkpoint holds every rank's sampling stream (FSDP: the gathered full state, restored after
+    the strategy's setup). The trajectory is the same in each case."""
     common = [*FAST, "trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3",
               "callbacks.best_checkpoint.every_n_train_steps=3", "export_dir=null", *switch]
     full = run_train([*common, f"hydra.run.dir={tmp_path / 'full'}"], cache_dir)
