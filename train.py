@@ -5,6 +5,8 @@ the schemas in ``ppo_lightning/config.py`` and runs the chosen task. Returns the
 ``optimized_metric`` for Hydra sweepers. Bad input prints one short message and exits 1
 (``HYDRA_FULL_ERROR=1`` shows the full traceback). In a sweep (``-m``) a failing job is logged
 and returns no value (Optuna records the trial as failed), and the sweep goes on with the next.
+SIGTERM (a cluster's preemption) stops the job, and a sweep, with exit status 143 and one line
+naming the command that resumes (``ppo_lightning/preemption.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 import sys
 
 import hydra
@@ -20,8 +23,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra composes)
+from ppo_lightning.config import check_sweep_launch
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.module import NonFiniteError
+from ppo_lightning.preemption import EXIT_STATUS, Preempted
 from ppo_lightning.rewards import RewardError
 
 log = logging.getLogger("ppo_lightning")
@@ -34,7 +39,20 @@ def main(cfg: DictConfig) -> float | None:
 
     in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
+        if in_sweep:
+            check_sweep_launch(cfg)  # before the sweep's first job builds anything
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    try:
         metrics = run_task(cfg)
+    except Preempted as e:
+        _close_wandb()
+        from lightning.pytorch.utilities import rank_zero_only
+
+        if rank_zero_only.rank == 0:  # one line per job, not per process
+            print(f"{e}. {_resume_hint(e)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STATUS)
     except USER_ERRORS as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -56,6 +74,14 @@ def main(cfg: DictConfig) -> float | None:
     if value is not None and not math.isfinite(value):
         return None  # a sweeper cannot rank NaN; the trial counts as failed
     return value
+
+
+def _resume_hint(e: Preempted) -> str:
+    if e.checkpoint is None:
+        return "No checkpoint was written at the stop; run the same command again"
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("ckpt_path=")]
+    args = [*overrides, f"ckpt_path={e.checkpoint.resolve()}"]
+    return "Resume with: python train.py " + " ".join(shlex.quote(a) for a in args)
 
 
 def _close_wandb() -> None:

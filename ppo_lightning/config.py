@@ -647,5 +647,34 @@ def validate(cfg) -> None:
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
 
 
+def processes_per_job(trainer) -> int | None:
+    """How many processes the ``trainer`` group starts: devices per node times nodes (None for
+    ``devices: -1`` / ``auto`` with a multi-process strategy: every visible device, unknown
+    until the accelerator is queried)."""
+    devices, nodes = trainer.get("devices", 1), int(trainer.get("num_nodes", 1) or 1)
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        return len(devices) * nodes
+    if str(devices) in ("-1", "auto"):
+        strategy = trainer.get("strategy", "auto")
+        name = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
+        return None if name not in ("auto", "single_device") else nodes
+    return int(devices) * nodes
+
+
+def check_sweep_launch(cfg) -> None:
+    """A Hydra multirun (``-m``) runs its jobs one after another in one process. With a trainer
+    of several processes, Lightning's launcher starts the others by re-running the command line,
+    so each of them runs the whole sweep on its own, in step with rank 0 only by luck (a sweep
+    directory named by the clock, a sampler's draws), and under torchrun every process does.
+    Refused, with what to do instead."""
+    n = processes_per_job(cfg.trainer)
+    if n == 1:
+        return
+    raise ConfigError(f"hydra multirun (-m) with a trainer of {n or 'several'} processes (trainer.devices="
+                      f"{cfg.trainer.get('devices')}, trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}): each "
+                      "process would run the whole sweep; sweep on one device per job (trainer=cpu or trainer=gpu), "
+                      "or launch each multi-process job on its own (a shell loop over the values)")
+
+
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(k for k in range(1, max(1, min(n, at_most)) + 1) if n % k == 0)

@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ppo_lightning.checkpoint import AtomicCheckpointIO
+from ppo_lightning.preemption import StopOnPreemption
 from ppo_lightning.config import validate
 from ppo_lightning.data import PromptDataModule, read_prompts
 from ppo_lightning.errors import ConfigError
@@ -125,9 +126,10 @@ def ensure_model_source(model_cfg, cache_dir: str) -> None:
 
 
 def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
-    """Module, prompts and Trainer for a composed config; every cheap check runs first."""
+    """Module, prompts and Trainer for a composed config; every cheap check runs first. The
+    Trainer stops on SIGTERM at an iteration's end, with a checkpoint (``StopOnPreemption``)."""
     module, datamodule = build_module(cfg)
-    return module, datamodule, build_trainer(cfg)
+    return module, datamodule, build_trainer(cfg, extra_callbacks=[StopOnPreemption()])
 
 
 def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
@@ -224,9 +226,9 @@ def instantiate_dict(group: DictConfig | None, key: str) -> list:
     return objs
 
 
-def build_trainer(cfg: DictConfig) -> L.Trainer:
+def build_trainer(cfg: DictConfig, extra_callbacks: tuple | list = ()) -> L.Trainer:
     loggers = instantiate_dict(cfg.get("logger"), "logger")
-    callbacks = instantiate_dict(cfg.get("callbacks"), "callbacks")
+    callbacks = [*instantiate_dict(cfg.get("callbacks"), "callbacks"), *extra_callbacks]
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                       plugins=[AtomicCheckpointIO()])
     for lg in loggers:

@@ -47,8 +47,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
 
+    @property
+    def data_parallel_devices(self) -> int:
+        """The size of the data-parallel (sharding) mesh: every process of every node."""
+        return self.num_nodes * self.num_processes
+
     def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._data_parallel_size = self.data_parallel_devices
         super().setup_environment()
 
     def optimizer_state(self, optimizer) -> dict:

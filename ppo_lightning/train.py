@@ -6,6 +6,7 @@ recipes' builds and before/after tables are ``recipes/``'s.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.factory import build, build_module, build_trainer, check_inputs
 from ppo_lightning.policy import save_policy
+from ppo_lightning.preemption import EXIT_STATUS, Preempted, handle_sigterm
 from ppo_lightning.recipes import get_recipe
 
 log = logging.getLogger(__name__)
@@ -79,29 +81,34 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 def finish_loggers(trainer: L.Trainer) -> None:
     """Close W&B runs explicitly: Lightning leaves them open, and a run closed only at interpreter
-    exit may lose its last records (and a sweep's next job would log into the same run)."""
+    exit may lose its last records (and a sweep's next job would log into the same run). Called
+    from ``finally``: a run that an exception ends is closed with a non-zero exit code (W&B
+    shows it failed), 143 for a SIGTERM stop."""
     from lightning.pytorch.loggers import WandbLogger
 
     if any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
         import wandb
 
-        wandb.finish()
+        error = sys.exc_info()[1]
+        wandb.finish(exit_code=0 if error is None else EXIT_STATUS if isinstance(error, Preempted) else 1)
 
 
 TASKS = ("ppo", "sft", "reward_model", "export")
 
 
 def run_task(cfg: DictConfig) -> dict[str, Any]:
-    """Dispatch on ``task.name``; returns the metrics a sweeper may optimise."""
+    """Dispatch on ``task.name``; returns the metrics a sweeper may optimise. SIGTERM raises
+    ``preemption.Preempted`` (after a checkpoint, during PPO training)."""
     name = cfg.task.get("name")
     if name not in TASKS:
         raise ConfigError(f"task.name={name!r}: choose task=ppo, task=sft, task=reward_model or task=export")
-    if name == "export":
-        export(cfg)
-        return {}
-    if name in ("sft", "reward_model"):
-        return train_stage(cfg)
-    return train(cfg)
+    with handle_sigterm():
+        if name == "export":
+            export(cfg)
+            return {}
+        if name in ("sft", "reward_model"):
+            return train_stage(cfg)
+        return train(cfg)
 
 
 def train_stage(cfg: DictConfig) -> dict[str, Any]:

@@ -73,6 +73,21 @@ class KillAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SigtermAtStep(L.Callback):
+    """Rank 0 sends SIGTERM to its own process when iteration ``step`` is about to start: a
+    cluster's preemption notice that reaches one rank (the others must stop with it)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 0:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 _CALLS = {"n": 0}
 
 

@@ -4,6 +4,7 @@ field's declared check is the one ``validate`` runs."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -14,6 +15,7 @@ from ppo_lightning import config as C
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.recipes import recipe_root
 from tests.conftest import CONF, compose_cfg
+from tests.helpers import run_train
 
 # group -> the keys outside its own package that its files may set, and why (each file says so too)
 ALLOWED_OUTSIDE = {"model": {"optimizer.lr"}}  # a model keeps the learning rate it needs
@@ -123,3 +125,51 @@ def test_sharded_trainers_compose_to_fsdp2_and_fsdp1_is_refused(tmp_path, cache_
         assert (cfg.trainer.accelerator, cfg.trainer.devices) == (accelerator, devices)
     with pytest.raises(ConfigError, match=r"^trainer.strategy=fsdp: Lightning's FSDP1 .* use trainer=fsdp"):
         validate(compose_cfg(["trainer.strategy=fsdp"], tmp_path, cache_dir))
+
+
+TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "job", "WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1",
+                "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "head", "MASTER_PORT": "29500"}
+SLURM_ENV = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NAME": "ppo", "SLURM_JOB_ID": "7",
+             "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NODELIST": "node[1-2]"}
+
+
+@pytest.mark.parametrize("launcher_env,environment", [(TORCHRUN_ENV, "TorchElasticEnvironment"),
+                                                      (SLURM_ENV, "SLURMEnvironment")], ids=["torchrun", "slurm"])
+def test_two_nodes_of_two_processes_make_one_sharding_mesh_of_four(tmp_path, cache_dir, monkeypatch,
+                                                                   launcher_env, environment):
+    """The README's multi-node lines: ``trainer=fsdp_cpu trainer.num_nodes=2`` under the
+    environment torchrun or SLURM sets for rank 1 of 4. Lightning reads the ranks from it (no
+    processes of its own), and the FSDP mesh spans all four processes."""
+    from ppo_lightning.factory import build_trainer
+
+    for k in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(k)
+    for k, v in launcher_env.items():
+        monkeypatch.setenv(k, v)
+    from lightning.fabric.utilities import rank_zero as fabric_rank_zero
+    from lightning.pytorch.utilities import rank_zero as pytorch_rank_zero
+    from lightning_utilities.core import rank_zero as utilities_rank_zero
+
+    for module in (fabric_rank_zero, pytorch_rank_zero, utilities_rank_zero):  # the Trainer sets rank 1 in them
+        monkeypatch.setattr(module.rank_zero_only, "rank", getattr(module.rank_zero_only, "rank", 0))
+    cfg = compose_cfg(["trainer=fsdp_cpu", "trainer.num_nodes=2", "logger=none"], tmp_path, cache_dir)
+    trainer = build_trainer(cfg)
+    env = trainer.strategy.cluster_environment
+    assert type(env).__name__ == environment and env.creates_processes_externally
+    assert (trainer.num_nodes, trainer.num_devices, trainer.world_size, trainer.global_rank) == (2, 2, 4, 1)
+    assert trainer.strategy.data_parallel_devices == 4
+
+
+def test_a_sweep_over_a_multi_process_trainer_is_refused_before_any_job_runs(tmp_path, cache_dir):
+    """Lightning starts a trainer's other processes by re-running the command line, so under
+    ``-m`` each of them would run the whole sweep (seen: rank 1 printed "Launching 2 jobs")."""
+    from ppo_lightning.config import check_sweep_launch, processes_per_job
+
+    for overrides, n in ((["trainer=cpu"], 1), (["trainer=ddp_cpu"], 2), (["trainer=fsdp_cpu"], 2),
+                         (["trainer=gpu", "trainer.num_nodes=2"], 2), (["trainer=fsdp"], None)):
+        assert processes_per_job(compose_cfg(overrides, tmp_path, cache_dir).trainer) == n, overrides
+    check_sweep_launch(compose_cfg(["trainer=cpu"], tmp_path, cache_dir))
+    p = run_train(["-m", "trainer=ddp_cpu", "ppo.clip=0.1,0.2", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cache_dir)
+    assert p.returncode == 1
+    assert "error: hydra multirun (-m) with a trainer of 2 processes" in p.stderr
+    assert "Launching 2 jobs" in p.stdout + p.stderr and not (tmp_path / "sweep" / "0" / "metrics.csv").exists()

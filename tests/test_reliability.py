@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -16,37 +17,162 @@ FAST = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "pp
 
 
 
-@pytest.mark.slow  # three runs in subprocesses, one of them killed
-@pytest.mark.parametrize("switch", [[], ["model.lora.r=4"], ["trainer=ddp_cpu"], ["trainer=fsdp_cpu"]],
-                         ids=["full", "lora", "ddp_cpu", "fsdp_cpu"])
-def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, cache_dir, switch):
-    """With LoRA the checkpoint holds only the adapters, the value head and their optimizer state;
-    the frozen base is rebuilt from its source. With two processes every rank is killed, and the
-    checkpoint holds every rank's sampling stream (FSDP: the gathered full state, restored after
-    the strategy's setup). The trajectory is the same in each case."""
-    common = [*FAST, "trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3",
-              "callbacks.best_checkpoint.every_n_train_steps=3", "export_dir=null", *switch]
-    full = run_train([*common, f"hydra.run.dir={tmp_path / 'full'}"], cache_dir)
-    assert full.returncode == 0, full.stderr[-3000:]
+SWITCHES = {"full": [], "lora": ["model.lora.r=4"], "ddp_cpu": ["trainer=ddp_cpu"], "fsdp_cpu": ["trainer=fsdp_cpu"]}
+_UNINTERRUPTED: dict[str, dict[int, dict[str, float]]] = {}
 
-    killed = run_train([*common, f"hydra.run.dir={tmp_path / 'killed'}",
-                  "+callbacks.kill._target_=tests.helpers.KillAtStep", "+callbacks.kill.step=5"], cache_dir)
-    assert killed.returncode == -9  # SIGKILL, mid-training
-    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=True)["global_step"] == 3  # the checkpoint before the kill
-    assert not list(last.parent.glob("*.tmp"))  # no half-written file left behind
 
-    resumed = run_train([*common, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={last}"], cache_dir)
+def interruptible(switch: str) -> list[str]:
+    """An 8-iteration run that checkpoints every 3 iterations, with one of the SWITCHES."""
+    return [*FAST, "trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3",
+            "callbacks.best_checkpoint.every_n_train_steps=3", "export_dir=null", *SWITCHES[switch]]
+
+
+def uninterrupted(switch: str, tmp_path_factory, cache_dir) -> dict[int, dict[str, float]]:
+    """Metrics by iteration of the run nothing stops (run once per switch, shared by the tests)."""
+    if switch not in _UNINTERRUPTED:
+        run_dir = tmp_path_factory.mktemp(f"uninterrupted_{switch}")
+        p = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}"], cache_dir)
+        assert p.returncode == 0, p.stderr[-3000:]
+        _UNINTERRUPTED[switch] = {int(r["step"]): r for r in read_metrics(run_dir / "metrics.csv")}
+    return _UNINTERRUPTED[switch]
+
+
+def assert_resume_replays(switch: str, last, run_dir, expected: dict, first_step: int, cache_dir) -> None:
+    """Resuming from ``last`` gives the uninterrupted run's metrics from ``first_step`` on."""
+    resumed = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}", f"ckpt_path={last}"], cache_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-
-    expected = {int(r["step"]): r for r in read_metrics(tmp_path / "full" / "metrics.csv")}
-    got = {int(r["step"]): r for r in read_metrics(tmp_path / "resumed" / "metrics.csv")}
-    assert sorted(got) == [3, 4, 5, 6, 7]
+    got = {int(r["step"]): r for r in read_metrics(run_dir / "metrics.csv")}
+    assert sorted(got) == list(range(first_step, 8))
     for step, row in got.items():
         for k, v in row.items():
             if k.startswith("perf/"):
                 continue  # wall-clock timings
             assert v == pytest.approx(expected[step][k], rel=1e-5, abs=1e-6), (step, k)
+
+
+@pytest.mark.slow  # runs in subprocesses, one of them killed
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_factory, cache_dir, switch):
+    """With LoRA the checkpoint holds only the adapters, the value head and their optimizer state;
+    the frozen base is rebuilt from its source. With two processes every rank is killed, and the
+    checkpoint holds every rank's sampling stream (FSDP: the gathered full state, restored after
+    the strategy's setup). The trajectory is the same in each case."""
+    expected = uninterrupted(switch, tmp_path_factory, cache_dir)
+    killed = run_train([*interruptible(switch), f"hydra.run.dir={tmp_path / 'killed'}",
+                        "+callbacks.kill._target_=tests.helpers.KillAtStep", "+callbacks.kill.step=5"], cache_dir)
+    assert killed.returncode == -9  # SIGKILL, mid-training
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 3  # the checkpoint before the kill
+    assert not list(last.parent.glob("*.tmp"))  # no half-written file left behind
+    assert_resume_replays(switch, last, tmp_path / "resumed", expected, 3, cache_dir)
+
+
+@pytest.mark.slow  # runs in subprocesses
+@pytest.mark.parametrize("switch", ["full", "ddp_cpu", "fsdp_cpu"])
+def test_sigterm_checkpoints_the_iteration_exits_143_and_resumes(tmp_path, tmp_path_factory, cache_dir, switch):
+    """A cluster's preemption: SIGTERM reaches rank 0 as iteration 4 starts. The iteration ends,
+    every rank agrees to stop, ``last.ckpt`` is written after iteration 4 (not the periodic one
+    from iteration 2), the job exits 143 with the command that resumes, and the resumed run
+    replays the uninterrupted trajectory from iteration 5."""
+    expected = uninterrupted(switch, tmp_path_factory, cache_dir)
+    run_dir = tmp_path / "stopped"
+    stopped = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}",
+                         "+callbacks.term._target_=tests.helpers.SigtermAtStep", "+callbacks.term.step=4"], cache_dir)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 5  # nothing trained is lost
+    assert [int(r["step"]) for r in read_metrics(run_dir / "metrics.csv")] == [0, 1, 2, 3, 4]  # stopped there
+    hint = [line for line in stopped.stderr.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert len(hint) == 1, stopped.stderr[-3000:]  # one line, not one per rank
+    assert "after PPO iteration 4" in hint[0] and f"ckpt_path={last.resolve()}" in hint[0]
+    assert not list(last.parent.glob("*.tmp"))
+    assert_resume_replays(switch, last, tmp_path / "resumed", expected, 5, cache_dir)
+
+
+@pytest.mark.slow
+def test_sigterm_from_outside_stops_a_long_run_within_seconds(tmp_path, cache_dir):
+    """The measured failure: ``experiment=tiny_char trainer.max_steps=2000``, SIGTERM from outside
+    mid-PPO. The run stops within seconds, exits non-zero, and its checkpoint holds every
+    iteration it logged (before, ``last.ckpt`` was the periodic one and the exit status 0)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import ROOT
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.Popen([sys.executable, "train.py", *FAST, "trainer.max_steps=2000", "export_dir=null",
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.csv"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) > 12):  # header + 12 iterations
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be stopped"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    took = time.monotonic() - signalled
+    assert proc.returncode == 143, stderr[-3000:]
+    assert took < 30, took  # one tiny iteration and a checkpoint, not the remaining ~1990
+    logged = len(read_metrics(metrics))
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == logged
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_recipe_build_leaves_no_temporary_directory(tmp_path):
+    """The measured failure: SIGTERM while the default job builds its recipe left
+    ``reviews-v3.tmp-*`` in the cache. Now the build's ``finally`` removes it, and the job exits
+    143 within seconds, saying that no checkpoint was written."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import ROOT
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.Popen([sys.executable, "train.py", f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(cache.glob("*.tmp-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the build never started"
+        time.sleep(0.1)
+    time.sleep(3)  # inside a build step
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert time.monotonic() - signalled < 30
+    assert list(cache.iterdir()) == [], list(cache.iterdir())
+    assert "stopped by SIGTERM. No checkpoint was written at the stop" in stderr
+
+
+def test_sigterm_outside_training_raises_where_the_program_is_and_cleans_up(tmp_path):
+    """Outside PPO training SIGTERM raises ``Preempted`` at once: a recipe build's ``finally``
+    removes its temporary directory, and no cache entry claims to be done."""
+    import signal
+    import time
+
+    from ppo_lightning.preemption import Preempted, handle_sigterm
+    from ppo_lightning.recipes.common import build_cached
+
+    def build(tmp):
+        (tmp / "half_written.bin").write_bytes(b"0" * 1024)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # a long build step, interrupted
+
+    before = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    with handle_sigterm(), pytest.raises(Preempted):
+        build_cached(tmp_path / "recipe", build)
+    assert time.monotonic() - started < 10
+    assert list(tmp_path.iterdir()) == []  # neither the temporary directory nor a half cache
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the job's only
 
 
 def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_path, cache_dir):
