@@ -32,7 +32,8 @@ from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
 from ppo_lightning.rewards import fit_normalization
 from ppo_lightning.rollout import Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score, score_responses
-from ppo_lightning.sharding import FSDP2Strategy, initialize_root, is_sharded, shard_module, unsharded_for_rollout
+from ppo_lightning.sharding import (FSDP2Strategy, full_tensor, initialize_root, is_sharded, shard_module,
+                                    unsharded_for_rollout)
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,14 @@ class PPOModule(L.LightningModule):
         from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-        # Gradients that are not loss-scaled (fp32, bf16-mixed, bf16-true) on one device or DDP:
-        # clip them directly (see _clip_and_check_gradients). Lightning's MixedPrecision refuses
-        # to clip for a fused optimizer even with bf16, where there is no scaler to undo.
+        # Gradients that are not loss-scaled (fp32, bf16-mixed, bf16-true) on one device, DDP or
+        # FSDP2: clip them directly (see _clip_and_check_gradients). Lightning's MixedPrecision
+        # refuses to clip for a fused optimizer even with bf16, where there is no scaler to undo.
+        # (FSDP2's gradients are DTensors: clip_grad_norm_ reduces their norm across ranks.)
         plugin = self.trainer.precision_plugin
         self._plain_clipping = (type(plugin) in (Precision, MixedPrecision, HalfPrecision)
                                 and getattr(plugin, "scaler", None) is None
-                                and type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy))
+                                and type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy, FSDP2Strategy))
         # What `self.log` must carry into trainer.callback_metrics: the metrics a callback
         # monitors (ModelCheckpoint, EarlyStopping, ...) and the progress bar's. Each `self.log`
         # costs ~0.5 ms on CPU, so nothing else goes that way; every metric goes to the loggers.
@@ -177,15 +179,22 @@ class PPOModule(L.LightningModule):
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         if self.reward_norm is None:  # once per run: a resumed run restored it from the checkpoint
             # (here, not in on_fit_start: sharded strategies restore checkpoints after on_fit_start)
-            with self.trainer.precision_plugin.forward_context(), unsharded_for_rollout(self.ref_lm):
+            with self.trainer.precision_plugin.forward_context(), self._gathered(self.ref_lm):
                 self._fit_reward_normalization()  # in the rollouts' numerics
         # Lightning runs only training_step in the precision plugin's context (autocast for
         # bf16-mixed): the rollout enters it itself, so sampling, the reference, the reward model
         # and the old logprobs see the numerics the update sees (ratio exactly 1 at the start).
         # Under FSDP the policy and reference are gathered once for the whole rollout, not once
-        # per sampled token (sharding.unsharded_for_rollout).
-        with self.trainer.precision_plugin.forward_context(), unsharded_for_rollout(self.policy, self.ref_lm):
+        # per sampled token (sharding.unsharded_for_rollout), unless the strategy says otherwise.
+        with self.trainer.precision_plugin.forward_context(), self._gathered(self.policy, self.ref_lm):
             self._rollout(batch)
+
+    def _gathered(self, *modules):
+        """``sharding.unsharded_for_rollout(*modules)`` when the strategy gathers sharded weights
+        once per rollout (``FSDP2Strategy.gather_for_rollout``); otherwise nothing."""
+        if getattr(self.trainer.strategy, "gather_for_rollout", False):
+            return unsharded_for_rollout(*modules)
+        return contextlib.nullcontext()
 
     def _rollout(self, batch: dict) -> None:
         c = self.ppo_cfg
@@ -382,10 +391,10 @@ class PPOModule(L.LightningModule):
                 norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             else:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            return bool(torch.isfinite(norm))
+            return bool(torch.isfinite(full_tensor(norm)))
         if max_norm > 0:
             self.clip_gradients(opt, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
-        return bool(torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in params])))
+        return bool(torch.isfinite(full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))))
 
     def _describe_nonfinite(self, r: Rollout) -> str:
         bad = (~torch.isfinite(r.scores)).nonzero().flatten()

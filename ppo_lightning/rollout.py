@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from ppo_lightning import ppo
 from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
@@ -145,6 +145,8 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
 
     The loop runs under ``inference_mode`` (~10% faster per step than ``no_grad``); its outputs
     are cloned into ordinary tensors, since the training step feeds them back through autograd.
+    A sharded LM (FSDP2) samples under ``no_grad``: its all-gather buffers, allocated on the
+    first forward, are written in place again by every later one, in or out of the loop.
     """
     B = input_ids.shape[0]
     chunk_size = chunk_size or B
@@ -152,7 +154,7 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
     lm.eval()                   # turns the KV cache off: sample in eval mode (dropout is 0 anyway)
     try:
         fast = fast_decode and supports_fast_decode(lm)
-        with torch.inference_mode():
+        with torch.no_grad() if _is_fsdp(lm) else torch.inference_mode():
             parts = [_sample_loop(lm, input_ids[s:s + chunk_size], attention_mask[s:s + chunk_size],
                                   max_new_tokens, eos_token_id, pad_token_id, temperature, top_k, top_p,
                                   stop_at_eos, greedy, generator, fast)
@@ -166,6 +168,12 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
     responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad_token_id) for r, _ in parts])
     response_mask = torch.cat([F.pad(m, (0, R - m.shape[1]), value=0.0) for _, m in parts])
     return responses, response_mask  # torch.cat made ordinary tensors
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
 
 
 def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,

@@ -15,9 +15,11 @@ device (no tensor parallelism) and full-state checkpoints; ``PPOModule.configure
 
 Rollouts: sampling runs one forward per token; with per-block all-gathers that is
 ``max_new_tokens`` all-gathers of every weight. ``unsharded_for_rollout`` instead gathers each
-group once for the whole rollout and reshards after it: the rollout then holds the full policy
-and reference weights for its duration (the memory of an unsharded model, which generation needs
-anyway on every step), and the update runs sharded.
+group once for the whole rollout and reshards after it (``FSDP2Strategy(gather_for_rollout=True)``,
+the default): the rollout then holds the full policy and reference weights for its duration,
+and the update runs sharded. ``trainer.strategy.gather_for_rollout=false`` keeps the rollout
+sharded too (one block's full weights at a time, gathered again for every token), for models
+whose full weights do not fit beside the rollout's KV cache.
 """
 
 from __future__ import annotations
@@ -41,11 +43,17 @@ class FSDP2Strategy(ModelParallelStrategy):
     world size or strategy and exports with ``task=export``; the cost is that rank 0 holds the
     full state in CPU memory while it writes. Pass ``save_distributed_checkpoint=True`` for a
     directory of per-rank shards instead (models whose full state does not fit in rank 0's RAM).
+
+    ``gather_for_rollout``: gather the policy and reference once per rollout (True: one
+    all-gather per weight, full weights held while sampling) or per forward (False: sharded
+    memory throughout, ``max_new_tokens`` times the communication); see the module docstring.
     """
 
-    def __init__(self, save_distributed_checkpoint: bool = False, **kwargs) -> None:
+    def __init__(self, save_distributed_checkpoint: bool = False, gather_for_rollout: bool = True,
+                 **kwargs) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+        self.gather_for_rollout = gather_for_rollout
 
     @property
     def data_parallel_devices(self) -> int:
@@ -183,6 +191,14 @@ def unsharded_for_rollout(*modules: nn.Module):
         for g in groups:
             g.reshard()
             g.set_reshard_after_forward(True, recurse=False)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective), or ``t`` itself: e.g. a gradient norm computed over
+    sharded gradients, which every rank must see whole to agree on skipping a step."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,6 +1,8 @@
 """FSDP2 (``trainer=fsdp_cpu``: ``fully_shard`` over two gloo processes): each rank holds half of
 every weight, and three PPO iterations equal ``trainer=ddp_cpu``'s from the same seed (metrics
-and final weights, within fp32 tolerance); the export gathers the full weights."""
+and final weights, within fp32 tolerance), whether the rollout gathers the weights once or per
+token; the export, at the end or from the sharded run's checkpoint, gathers the full weights; the
+first update's ratio is exactly 1 under bf16 too."""
 
 from __future__ import annotations
 
@@ -53,3 +55,37 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
         torch.testing.assert_close(got, v, rtol=1e-5, atol=1e-6, msg=k)
     assert "lm_head.weight" not in exported
     AutoModelForCausalLM.from_pretrained(run_dir / "policy")  # loads in plain transformers
+
+    # the rollout kept sharded (weights all-gathered for every token): the same run
+    per_token = tmp_path / "run_fsdp_per_token"
+    p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *steps, f"hydra.run.dir={per_token}",
+                   "+trainer.strategy.gather_for_rollout=false", "export_dir=null"], cache_dir, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    for a, b in zip(read_metrics(run_dir / "metrics.csv"), read_metrics(per_token / "metrics.csv"), strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith("perf/")} == pytest.approx(
+            {k: v for k, v in b.items() if not k.startswith("perf/")}, rel=1e-6, abs=1e-7)
+
+    # task=export from the sharded run's checkpoint (one process): the same files as its own export
+    exported_again = tmp_path / "exported_again"
+    p = run_train(["task=export", *TINY_RUN, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+                   f"export_dir={exported_again}", f"hydra.run.dir={tmp_path / 'export_run'}"], cache_dir)
+    assert p.returncode == 0, p.stderr[-4000:]
+    for name in ("model.safetensors", "value_head.safetensors"):
+        a, b = load_file(str(run_dir / "policy" / name)), load_file(str(exported_again / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_fsdp_cpu_bf16_mixed_first_update_ratio_is_exactly_one(cache_dir, tmp_path):
+    """bf16 autocast with sharded weights: the rollout's forwards and the update's agree exactly
+    (one minibatch, a fresh forward in the update), gradients of DTensors are clipped with the
+    default fused AdamW, and training goes on with finite updates."""
+    run_dir = tmp_path / "run"
+    p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "trainer.precision=bf16-mixed", "ppo.fuse_rollout_forward=false",
+                   "data.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1", "export_dir=null",
+                   f"hydra.run.dir={run_dir}"], cache_dir, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    first, second = read_metrics(run_dir / "metrics.csv")
+    for row in (first, second):  # one step per iteration: every update starts at the rollout's policy
+        assert (row["val/ratio"], row["val/ratio_var"], row["policy/approxkl_avg"]) == (1.0, 0.0, 0.0)
+        assert row["health/skipped_updates"] == 0.0
+    assert first["objective/kl"] == 0.0 and second["objective/kl"] != 0.0  # then the policy moved
