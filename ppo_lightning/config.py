@@ -640,9 +640,6 @@ def validate(cfg) -> None:
     if target.lower() in ("fsdp", "fsdpstrategy") or target.endswith(".FSDPStrategy"):
         raise ConfigError(f"trainer.strategy={target}: Lightning's FSDP1 flattens the weights the sampler reads; "
                           "use trainer=fsdp (FSDP2, ppo_lightning.sharding.FSDP2Strategy) or trainer=fsdp_cpu")
-    if lora.r > 0 and target.endswith("FSDP2Strategy"):
-        raise ConfigError(f"model.lora.r={lora.r} with trainer.strategy={target}: LoRA is not sharded yet; use "
-                          "trainer=ddp (LoRA's trainable state is small) or model.lora.r=0")
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
 

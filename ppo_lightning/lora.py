@@ -110,27 +110,38 @@ def model_class(lm: nn.Module) -> type:
     return type(lm.lm) if isinstance(lm, DisabledAdapters) else type(lm)
 
 
-def merged_state_dict(lm: nn.Module) -> dict[str, torch.Tensor]:
-    """``lm``'s state dict with every adapter merged into its base weight (W + B·A·alpha/r, peft's
-    ``get_delta_weight``) under the plain model's key names, without touching ``lm``: what
+def merged_state_dict(lm: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``lm``'s state dict with every adapter merged into its base weight, W + (B·A)·alpha/r
+    (transposed for GPT-2's ``Conv1D``, which stores W as [in, out]: peft's ``get_delta_weight``
+    for the plain LoRA that ``apply_lora`` configures), under the plain model's key names: what
     ``save_pretrained(state_dict=...)`` writes for ``AutoModelForCausalLM.from_pretrained``.
 
-    Merging in place and unmerging afterwards would leave W + Δ − Δ, which is not W in floating
+    ``state``: ``lm``'s state dict as whole tensors, when ``lm`` itself holds shards (FSDP: the
+    gathered ``full_state_dict``); by default ``lm.state_dict()``. Nothing in ``lm`` changes:
+    merging in place and unmerging afterwards would leave W + Δ − Δ, which is not W in floating
     point, and W is also the reference."""
     from peft.tuners.lora import LoraLayer
 
-    deltas = {name: sum(m.get_delta_weight(a) for a in m.active_adapters)
-              for name, m in lm.named_modules() if isinstance(m, LoraLayer)}
+    state = lm.state_dict() if state is None else state
+    deltas = {}
+    for name, m in lm.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        delta = 0
+        for a in m.active_adapters:
+            A, B = state[f"{name}.lora_A.{a}.weight"].float(), state[f"{name}.lora_B.{a}.weight"].float()
+            delta = delta + (B @ A) * m.scaling[a]
+        deltas[name] = delta.T if m.fan_in_fan_out else delta
     merged = {}
-    for key, value in lm.state_dict().items():
+    for key, value in state.items():
         if ".lora_" in key:
             continue
         module, sep, rest = key.partition(".base_layer.")
         if sep:
             key = f"{module}.{rest}"
             if rest == "weight":
-                value = (value + deltas[module].to(value.dtype)).detach()
-        merged[key] = value
+                value = (value.float() + deltas[module]).to(value.dtype)
+        merged[key] = value.detach()
     return merged
 
 
@@ -143,10 +154,13 @@ def _quiet_peft_warnings():
         yield
 
 
-def save_adapter(peft_model, directory: str | Path) -> Path:
+def save_adapter(peft_model, directory: str | Path, lm_state: dict[str, torch.Tensor] | None = None) -> Path:
     """The adapters alone (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
-    ``peft.PeftModel.from_pretrained(base_model, directory)``."""
+    ``peft.PeftModel.from_pretrained(base_model, directory)``. ``lm_state``: the LM's whole state
+    dict, when the model holds shards (FSDP); peft picks the adapters' entries from it."""
     directory = Path(directory)
+    if lm_state is not None:  # peft's keys are the wrapper's: base_model.model.<the LM's>
+        lm_state = {f"base_model.model.{k}": v for k, v in lm_state.items()}
     with _quiet_peft_warnings():
-        peft_model.save_pretrained(str(directory))
+        peft_model.save_pretrained(str(directory), state_dict=lm_state)
     return directory

@@ -326,8 +326,8 @@ def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.Path
     if policy.peft_model is not None:
         from ppo_lightning.lora import ADAPTER_DIR, merged_state_dict, save_adapter
 
-        policy.lm.save_pretrained(directory, state_dict=merged_state_dict(policy.lm), safe_serialization=True)
-        save_adapter(policy.peft_model, directory / ADAPTER_DIR)
+        policy.lm.save_pretrained(directory, state_dict=merged_state_dict(policy.lm, lm_state), safe_serialization=True)
+        save_adapter(policy.peft_model, directory / ADAPTER_DIR, lm_state)
     else:
         policy.lm.save_pretrained(directory, state_dict=lm_state, safe_serialization=True)
     tokenizer.save_pretrained(directory)

@@ -64,6 +64,18 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.data_parallel_devices
         super().setup_environment()
 
+    def lightning_module_state_dict(self) -> dict:
+        """The module's trainable state, gathered whole to rank 0 (full-state checkpoints). Frozen
+        weights (the reference, the reward model, LoRA's base) are not gathered at all: checkpoints
+        leave them out anyway (``PPOModule.checkpointed``), and gathering the reference to rank 0
+        at every checkpoint would cost a full copy of it in rank 0's memory."""
+        if self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                         ignore_frozen_params=True))
+
     def optimizer_state(self, optimizer) -> dict:
         """The optimizer state keyed by parameter names (not by position), gathered when
         checkpoints are full-state: a resumed run, sharded or not, finds each moment by name."""

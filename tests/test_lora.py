@@ -124,7 +124,6 @@ def test_lora_run_checkpoint_and_merged_export(tmp_path, cache_dir, arch):
     (["model.lora.dropout=0.05"], r"^model.lora.dropout=0.05: must be 0"),
     (["ref.dtype=bfloat16"], r"^ref.dtype='bfloat16' with model.lora.r=4: with LoRA the reference is the policy"),
     (["ref.name_or_path=/tmp"], r"^ref.name_or_path='/tmp' with model.lora.r=4"),
-    (["trainer=fsdp_cpu"], r"^model.lora.r=4 with trainer.strategy=.*FSDP2Strategy: LoRA is not sharded yet"),
 ])
 def test_lora_config_errors(tmp_path, cache_dir, overrides, match):
     from ppo_lightning.config import validate

@@ -17,7 +17,8 @@ FAST = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "pp
 
 
 
-SWITCHES = {"full": [], "lora": ["model.lora.r=4"], "ddp_cpu": ["trainer=ddp_cpu"], "fsdp_cpu": ["trainer=fsdp_cpu"]}
+SWITCHES = {"full": [], "lora": ["model.lora.r=4"], "ddp_cpu": ["trainer=ddp_cpu"], "fsdp_cpu": ["trainer=fsdp_cpu"],
+            "lora_fsdp_cpu": ["model.lora.r=4", "trainer=fsdp_cpu"]}
 _UNINTERRUPTED: dict[str, dict[int, dict[str, float]]] = {}
 
 
@@ -51,7 +52,7 @@ def assert_resume_replays(switch: str, last, run_dir, expected: dict, first_step
 
 
 @pytest.mark.slow  # runs in subprocesses, one of them killed
-@pytest.mark.parametrize("switch", list(SWITCHES))
+@pytest.mark.parametrize("switch", ["full", "lora", "ddp_cpu", "fsdp_cpu"])
 def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_factory, cache_dir, switch):
     """With LoRA the checkpoint holds only the adapters, the value head and their optimizer state;
     the frozen base is rebuilt from its source. With two processes every rank is killed, and the
@@ -68,12 +69,13 @@ def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_
 
 
 @pytest.mark.slow  # runs in subprocesses
-@pytest.mark.parametrize("switch", ["full", "ddp_cpu", "fsdp_cpu"])
+@pytest.mark.parametrize("switch", ["full", "ddp_cpu", "lora_fsdp_cpu"])
 def test_sigterm_checkpoints_the_iteration_exits_143_and_resumes(tmp_path, tmp_path_factory, cache_dir, switch):
     """A cluster's preemption: SIGTERM reaches rank 0 as iteration 4 starts. The iteration ends,
     every rank agrees to stop, ``last.ckpt`` is written after iteration 4 (not the periodic one
     from iteration 2), the job exits 143 with the command that resumes, and the resumed run
-    replays the uninterrupted trajectory from iteration 5."""
+    replays the uninterrupted trajectory from iteration 5. (Sharded, with LoRA: the checkpoint
+    holds only the adapters' and value head's gathered state, placed back into shards.)"""
     expected = uninterrupted(switch, tmp_path_factory, cache_dir)
     run_dir = tmp_path / "stopped"
     stopped = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}",
