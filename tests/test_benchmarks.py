@@ -64,3 +64,23 @@ def test_gpu_check_smoke_on_cpu():
     assert r["peak_gpu_mb"] is None and r["models_gpu_mb"] is None and r["peak_rss_mb"] > 0
     assert 0.1 < r["policy_params_m"] < 1  # the 2-layer, 64-wide GPT-2
     assert r["torch"] and r["device_name"] and r["wall_s"] >= r["fit_s"] > 0
+
+
+def test_sharding_benchmark_counts_each_tensor_once():
+    """``benchmarks/sharding.py``'s per-rank bytes: parameters, a tied weight once, AdamW's state.
+    (A DTensor's local part needs a process group: the benchmark's own runs check that, 0.5x.)"""
+    import torch
+    from sharding import optimizer_tensors, tensor_bytes
+
+    lin = torch.nn.Linear(3, 4)
+    assert tensor_bytes(lin.parameters()) == (3 * 4 + 4) * 4
+    tied = torch.nn.ModuleDict({"emb": torch.nn.Embedding(5, 3), "head": torch.nn.Linear(3, 5, bias=False)})
+    tied["head"].weight = tied["emb"].weight
+    assert tensor_bytes([tied["emb"].weight, tied["head"].weight, None]) == 5 * 3 * 4
+    assert tensor_bytes([lin.weight.detach().double()]) == 3 * 4 * 8
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.ones(2, 3)).sum().backward()
+    assert tensor_bytes(p.grad for p in lin.parameters()) == (3 * 4 + 4) * 4
+    opt.step()
+    # two moments per parameter, float32, plus a scalar step counter per parameter
+    assert tensor_bytes(optimizer_tensors(opt)) == 2 * (3 * 4 + 4) * 4 + 2 * 4

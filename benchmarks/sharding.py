@@ -1,0 +1,423 @@
+"""Per-rank memory and time of DDP against FSDP2 on two CPU processes: one JSON line.
+
+    python benchmarks/sharding.py                        # small workload, 3 iterations, all variants
+    python benchmarks/sharding.py --variants ddp,fsdp --iterations 4
+
+Three variants of the same run (``train.py`` with ``benchmarks/throughput.py``'s overrides for the
+workload, ``logger=csv``, a ``last.ckpt`` at the end), each as a real ``python train.py``
+subprocess, because a 2-process strategy needs it (Lightning's launcher re-runs the command line
+for rank 1):
+
+* ``ddp``: ``trainer=ddp_cpu``, two gloo processes, each holding the whole model, its gradients
+  and AdamW's two moments;
+* ``fsdp``: ``trainer=fsdp_cpu``, FSDP2 ``fully_shard`` (``ppo_lightning/sharding.py``): each rank
+  holds half of every policy and reference weight, gradient and AdamW moment. The rollout gathers
+  the policy and reference once and samples with full weights (``gather_for_rollout``, default);
+* ``fsdp_sharded_rollout``: the same with ``+trainer.strategy.gather_for_rollout=false``: the
+  rollout stays sharded, each block's weights all-gathered again for every sampled token.
+
+A callback injected through Hydra (``+callbacks.measure._target_=benchmarks.sharding.MeasureRank``)
+measures every rank in its own process and writes ``rank<k>.json``. Per rank, in MB:
+
+* from the tensors, exact: ``policy_mb`` (the policy's parameters this rank holds: a DTensor's
+  local shard, each tensor once), ``ref_mb`` (the frozen reference), ``reward_mb`` (the reward
+  model, replicated under both strategies), ``grads_mb`` and ``optimizer_mb`` (``optimizer.state``
+  tensors, local parts: AdamW's moments and step counters), each the largest seen at the end of
+  an iteration; ``model_state_mb`` = policy + grads + optimizer: what sharding divides by the world
+  size (expect ~0.5 of DDP's; not exactly, for the shards' rounding and the replicated scalars);
+* from the RSS: ``loaded_rss_mb`` at fit start (the ``setup`` hook: the models built, every
+  weight read once as ``benchmarks/memory.py``'s ``read_weights`` does, before FSDP shards them),
+  ``train_start_rss_mb`` (after sharding and wrapping), ``peak_rss_mb`` over the whole fit (the
+  kernel's high-water mark ``VmHWM``, reset through ``/proc/self/clear_refs`` at fit start, or the
+  2 ms sampler of ``memory.PeakRSS`` where it saw more; both beside it) and
+  ``peak_above_loaded_mb``. The kernel's mark is also read and reset at each phase boundary:
+  ``setup_peak_rss_mb`` (sharding), ``rollout_peak_rss_mb`` (FSDP's gather, sampling, scoring, the
+  old logprobs), ``update_peak_rss_mb`` (the PPO epochs), ``checkpoint_peak_rss_mb`` (writing
+  ``last.ckpt``: FSDP gathers the full state into rank 0's CPU memory to write one file). The RSS
+  includes what sharding does not touch: libraries, the replicated reward model, activations,
+  logits and the rollout's tensors, and the allocator's free-but-kept memory.
+* times: each iteration's ``perf/time_rollout_s`` and ``perf/time_update_s`` as the module logs
+  them; the variant's ``rollout_s`` / ``update_s`` are the medians over iterations after the first
+  (which pays for warm-up) of rank 0's ``metrics.csv``.
+
+Per variant also ``checkpoint_mb``: the size of ``last.ckpt``, and what it holds (the policy's
+weights and the optimizer state; frozen weights are left out, ``PPOModule.checkpointed``).
+Sharded runs gather the full state to rank 0 and write one file, so it should equal DDP's; it
+is larger by one tied weight: the gathered state dict holds GPT-2's token embedding and LM head as
+two tensors where DDP's holds one storage under two names (``small``: +0.38 MB of 124 MB; with
+GPT-2's 50257-word vocabulary, 768 wide, it would be +147 MB).
+Top level: ratios fsdp / ddp of per-rank model state and peak RSS (the rank with the most), the
+checkpoint sizes, and the rollout time gathering once over gathering per token.
+
+CPU timings are noisy: two processes on two cores, and whatever else runs on the machine.
+``/proc/loadavg`` at start and end is in the output to judge it. A variant whose overrides the
+config refuses is reported as ``{"skipped": reason}``, one whose run fails as ``{"failed": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lightning as L
+from memory import MB, PeakRSS, read_weights, rss
+
+VARIANTS = {
+    "ddp": ["trainer=ddp_cpu"],
+    "fsdp": ["trainer=fsdp_cpu"],
+    "fsdp_sharded_rollout": ["trainer=fsdp_cpu", "+trainer.strategy.gather_for_rollout=false"],
+}
+
+
+# ----------------------------------------------------------------------------- in the run
+def tensor_bytes(tensors) -> int:
+    """Bytes of ``tensors`` held by this process: a DTensor counts its local shard, a tensor seen
+    twice (a tied weight, one storage behind two names) once."""
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_tensors(optimizer):
+    """Every tensor in ``optimizer.state`` (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``)."""
+    import torch
+
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def _kernel_peak() -> int | None:
+    """The kernel's high-water mark of this process's RSS (``VmHWM``) since the last reset."""
+    import re
+
+    m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    return int(m.group(1)) * 1024 if m else None
+
+
+def _reset_kernel_peak() -> bool:
+    try:  # "5": reset VmHWM to the current RSS (Linux >= 4.0)
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+PHASES = ("setup", "rollout", "update", "checkpoint")
+
+
+class MeasureRank(L.Callback):
+    """Measures this rank's memory and times over ``trainer.fit`` and writes ``<out>/rank<k>.json``
+    at ``on_fit_end``: after ``on_train_end``, where ModelCheckpoint (always the last callback)
+    writes ``last.ckpt``, so that the write counts in the peak.
+
+    The kernel's peak is taken per phase (read and reset at each boundary): ``setup`` (fit start
+    to the first rollout: sharding, wrapping), ``rollout`` (the module's ``on_train_batch_start``,
+    this callback's hook running just before it, to ``training_step``: FSDP's gather, sampling,
+    scoring, the old logprobs), ``update`` (``training_step`` to the next rollout), ``checkpoint``
+    (``on_train_end`` to ``on_fit_end``). The 2 ms sampler (``memory.PeakRSS``) runs throughout."""
+
+    def __init__(self, out: str):
+        self.out = Path(out)
+        self.sampler: PeakRSS | None = None
+        self.phase: str | None = None
+        self.phase_peaks: dict[str, int] = {}
+        self.kernel = False
+        self.r: dict = {"policy_mb": 0.0, "grads_mb": 0.0, "optimizer_mb": 0.0,
+                        "rollout_s_per_iteration": [], "update_s_per_iteration": []}
+
+    def _enter(self, phase: str | None) -> None:
+        """End the current phase (its kernel peak kept, the mark reset) and start ``phase``."""
+        if self.kernel and self.phase is not None:
+            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), _kernel_peak() or 0)
+            self.kernel = _reset_kernel_peak()
+        self.phase = phase
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # the first callback hook inside fit, before configure_model shards anything
+        read_weights([pl_module])
+        self.r["loaded_rss_mb"] = rss() / MB
+        self.sampler = PeakRSS().__enter__()  # resets the kernel's mark too
+        self.kernel = _reset_kernel_peak()
+        self._enter("setup")
+        step = pl_module.training_step  # the update starts here, the rollout ends
+
+        def training_step(*args, **kwargs):
+            self._enter("update")
+            return step(*args, **kwargs)
+
+        pl_module.training_step = training_step
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.r["train_start_rss_mb"] = rss() / MB
+        self.r["ref_mb"] = tensor_bytes(pl_module.ref_lm.parameters()) / MB
+        reward = pl_module.reward_fn
+        self.r["reward_mb"] = tensor_bytes(reward.parameters()) / MB if hasattr(reward, "parameters") else 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._enter("rollout")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        policy = list(pl_module.policy.parameters())
+        r = self.r
+        r["policy_mb"] = max(r["policy_mb"], tensor_bytes(policy) / MB)
+        r["grads_mb"] = max(r["grads_mb"], tensor_bytes(p.grad for p in policy) / MB)
+        r["optimizer_mb"] = max(r["optimizer_mb"], tensor_bytes(optimizer_tensors(trainer.optimizers[0])) / MB)
+        m = pl_module.last_metrics
+        r["rollout_s_per_iteration"].append(float(m["perf/time_rollout_s"]))
+        r["update_s_per_iteration"].append(float(m["perf/time_update_s"]))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._enter("checkpoint")
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        import torch
+
+        self._enter(None)
+        self.sampler.__exit__(None, None, None)
+        r = self.r
+        for phase in PHASES:
+            r[f"{phase}_peak_rss_mb"] = self.phase_peaks[phase] / MB if phase in self.phase_peaks else None
+        r["sampled_peak_rss_mb"] = self.sampler.peak / MB
+        r["kernel_peak_rss_mb"] = max(self.phase_peaks.values()) / MB if self.phase_peaks else None
+        # the kernel's counters lag by up to a few pages per thread: the larger of the two
+        r["peak_rss_mb"] = max(r["kernel_peak_rss_mb"] or 0, r["sampled_peak_rss_mb"])
+        r["peak_above_loaded_mb"] = r["peak_rss_mb"] - r["loaded_rss_mb"]
+        r["model_state_mb"] = r["policy_mb"] + r["grads_mb"] + r["optimizer_mb"]
+        r.update(rank=trainer.global_rank, world_size=trainer.world_size, threads=torch.get_num_threads(),
+                 strategy=type(trainer.strategy).__name__,
+                 gather_for_rollout=getattr(trainer.strategy, "gather_for_rollout", None))
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(r))
+
+
+# ----------------------------------------------------------------------------- the driver
+def workload_overrides(w, policy_dir: Path, reward_dir: Path, prompts: Path, out_dir: Path) -> list[str]:
+    """The overrides ``throughput.compose`` turns a workload into a run with (captured from it, so
+    both benchmarks run the same thing; nothing is composed here)."""
+    import hydra
+    from throughput import compose
+
+    seen: dict[str, list[str]] = {}
+    real = hydra.compose
+    hydra.compose = lambda config_name, overrides: seen.setdefault("overrides", list(overrides))
+    try:
+        compose(w, policy_dir, reward_dir, prompts, out_dir)
+    finally:
+        hydra.compose = real
+    return seen["overrides"]
+
+
+def variant_overrides(base: list[str], variant: list[str], iterations: int, run_dir: Path, ranks_dir: Path) -> list[str]:
+    """``base`` with ``variant`` and the measuring setup; a key given again replaces base's."""
+    extra = [*variant, f"trainer.max_steps={iterations}", "logger=csv", "callbacks=none",
+             "trainer.enable_checkpointing=true",
+             "+callbacks.last._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+             f"+callbacks.last.dirpath={run_dir / 'checkpoints'}", "+callbacks.last.save_last=true",
+             "+callbacks.last.save_top_k=0",
+             "+callbacks.measure._target_=benchmarks.sharding.MeasureRank", f"+callbacks.measure.out={ranks_dir}",
+             f"paths.output_dir={run_dir}", f"hydra.run.dir={run_dir}"]
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in extra}
+    return [o for o in base if o.split("=", 1)[0].lstrip("+~") not in keys] + extra
+
+
+def refused(overrides: list[str]) -> str | None:
+    """Why the config refuses ``overrides`` (composed and validated once, the strategy built from
+    its arguments), or None."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    import ppo_lightning.config  # noqa: F401  (the schemas)
+    from ppo_lightning.config import validate
+    from ppo_lightning.errors import ConfigError
+
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        validate(cfg)
+        if OmegaConf.is_dict(cfg.trainer.strategy):  # a strategy class: does it take these arguments?
+            instantiate(cfg.trainer.strategy)
+    except (HydraException, OmegaConfBaseException, ConfigError, TypeError) as e:
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return None
+
+
+def median_after_first(rows: list[dict], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+    vals = vals[1:] if len(vals) > 1 else vals
+    return round(statistics.median(vals), 4) if vals else None
+
+
+def checkpoint_contents(path: Path) -> dict:
+    """``last.ckpt``'s size and what its tensors take: the weights, the optimizer state."""
+    import torch
+
+    ck = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+    def tensors(obj):
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                yield from tensors(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from tensors(v)
+
+    def nbytes(obj) -> int:  # a tied weight (two names, one storage) once, as the file holds it
+        return tensor_bytes(tensors(obj))
+
+    return {"checkpoint_mb": round(path.stat().st_size / MB, 3),
+            "checkpoint_weights_mb": round(nbytes(ck.get("state_dict", {})) / MB, 3),
+            "checkpoint_optimizer_mb": round(nbytes(ck.get("optimizer_states", [])) / MB, 3)}
+
+
+def run_variant(name: str, overrides: list[str], run_dir: Path, ranks_dir: Path, cache: Path,
+                timeout: float) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PPO_LIGHTNING_CACHE": str(cache), "HYDRA_FULL_ERROR": "1"}
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout, check=False)
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        return {"failed": f"exit {p.returncode}: {p.stderr[-3000:]}"}
+    ranks = sorted(ranks_dir.glob("rank*.json"))
+    per_rank = [json.loads(f.read_text()) for f in ranks]
+    with open(run_dir / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("perf/time_rollout_s")]
+    keys = ("loaded_rss_mb", "train_start_rss_mb", "peak_rss_mb", "sampled_peak_rss_mb", "kernel_peak_rss_mb",
+            "peak_above_loaded_mb", *(f"{phase}_peak_rss_mb" for phase in PHASES), "policy_mb", "ref_mb", "reward_mb", "grads_mb",
+            "optimizer_mb", "model_state_mb")
+    out = {"ranks": [{"rank": r["rank"], **{k: None if r[k] is None else round(r[k], 3) for k in keys},
+                      "rollout_s_per_iteration": [round(x, 3) for x in r["rollout_s_per_iteration"]],
+                      "update_s_per_iteration": [round(x, 3) for x in r["update_s_per_iteration"]]}
+                     for r in per_rank],
+           "strategy": per_rank[0]["strategy"], "gather_for_rollout": per_rank[0]["gather_for_rollout"],
+           "world_size": per_rank[0]["world_size"], "threads_per_rank": per_rank[0]["threads"],
+           "iterations_logged": len(rows),
+           "rollout_s": median_after_first(rows, "perf/time_rollout_s"),
+           "update_s": median_after_first(rows, "perf/time_update_s"),
+           "run_wall_s": round(wall, 1)}
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    out.update(checkpoint_contents(ckpt) if ckpt.exists() else {"checkpoint_mb": None})
+    return out
+
+
+def loadavg() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="small")
+    ap.add_argument("--iterations", type=int, default=3, help="PPO iterations per run")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    args = ap.parse_args()
+
+    from workloads import WORKLOADS, build_models, make_prompts
+
+    w = WORKLOADS[args.workload]
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    t0 = time.perf_counter()
+    out = {"benchmark": "sharding", "workload": w.name, "layers": w.n_layer, "width": w.n_embd,
+           "rollout_batch_per_rank": w.rollout_batch, "response_tokens": w.response_tokens,
+           "ppo_epochs": w.ppo_epochs, "iterations": args.iterations, "device": "cpu (2 gloo processes)",
+           "loadavg_start": loadavg(),
+           "note": "CPU timings are noisy: 2 ranks on 2 cores, other jobs may share them (see loadavg); "
+                   "memory from tensors is exact, RSS includes libraries, the replicated reward model "
+                   "and activations"}
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_root = Path(args.model_dir) if args.model_dir else tmp / "models"
+        policy_dir, reward_dir = build_models(w, model_root)  # once, for every run
+        prompts = tmp / "prompts.txt"
+        prompts.write_text("\n".join(make_prompts(w)) + "\n")
+        base = workload_overrides(w, policy_dir, reward_dir, prompts, tmp / "unused")
+        planned = {}
+        for v in variants:  # every variant's config checked before the first run
+            run_dir, ranks_dir = tmp / v / "run", tmp / v / "ranks"
+            overrides = variant_overrides(base, VARIANTS[v], args.iterations, run_dir, ranks_dir)
+            reason = refused([o for o in overrides if not o.startswith("hydra.")])
+            if reason:
+                results[v] = {"skipped": reason}
+            else:
+                planned[v] = (overrides, run_dir, ranks_dir)
+        for v, (overrides, run_dir, ranks_dir) in planned.items():
+            results[v] = run_variant(v, overrides, run_dir, ranks_dir, tmp / "cache", args.timeout)
+    out.update(results)
+
+    def ok(v):
+        return v in results and "ranks" in results[v]
+
+    def worst(v, key):  # the rank with the most
+        vals = [r[key] for r in results[v]["ranks"]]
+        return None if None in vals else max(vals)
+
+    def ratio(a, b):
+        return None if a is None or not b else round(a / b, 3)
+
+    if ok("ddp") and ok("fsdp"):
+        out["fsdp_over_ddp"] = {
+            "model_state_per_rank": ratio(worst("fsdp", "model_state_mb"), worst("ddp", "model_state_mb")),
+            "policy_per_rank": ratio(worst("fsdp", "policy_mb"), worst("ddp", "policy_mb")),
+            "ref_per_rank": ratio(worst("fsdp", "ref_mb"), worst("ddp", "ref_mb")),
+            "peak_rss_per_rank": ratio(worst("fsdp", "peak_rss_mb"), worst("ddp", "peak_rss_mb")),
+            "rollout_peak_rss_per_rank": ratio(worst("fsdp", "rollout_peak_rss_mb"), worst("ddp", "rollout_peak_rss_mb")),
+            "update_peak_rss_per_rank": ratio(worst("fsdp", "update_peak_rss_mb"), worst("ddp", "update_peak_rss_mb")),
+            "peak_above_loaded_per_rank": ratio(worst("fsdp", "peak_above_loaded_mb"),
+                                                worst("ddp", "peak_above_loaded_mb")),
+            "checkpoint_size": ratio(results["fsdp"]["checkpoint_mb"], results["ddp"]["checkpoint_mb"]),
+            "rollout_s": ratio(results["fsdp"]["rollout_s"], results["ddp"]["rollout_s"]),
+            "update_s": ratio(results["fsdp"]["update_s"], results["ddp"]["update_s"]),
+        }
+    out["checkpoint_mb"] = {v: results[v].get("checkpoint_mb") for v in variants if ok(v)}
+    if ok("fsdp") and ok("fsdp_sharded_rollout"):
+        out["rollout_s_gather_once_over_per_token"] = ratio(results["fsdp"]["rollout_s"],
+                                                             results["fsdp_sharded_rollout"]["rollout_s"])
+        out["rollout_peak_rss_gather_once_over_per_token"] = ratio(
+            worst("fsdp", "rollout_peak_rss_mb"), worst("fsdp_sharded_rollout", "rollout_peak_rss_mb"))
+    out["loadavg_end"] = loadavg()
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out), flush=True)
+    if any("failed" in r for r in results.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
