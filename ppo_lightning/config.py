@@ -377,8 +377,14 @@ class TrainerConfig:
     devices: Any = "auto"
     """Devices per node; -1 = all."""
     strategy: Any = "auto"
-    """ddp, fsdp, ... (``trainer=ddp_cpu`` runs DDP over 2 CPU processes)."""
+    """ddp (``trainer=ddp``; ``trainer=ddp_cpu``: 2 CPU processes), or FSDP2 through
+    ``ppo_lightning.sharding.FSDP2Strategy`` (``trainer=fsdp``, ``fsdp_cpu``), which takes
+    ``+trainer.strategy.gather_for_rollout=false`` (keep the rollout sharded: weights gathered per
+    token instead of once per rollout) and ``+trainer.strategy.save_distributed_checkpoint=true``
+    (per-rank shard files instead of one full-state file). Lightning's FSDP1 (``fsdp``) is refused."""
     num_nodes: int = param(1, ge=1)
+    """Nodes; each runs ``trainer.devices`` processes, launched by torchrun or SLURM (README:
+    Scaling up). FSDP shards over all of them."""
     """Nodes."""
     precision: Any = "32-true"
     """32-true, bf16-mixed (``trainer=gpu``) or bf16-true. The rollout runs in the same precision
