@@ -23,6 +23,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def _model_class(lm: nn.Module) -> type:
+    """``lm``'s class; for a module FSDP2 has sharded, the class it was (``fully_shard`` swaps
+    in a subclass ``FSDP<Name>(FSDPModule, <Name>)`` that adds hooks and no computation)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(lm)
+    if isinstance(lm, FSDPModule) and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
+        return cls.__bases__[-1]
+    return cls
+
+
 def supports_fast_decode(lm: nn.Module) -> bool:
     """Whether ``GPT2Decoder`` computes exactly what ``lm``'s own forward computes."""
     try:
@@ -30,7 +41,7 @@ def supports_fast_decode(lm: nn.Module) -> bool:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover - transformers is a dependency
         return False
-    if type(lm) is not GPT2LMHeadModel:
+    if _model_class(lm) is not GPT2LMHeadModel:
         return False
     config = lm.config
     if config.add_cross_attention or getattr(config, "reorder_and_upcast_attn", False):
@@ -40,7 +51,8 @@ def supports_fast_decode(lm: nn.Module) -> bool:
     if not isinstance(lm.lm_head, nn.Linear):
         return False
     # Whole, ordinary weights: not sharded views or DTensors (FSDP), which only the model's own
-    # forward knows how to gather.
+    # forward knows how to gather. A sharded model gathered for the whole rollout
+    # (sharding.unsharded_for_rollout) holds whole weights, and samples this way.
     if not all(type(p) is nn.Parameter for p in lm.parameters()):
         return False
     E = config.n_embd

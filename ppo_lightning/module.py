@@ -88,7 +88,7 @@ class PPOModule(L.LightningModule):
         self._time_rollout = 0.0
         self._trainer_metrics: tuple[str, ...] = ()  # set in on_fit_start
         self._plain_clipping = False  # set in on_fit_start: clip_grad_norm_ directly
-        self._frozen_policy_keys: frozenset[str] | None = None  # see checkpointed
+        self._unsaved_policy_keys: frozenset[str] | None = None  # see checkpointed
 
     # ------------------------------------------------------------------------- setup
     def configure_model(self) -> None:
@@ -263,6 +263,7 @@ class PPOModule(L.LightningModule):
                     skipped += mb_stats is None
                     for k, v in (mb_stats or {}).items():
                         stats[k].append(v)
+            self.optimizers().zero_grad()  # free the gradients: the next rollout needs no copy of them
         else:  # every update would be NaN
             skipped = c.ppo_epochs * (r.batch_size // c.minibatch_size)
             self._last_nonfinite = self._describe_nonfinite(r)
@@ -450,14 +451,19 @@ class PPOModule(L.LightningModule):
     def checkpointed(self, key: str) -> bool:
         """Whether a state-dict entry is saved in checkpoints. Frozen weights are not: the reference
         and reward model, and with LoRA the policy's base weights; each is rebuilt from its source
-        (``model.name_or_path``, ``ref.*``, ``reward.*``) when a run resumes or exports."""
+        (``model.name_or_path``, ``ref.*``, ``reward.*``) when a run resumes or exports. Nor is the
+        second name of a tied weight (GPT-2's ``lm_head.weight`` is its token embedding): loading
+        the first sets both, and a gathered (FSDP) state dict would hold it as a second copy."""
         if key.startswith(("ref_lm.", "reward_fn.")):
             return False
-        if self._frozen_policy_keys is None:
-            # every state-dict name of a frozen parameter, tied ones included (GPT-2's lm_head)
-            self._frozen_policy_keys = frozenset(f"policy.{k}" for k, v in self.policy.state_dict(keep_vars=True).items()
-                                                 if isinstance(v, nn.Parameter) and not v.requires_grad)
-        return key not in self._frozen_policy_keys
+        if self._unsaved_policy_keys is None:
+            unsaved, seen = set(), set()
+            for k, v in self.policy.state_dict(keep_vars=True).items():
+                if (isinstance(v, nn.Parameter) and not v.requires_grad) or id(v) in seen:
+                    unsaved.add(f"policy.{k}")
+                seen.add(id(v))
+            self._unsaved_policy_keys = frozenset(unsaved)
+        return key not in self._unsaved_policy_keys
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         sd = checkpoint["state_dict"]

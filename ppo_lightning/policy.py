@@ -305,18 +305,13 @@ def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.Path
     this, and only ranks with ``write`` (rank 0) write."""
     from safetensors.torch import save_file
 
-    from ppo_lightning.sharding import full_state_dict, is_sharded
+    from ppo_lightning.sharding import drop_tied_aliases, full_state_dict, is_sharded
 
     directory = Path(directory)
     lm_state = None  # the LM's own state dict
     if is_sharded(policy):
-        whole = full_state_dict(policy)  # a collective
-        # tied weights (GPT-2's lm_head is its token embedding) come back as separate copies: keep one
-        first = {}
-        for k, v in policy.lm.state_dict(keep_vars=True).items():
-            first.setdefault(id(v), k)
-        keep = set(first.values())
-        lm_state = {k.removeprefix("lm."): v for k, v in whole.items() if k.startswith("lm.") and k[3:] in keep}
+        whole = drop_tied_aliases(policy, full_state_dict(policy))  # a collective; tied weights once
+        lm_state = {k.removeprefix("lm."): v for k, v in whole.items() if k.startswith("lm.")}
         v_state = {k.removeprefix("v_head."): v for k, v in whole.items() if k.startswith("v_head.")}
     else:
         v_state = policy.v_head.state_dict()

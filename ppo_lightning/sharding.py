@@ -67,8 +67,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict:
         """The module's trainable state, gathered whole to rank 0 (full-state checkpoints). Frozen
         weights (the reference, the reward model, LoRA's base) are not gathered at all: checkpoints
-        leave them out anyway (``PPOModule.checkpointed``), and gathering the reference to rank 0
-        at every checkpoint would cost a full copy of it in rank 0's memory."""
+        leave them out anyway (``PPOModule.checkpointed``, which also drops the second copy of a
+        tied weight), and gathering the reference to rank 0 at every checkpoint would cost a full
+        copy of it in rank 0's memory."""
         if self._save_distributed_checkpoint:
             return super().lightning_module_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -125,6 +126,18 @@ def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor]) -> No
             value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements)
         placed[key] = value
     module.load_state_dict(placed, strict=False)
+
+
+def drop_tied_aliases(module: nn.Module, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``whole`` without the second name of each tied weight (GPT-2's ``lm_head.weight`` is its
+    token embedding). Gathered state dicts hold a tied weight as separate copies, where
+    ``module.state_dict()`` shares one tensor: an export would write a 50257 x 768 embedding
+    twice. Loading sets the shared weight through its first name."""
+    first: dict[int, str] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        first.setdefault(id(value), key)
+    keep = set(first.values())
+    return {k: v for k, v in whole.items() if k in keep}
 
 
 def decoder_blocks(lm: nn.Module) -> list[nn.Module]:

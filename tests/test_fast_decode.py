@@ -92,3 +92,41 @@ def test_models_the_lean_step_does_not_cover_decode_through_their_forward(lm_and
                           stop_at_eos=False, greedy=True)
     # the fallback is the model's own cached forward: greedy tokens match re-running it whole
     assert torch.equal(greedy_by_full_forward(llama, enc.input_ids, enc.attention_mask, 6), resp)
+
+
+def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm_and_tok, monkeypatch):
+    """Under FSDP2 (one gloo process here) a sharded LM holds DTensor weights that only its own
+    forward gathers: the lean step declines it. Gathered for the rollout
+    (``sharding.unsharded_for_rollout``) its weights are whole again, and the lean step samples
+    the tokens the unsharded model samples."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ppo_lightning.sharding import shard_lm, unsharded_for_rollout
+
+    lm, tok = lm_and_tok
+    sharded = copy.deepcopy(lm)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True,
+              stop_at_eos=False)
+    want, _ = generate(lm, enc.input_ids, enc.attention_mask, **kw)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        shard_lm(sharded, init_device_mesh("cpu", (1,)))
+        assert not supports_fast_decode(sharded)
+        with torch.no_grad():
+            sharded(enc.input_ids[:, :2])  # FSDP initialises at the first forward
+        with unsharded_for_rollout(sharded):
+            assert supports_fast_decode(sharded)
+            got, _ = generate(sharded, enc.input_ids, enc.attention_mask, **kw)
+        assert not supports_fast_decode(sharded)  # resharded after the rollout
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(got, want)

@@ -56,6 +56,14 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
     assert "lm_head.weight" not in exported
     AutoModelForCausalLM.from_pretrained(run_dir / "policy")  # loads in plain transformers
 
+    # the sharded checkpoint: one full-state file with DDP's entries (the tied LM head under its
+    # first name only, not gathered as a second copy), the same size within 1%
+    ckpts = {name: tmp_path / f"run_{name}" / "checkpoints" / "last.ckpt" for name in ("ddp", "fsdp")}
+    states = {name: torch.load(path, weights_only=True)["state_dict"] for name, path in ckpts.items()}
+    assert set(states["fsdp"]) == set(states["ddp"]) and "policy.lm.transformer.wte.weight" in states["fsdp"]
+    assert "policy.lm.lm_head.weight" not in states["fsdp"]
+    assert ckpts["fsdp"].stat().st_size == pytest.approx(ckpts["ddp"].stat().st_size, rel=0.01)
+
     # the rollout kept sharded (weights all-gathered for every token): the same run
     per_token = tmp_path / "run_fsdp_per_token"
     p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *steps, f"hydra.run.dir={per_token}",
