@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from ppo_lightning import data, optim, policy, ppo, recipes, rewards, tiny
+from ppo_lightning import data, estimators, optim, policy, ppo, recipes, rewards, tiny
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.rewards.model import INPUTS as REWARD_INPUTS
 
@@ -253,6 +253,22 @@ class OptimizerConfig:
 class PPOConfig:
     """PPO's hyperparameters; names follow the seed tutorial."""
 
+    advantage: str = param("gae", choices=estimators.ESTIMATORS)
+    """How advantages are estimated. ``gae``: PPO's generalised advantage estimation with the
+    value head (the critic). The critic-free estimators run no value head at all (no value
+    forward, loss, parameters or optimizer state; ``vf_coef``, ``vf_clip`` and ``lam`` unused):
+    ``grpo`` (each response's reward normalised within its prompt's group, DeepSeekMath),
+    ``rloo`` (minus the mean reward of the group's other responses), both needing
+    ``num_generations >= 2``; ``reinforce_pp`` (REINFORCE++: the per-token return-to-go,
+    whitened over the batch). The reward they judge is the score plus the KL penalty
+    (``ppo_lightning/estimators.py``)."""
+    num_generations: int = param(1, ge=1)
+    """Responses sampled per prompt. The rollout has ``data.batch_size * num_generations`` rows
+    per rank, each prompt's responses on consecutive rows of one rank (a group: GRPO's and RLOO's
+    statistics). ``minibatch_size`` counts these rows. Valid with every estimator."""
+    scale_by_group_std: bool = True
+    """GRPO: divide by the group's reward std (+1e-4). False subtracts the group mean only
+    (Dr. GRPO: the division favours prompts that are almost always or almost never solved)."""
     clip: float = param(0.2, gt=0, hint="0.2 is the usual value")
     """Policy ratio clip epsilon."""
     vf_clip: float = param(0.2, gt=0, hint="0.2 is the usual value")
@@ -281,8 +297,9 @@ class PPOConfig:
     ppo_epochs: int = param(4, ge=1)
     """Passes over each rollout."""
     minibatch_size: int = param(8, ge=1)
-    """Episodes per gradient step, per rank; must divide ``data.batch_size``. Updates per
-    iteration: ``ppo_epochs * data.batch_size / minibatch_size``."""
+    """Episodes (rows) per gradient step, per rank; must divide the rollout's rows,
+    ``data.batch_size * num_generations``. Updates per iteration: ``ppo_epochs * rows /
+    minibatch_size``."""
     micro_batch_size: Optional[int] = param(None, ge=1)
     """Rows per forward and backward inside a minibatch (gradient accumulation); must divide
     ``minibatch_size``; null = the whole minibatch. Each micro-batch's losses are its share of the
@@ -620,10 +637,21 @@ def validate(cfg) -> None:
             check_fields(node, cls, prefix)
     check_fields(cfg, TrainConfig)  # the run-level keys
     p, d = cfg.ppo, cfg.data
-    if d.batch_size % p.minibatch_size:
-        raise ConfigError(f"ppo.minibatch_size={p.minibatch_size!r}: must divide data.batch_size={d.batch_size} "
-                          f"(the rollout batch); choose a divisor, e.g. ppo.minibatch_size="
-                          f"{_largest_divisor(d.batch_size, p.minibatch_size)}")
+    rows = d.batch_size * p.num_generations
+    if rows % p.minibatch_size:
+        what = (f"data.batch_size={d.batch_size} (the rollout batch)" if p.num_generations == 1 else
+                f"the rollout's {rows} rows (data.batch_size={d.batch_size} x ppo.num_generations={p.num_generations})")
+        raise ConfigError(f"ppo.minibatch_size={p.minibatch_size!r}: must divide {what}; choose a divisor, e.g. "
+                          f"ppo.minibatch_size={_largest_divisor(rows, p.minibatch_size)}")
+    if p.advantage in estimators.GROUP_ESTIMATORS and p.num_generations < 2:
+        raise ConfigError(f"ppo.advantage={p.advantage}: compares the responses to one prompt; set "
+                          f"ppo.num_generations >= 2 (e.g. 4)")
+    if p.advantage != "gae":
+        for key in ("model.value_head_path", "model.value_head_init"):
+            value = OmegaConf.select(cfg, key)
+            if value not in (None, "zeros"):
+                raise ConfigError(f"{key}={value!r} with ppo.advantage={p.advantage}: the critic-free "
+                                  "estimators run no value head; unset it, or use ppo.advantage=gae")
     if str(cfg.trainer.precision) in FP16_PRECISIONS:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision}: float16 is not supported (it needs loss "
                           "scaling, which PPO's skip-on-overflow would have to share); use bf16-mixed (GPUs "

@@ -28,6 +28,8 @@ from ppo_lightning.ppo import whiten
 Tensor = torch.Tensor
 
 GRPO_STD_EPS = 1e-4  # TRL's GRPOTrainer: (r - mean) / (std + 1e-4)
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")  # ppo.advantage; gae needs the value head
+GROUP_ESTIMATORS = ("grpo", "rloo")  # need ppo.num_generations >= 2
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -90,3 +92,36 @@ def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float = 
 def per_token(advantages: Tensor, mask: Tensor) -> Tensor:
     """A response's advantage ``[B]`` on each of its tokens ``[B, R]`` (0 off the response)."""
     return advantages[:, None].to(mask.dtype) * mask
+
+
+def critic_free_advantages(estimator: str, token_rewards: Tensor, mask: Tensor, *, group_size: int,
+                           gamma: float = 1.0, scale_by_std: bool = True,
+                           distributed: bool = False) -> tuple[Tensor, Tensor]:
+    """``(advantages, returns)`` ``[B, R]`` of a critic-free ``estimator`` from the per-token
+    rewards (``-beta * KL_t``, plus the score at the last response token).
+
+    GRPO and RLOO judge a response by its whole reward, the sum of its per-token rewards (the
+    score plus the KL penalty: TRL's RLOO "rlhf_reward"; with ``kl_coef=0`` the score alone, as in
+    GRPO on verifiable rewards), and give every token of it the response's advantage. Their
+    ``returns`` are those sums on every token (a record; no value head learns from them).
+    REINFORCE++ keeps the per-token rewards (``reinforce_pp_advantages``).
+    """
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(token_rewards, mask, gamma, distributed)
+    episode_reward = (token_rewards * mask).sum(1)
+    if estimator == "grpo":
+        adv = grpo_advantages(episode_reward, group_size, scale_by_std)
+    elif estimator == "rloo":
+        adv = rloo_advantages(episode_reward, group_size)
+    else:
+        raise ValueError(f"unknown critic-free estimator {estimator!r}; choose one of {ESTIMATORS[1:]}")
+    return per_token(adv, mask), per_token(episode_reward, mask)
+
+
+def group_reward_stats(rewards: Tensor, group_size: int) -> dict[str, Tensor]:
+    """Per-group spread of the rewards, as TRL's GRPO and RLOO trainers log it: the mean over
+    groups of the (unbiased) std within each group, and the fraction of groups whose rewards are
+    all equal (zero advantage for every response: no learning signal from that prompt)."""
+    g = _groups(rewards.float(), group_size)
+    equal = g.amax(dim=1) == g.amin(dim=1)  # exactly, where a std could round to 1e-9
+    return {"group_std": g.std(dim=1).mean(), "frac_zero_std": equal.float().mean()}

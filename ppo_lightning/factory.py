@@ -159,7 +159,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
         peft_model = apply_lora(lm, lora.r, lora.alpha, lora.dropout,
                                 OmegaConf.to_object(lora.target_modules) if lora.target_modules else None)
         ref_lm = DisabledAdapters(peft_model)
-    policy = PolicyWithValueHead(lm, peft_model)
+    policy = PolicyWithValueHead(lm, peft_model, value_head=cfg.ppo.advantage == "gae")  # the critic-free: none
     if cfg.model.value_head_path:
         load_value_head(policy, cfg.model.value_head_path)
     if cfg.model.gradient_checkpointing:  # the policy only: the frozen reference never backprops

@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from ppo_lightning import ppo
+from ppo_lightning import estimators, ppo
 from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.lightning_compat import count_iteration, no_gradient_sync, step_optimizer
 from ppo_lightning.optim import configure_optimizers
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
 UPDATE_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
                   "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var")
+VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg", "value/explained_variance")  # not logged without a critic
 
 PolicyOutput = tuple[Tensor, Tensor, Tensor]  # tempered logits [B, R, V], values [B, R], logprobs [B, R]
 
@@ -199,9 +200,13 @@ class PPOModule(L.LightningModule):
     def _rollout(self, batch: dict) -> None:
         c = self.ppo_cfg
         t0 = time.perf_counter()
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        if c.num_generations > 1:  # each prompt's samples on consecutive rows of this rank: a group
+            input_ids = input_ids.repeat_interleave(c.num_generations, dim=0)
+            attention_mask = attention_mask.repeat_interleave(c.num_generations, dim=0)
         samples = sample_and_score(
             policy=self.policy, ref_lm=self.ref_lm, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+            input_ids=input_ids, attention_mask=attention_mask,
             gen={"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
                  "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "fast_decode": c.fast_decode,
                  "chunk_size": c.rollout_generate_batch_size},
@@ -209,11 +214,14 @@ class PPOModule(L.LightningModule):
             reward_norm=self.reward_norm, generator=self.generator)
         logprobs, values = self._old_logprobs_and_values(samples)
         self.rollout = finish_rollout(samples, logprobs, values, kl_coef=self.kl_ctl.value, gamma=c.gamma,
-                                      lam=c.lam, kl_estimator=c.kl_estimator, whiten_rewards=c.whiten_rewards)
+                                      lam=c.lam, kl_estimator=c.kl_estimator, whiten_rewards=c.whiten_rewards,
+                                      advantage=c.advantage, group_size=c.num_generations,
+                                      scale_by_group_std=c.scale_by_group_std)
         self._time_rollout = time.perf_counter() - t0
 
-    def _old_logprobs_and_values(self, samples: Samples) -> tuple[Tensor, Tensor]:
-        """The old policy's logprobs and values of the sampled responses ``[B, R]``.
+    def _old_logprobs_and_values(self, samples: Samples) -> tuple[Tensor, Tensor | None]:
+        """The old policy's logprobs and values of the sampled responses ``[B, R]`` (values None
+        without a value head).
 
         The fused first forward (``ppo.fuse_rollout_forward``): when one minibatch (and one
         micro-batch) is the whole batch, the first update would run exactly this forward again, on
@@ -228,7 +236,7 @@ class PPOModule(L.LightningModule):
             with torch.enable_grad():
                 self._first_forward = self._policy_forward(samples)
             _, values, logprobs = self._first_forward
-            return logprobs.detach(), values.detach()
+            return logprobs.detach(), (values.detach() if values is not None else None)
         return forward_logprobs(self.policy, None, samples.query_responses, samples.attention_mask,
                                 samples.position_ids, samples.context_length, c.temperature,
                                 c.rollout_forward_batch_size)
@@ -308,8 +316,11 @@ class PPOModule(L.LightningModule):
                 logits, new_values, new_logp = self._forward(part)
                 pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, part.logprobs, part.advantages, mask, c.clip,
                                                            n_tokens)
-                vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, part.values, part.returns, mask, c.vf_clip,
-                                                          n_tokens)
+                if new_values is not None:
+                    vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, part.values, part.returns, mask,
+                                                              c.vf_clip, n_tokens)
+                else:  # critic-free: no value loss, and no value metrics
+                    vf_loss, vf_clipfrac = torch.zeros((), device=mask.device), None
                 with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
                     entropy = ppo.token_mean(ppo.entropy_from_logits(logits.float()), mask, n_tokens)
                 loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
@@ -321,6 +332,8 @@ class PPOModule(L.LightningModule):
             for k, v in (("policy/clipfrac_avg", pg_clipfrac), ("policy/entropy_avg", entropy.detach()),
                          ("loss/policy_avg", pg_loss.detach()), ("loss/value_avg", vf_loss.detach()),
                          ("val/clipfrac_avg", vf_clipfrac)):
+                if k in VALUE_METRICS and new_values is None:
+                    continue
                 stats[k] = stats[k] + v if k in stats else v  # shares of the minibatch's mean
             new_logps.append(new_logp.detach())
         if not self._all_ranks(self._clip_and_check_gradients(opt)):
@@ -419,12 +432,16 @@ class PPOModule(L.LightningModule):
             "objective/rlhf_reward": (r.scores + r.non_score_reward).mean(),
             "value/explained_variance": ppo.explained_variance(r.values, r.returns, mask),
             "rollout/response_length": mask.sum(1).mean(),
+            **self._group_metrics(r),
             "val/num_eos_tokens": r.contains_eos.float().sum(),
             "perf/tokens_per_s": mask.sum() / (self._time_rollout + time_update),
             **{k: torch.stack(v).mean() for k, v in stats.items()},
         }
         for k in UPDATE_METRICS:  # an iteration whose updates were all skipped has none
             local.setdefault(k, torch.tensor(float("nan"), device=mask.device))
+        if self.policy.v_head is None:
+            for k in VALUE_METRICS:
+                local.pop(k, None)
         names = list(local)
         values = torch.stack([local[k].float().detach() for k in names])
         world = self.trainer.world_size
@@ -435,6 +452,17 @@ class PPOModule(L.LightningModule):
             metrics[k] *= world
         metrics.update({"perf/time_rollout_s": self._time_rollout, "perf/time_update_s": time_update})
         return metrics
+
+    def _group_metrics(self, r: Rollout) -> dict[str, Tensor]:
+        """With several responses per prompt: how much the episode rewards (score plus KL penalty)
+        differ within a prompt's group, and the fraction of groups where they do not differ at
+        all (GRPO and RLOO learn nothing from those prompts)."""
+        n = self.ppo_cfg.num_generations
+        if n < 2:
+            return {}
+        stats = estimators.group_reward_stats(r.scores + r.non_score_reward, n)
+        return {"objective/group_reward_std": stats["group_std"],
+                "objective/frac_zero_std_groups": stats["frac_zero_std"]}
 
     def _log_metrics(self, metrics: dict[str, float], batch_size: int) -> None:
         """To every logger at step = the iteration just finished; through ``self.log`` only what

@@ -177,22 +177,25 @@ def _keep_head_input(module: nn.Module, args: tuple) -> None:
 class PolicyWithValueHead(nn.Module):
     """A causal LM and a value head on its last hidden state; one forward gives both."""
 
-    def __init__(self, lm: nn.Module, peft_model=None):
+    def __init__(self, lm: nn.Module, peft_model=None, value_head: bool = True):
         """``peft_model``: the ``peft`` model wrapping ``lm`` when LoRA adapters were injected into
-        it (``lora.apply_lora``); kept outside the module tree, since its weights are ``lm``'s."""
+        it (``lora.apply_lora``); kept outside the module tree, since its weights are ``lm``'s.
+        ``value_head=False`` (the critic-free estimators): no value head; values are None."""
         super().__init__()
         self.lm = lm
         self.__dict__["peft_model"] = peft_model
         hidden = lm.config.get_text_config().hidden_size
-        # Kept in float32 whatever the LM's dtype: the value is a regression target.
-        self.v_head = nn.Linear(hidden, 1, dtype=torch.float32)
-        nn.init.zeros_(self.v_head.weight)  # V(s) = 0 at the start ([N+] value head init)
-        nn.init.zeros_(self.v_head.bias)
+        self.v_head: nn.Linear | None = None
+        if value_head:
+            # Kept in float32 whatever the LM's dtype: the value is a regression target.
+            self.v_head = nn.Linear(hidden, 1, dtype=torch.float32)
+            nn.init.zeros_(self.v_head.weight)  # V(s) = 0 at the start ([N+] value head init)
+            nn.init.zeros_(self.v_head.bias)
         self._keep_kw = "logits_to_keep" in inspect.signature(lm.forward).parameters
         # The value head reads the LM head's input: the final (normed) hidden state, at exactly
         # the positions the LM head runs on. Caught by a pre-hook, which is ~7% cheaper than
         # output_hidden_states=True (every layer's states kept); that is the fallback.
-        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+        head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") and value_head else None
         self._hooked = isinstance(head, nn.Module)
         if self._hooked:
             head.register_forward_pre_hook(_keep_head_input)
@@ -229,8 +232,9 @@ class PolicyWithValueHead(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor, context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and values at the positions that predict response tokens.
+                position_ids: torch.Tensor, context_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits and values at the positions that predict response tokens (values None without
+        a value head).
 
         ``input_ids`` is ``[B, T]`` = left-padded prompt (``context_length`` = P) + response (R).
         Position ``t`` predicts token ``t + 1``, so the response is scored by positions
@@ -239,6 +243,10 @@ class PolicyWithValueHead(nn.Module):
         """
         R = input_ids.shape[1] - context_length
         kwargs = {"logits_to_keep": R + 1} if self._keep_kw else {}
+        if self.v_head is None:  # no critic: the LM alone
+            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False, **kwargs)
+            return out.logits[:, -(R + 1):-1], None
         head = self.lm.get_output_embeddings() if self._hooked else None
         if head is not None:
             head.catch_input, head.head_input = True, None
@@ -298,7 +306,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- save / load
 def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.PathLike, write: bool = True) -> Path:
     """An HF directory (safetensors + tokenizer + generation config) that plain
-    ``AutoModelForCausalLM.from_pretrained`` loads, with the value head beside it.
+    ``AutoModelForCausalLM.from_pretrained`` loads, with the value head beside it (if it has one).
 
     A LoRA policy is written merged (adapters folded into the base weights), plus its adapters
     alone under ``adapter/``. A sharded (FSDP) policy is gathered first: every rank must call
@@ -314,7 +322,7 @@ def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.Path
         lm_state = {k.removeprefix("lm."): v for k, v in whole.items() if k.startswith("lm.")}
         v_state = {k.removeprefix("v_head."): v for k, v in whole.items() if k.startswith("v_head.")}
     else:
-        v_state = policy.v_head.state_dict()
+        v_state = policy.v_head.state_dict() if policy.v_head is not None else {}
     if not write:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
@@ -326,7 +334,8 @@ def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.Path
     else:
         policy.lm.save_pretrained(directory, state_dict=lm_state, safe_serialization=True)
     tokenizer.save_pretrained(directory)
-    save_file({k: v.detach().cpu().contiguous() for k, v in v_state.items()}, str(directory / VALUE_HEAD_FILE))
+    if v_state:  # none for the critic-free estimators
+        save_file({k: v.detach().cpu().contiguous() for k, v in v_state.items()}, str(directory / VALUE_HEAD_FILE))
     return directory
 
 

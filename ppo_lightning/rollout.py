@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_lightning import ppo
+from ppo_lightning import estimators, ppo
 from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
 from ppo_lightning.lora import model_class
 from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
@@ -248,7 +248,8 @@ def forward_logprobs(policy: PolicyWithValueHead | None, lm, query_responses: Te
         sl = slice(s, s + chunk_size)
         if policy is not None:
             logits, v = policy(query_responses[sl], attention_mask[sl], position_ids[sl], context_length)
-            values.append(v)
+            if v is not None:  # a policy without a value head (critic-free estimators) gives none
+                values.append(v)
         else:
             R = query_responses.shape[1] - context_length
             logits = lm(input_ids=query_responses[sl], attention_mask=attention_mask[sl],
@@ -355,11 +356,16 @@ def sample_and_score(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable
 
 
 @torch.no_grad()
-def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor, *, kl_coef: float, gamma: float,
-                   lam: float, kl_estimator: str = "k1", whiten_rewards: bool = False) -> Rollout:
+def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_coef: float, gamma: float,
+                   lam: float, kl_estimator: str = "k1", whiten_rewards: bool = False, advantage: str = "gae",
+                   group_size: int = 1, scale_by_group_std: bool = True) -> Rollout:
     """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``:
-    per-token rewards (-beta * KL, plus the score at the last real token), GAE, whitening."""
+    per-token rewards (-beta * KL, plus the score at the last real token), then the advantages:
+    GAE on the values, whitened (``advantage="gae"``), or a critic-free estimator on groups of
+    ``group_size`` consecutive rows (``estimators.critic_free_advantages``; ``values`` None, and
+    the rollout's values are zeros)."""
     mask = s.response_mask
+    values = torch.zeros_like(logprobs) if values is None else values
     logprobs, ref_logprobs, values = logprobs * mask, s.ref_logprobs * mask, values * mask
     kl = ppo.kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
     per_token_kl = kl if kl_estimator == "k1" else ppo.kl_penalty(logprobs, ref_logprobs, kl_estimator) * mask
@@ -369,9 +375,14 @@ def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor, *, kl_coef: flo
     rewards = rewards.scatter_add(1, last[:, None], s.scores[:, None].to(rewards.dtype))
     if whiten_rewards:
         rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
-    values_next = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # compute_gae masks it
-    advantages, returns = ppo.compute_gae(rewards, values, values_next, mask, gamma, lam)
-    advantages = ppo.whiten(advantages, mask, distributed=True)
+    if advantage == "gae":
+        values_next = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # compute_gae masks it
+        advantages, returns = ppo.compute_gae(rewards, values, values_next, mask, gamma, lam)
+        advantages = ppo.whiten(advantages, mask, distributed=True)
+    else:
+        advantages, returns = estimators.critic_free_advantages(
+            advantage, rewards, mask, group_size=group_size, gamma=gamma, scale_by_std=scale_by_group_std,
+            distributed=True)
     return Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask,
                    position_ids=s.position_ids, response_mask=mask, logprobs=logprobs,
                    ref_logprobs=ref_logprobs, values=values, kl=kl, rewards=rewards,

@@ -90,3 +90,98 @@ def test_group_estimators_refuse_groups_they_cannot_form(fn):
         fn(torch.tensor([1.0, 2.0]), 1)
     with pytest.raises(ValueError, match="do not split into groups of 3"):
         fn(torch.tensor([1.0, 2.0, 3.0, 4.0]), 3)
+
+
+# ----------------------------------------------------------------------------- in training
+RUN = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "optimizer.lr=1e-3",
+       "ppo.kl_coef=0.01", "data.batch_size=4", "ppo.num_generations=4", "ppo.minibatch_size=8",
+       "ppo.max_new_tokens=16"]
+
+
+@pytest.mark.slow  # 40 iterations each
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
+def test_critic_free_estimators_raise_reward_without_any_value_head(tmp_path, cache_dir, advantage):
+    """Each critic-free estimator learns the tiny task (4 prompts x 4 samples per iteration), and
+    no value head exists anywhere: not in the policy, the optimizer, the checkpoint, the metrics
+    or the export."""
+    from ppo_lightning.factory import build
+    from ppo_lightning.train import train
+    from tests.conftest import compose_cfg, read_metrics
+
+    overrides = [*RUN, f"ppo.advantage={advantage}", "trainer.max_steps=40",
+                 "callbacks.model_checkpoint.every_n_train_steps=40"]
+    module, _, _ = build(compose_cfg(overrides, tmp_path / "built", cache_dir))
+    assert module.policy.v_head is None
+    n_lm_params = len(list(module.policy.lm.parameters()))  # a tied weight once
+
+    train(compose_cfg(overrides, tmp_path, cache_dir))
+    rows = read_metrics(tmp_path / "metrics.csv")
+    scores = [r["objective/scores"] for r in rows]
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert last > first + 0.1, f"{advantage}: mean reward did not rise clearly: {first:.3f} -> {last:.3f}"
+    assert rows[-1]["episode"] == 40 * 16  # every sample of every prompt is an episode
+    assert not any(k.startswith(("value/", "loss/value", "val/clipfrac")) for r in rows for k in r)
+    assert 0 <= rows[0]["objective/frac_zero_std_groups"] <= 1 and rows[0]["objective/group_reward_std"] > 0
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert not any("v_head" in k for k in state["state_dict"])
+    (group,) = state["optimizer_states"][0]["param_groups"]
+    assert len(group["params"]) == n_lm_params  # the LM's weights, nothing else
+    assert not (tmp_path / "policy" / "value_head.safetensors").exists()
+    assert (tmp_path / "policy" / "model.safetensors").exists()
+
+
+class CaptureRollout:
+    """A Lightning callback that keeps the first rollout."""
+
+    def __new__(cls):
+        import lightning as L
+
+        class _Capture(L.Callback):
+            rollout = None
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if self.rollout is None:
+                    self.rollout = pl_module.rollout
+
+        return _Capture()
+
+
+@pytest.mark.parametrize("advantage", ["gae", "grpo"])
+def test_each_prompts_samples_are_one_group_on_consecutive_rows(tmp_path, cache_dir, advantage):
+    """``ppo.num_generations=3``: the rollout holds each prompt three times in a row (valid for
+    GAE too); GRPO's advantages are constant along a response and sum to 0 within each group."""
+    from ppo_lightning.factory import build
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg([*RUN, "ppo.num_generations=3", "ppo.minibatch_size=6", f"ppo.advantage={advantage}",
+                       "trainer.max_steps=1", "callbacks=none", "export_dir=null"], tmp_path, cache_dir)
+    module, datamodule, trainer = build(cfg)
+    capture = CaptureRollout()
+    trainer.callbacks.append(capture)
+    trainer.fit(module, datamodule=datamodule)
+    r = capture.rollout
+    prompts = r.query_responses[:, :r.context_length].view(4, 3, -1)
+    assert r.batch_size == 12 and (prompts == prompts[:, :1]).all()  # three copies of each prompt
+    assert len({tuple(p[0].tolist()) for p in prompts}) == 4  # four different prompts
+    if advantage == "grpo":
+        mask = r.response_mask
+        per_response = (r.advantages * mask).sum(1) / mask.sum(1)
+        assert torch.allclose(r.advantages, per_response[:, None] * mask, atol=1e-6)
+        assert torch.allclose(per_response.view(4, 3).sum(1), torch.zeros(4), atol=1e-5)
+
+
+def test_bad_estimator_settings_name_the_key(tmp_path, cache_dir):
+    from ppo_lightning.config import validate
+    from ppo_lightning.errors import ConfigError
+    from tests.conftest import compose_cfg
+
+    for overrides, match in (
+            (["ppo.advantage=grpo"], r"^ppo.advantage=grpo: compares the responses to one prompt; set ppo.num_generations"),
+            (["ppo.advantage=rloo", "ppo.num_generations=1"], r"^ppo.advantage=rloo"),
+            (["ppo.advantage=reinforce_pp", "model.value_head_init=reward_model", "reward=model"],
+             r"^model.value_head_init='reward_model' with ppo.advantage=reinforce_pp"),
+            (["ppo.num_generations=3", "data.batch_size=4", "ppo.minibatch_size=8"],
+             r"^ppo.minibatch_size=8: must divide the rollout's 12 rows"),
+            (["ppo.advantage=vtrace"], r"ppo.advantage")):
+        with pytest.raises(ConfigError, match=match):
+            validate(compose_cfg(overrides, tmp_path, cache_dir))
