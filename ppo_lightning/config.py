@@ -270,7 +270,29 @@ class PPOConfig:
     """GRPO: divide by the group's reward std (+1e-4). False subtracts the group mean only
     (Dr. GRPO: the division favours prompts that are almost always or almost never solved)."""
     clip: float = param(0.2, gt=0, hint="0.2 is the usual value")
-    """Policy ratio clip epsilon."""
+    """Policy ratio clip epsilon: the ratio is clipped to [1 - clip, 1 + clip], unless
+    ``clip_low`` / ``clip_high`` set a side."""
+    clip_low: Optional[float] = param(None, gt=0, lt=1)
+    """The lower clip epsilon (null: ``clip``): ratios below ``1 - clip_low`` are clipped."""
+    clip_high: Optional[float] = param(None, gt=0)
+    """The upper clip epsilon (null: ``clip``). Above ``clip_low`` it is DAPO's "clip-higher"
+    (0.28 against 0.2): unlikely tokens may gain probability faster, which keeps entropy up."""
+    dual_clip: Optional[float] = param(None, gt=1)
+    """Dual clip's c (e.g. 3; null = off): for negative advantages the per-token loss is also
+    capped at ``-c * A``, so a ratio far above 1 on a bad token cannot blow up the update."""
+    loss_agg: str = param("token_mean", choices=ppo.LOSS_AGGREGATIONS)
+    """How the per-token policy loss (and the KL loss, ``kl_in=loss``) becomes one number:
+    ``token_mean`` over the minibatch's tokens; ``seq_mean_token_mean``, each response's token
+    mean, averaged over responses (GRPO's original); ``seq_mean_token_sum``, each response's token
+    sum, averaged (Dr. GRPO). Exact under micro-batches. The value loss is a token mean."""
+    kl_in: str = param("reward", choices=("reward", "loss"))
+    """Where the KL to the reference enters: ``reward``, as ``-kl_coef * KL_t`` per token
+    (``kl_estimator``; PPO, RLOO, REINFORCE++), or ``loss``, as ``kl_coef *`` the k3 estimate of
+    KL(policy || reference) on the current policy's logprobs, added to the loss and aggregated
+    like it (GRPO, DeepSeekMath eq. 3); the reward is then the score alone."""
+    target_kl: Optional[float] = param(None, gt=0)
+    """Stop an iteration's remaining epochs once an epoch's mean ``policy/approxkl_avg`` (over all
+    ranks) exceeds this (e.g. 0.02; null = off). ``policy/epochs`` logs how many ran."""
     vf_clip: float = param(0.2, gt=0, hint="0.2 is the usual value")
     """Value clip range around the rollout's values (in reward units)."""
     gamma: float = param(1.0, ge=0, le=1)

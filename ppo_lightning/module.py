@@ -213,7 +213,8 @@ class PPOModule(L.LightningModule):
             missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
             reward_norm=self.reward_norm, generator=self.generator)
         logprobs, values = self._old_logprobs_and_values(samples)
-        self.rollout = finish_rollout(samples, logprobs, values, kl_coef=self.kl_ctl.value, gamma=c.gamma,
+        kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
+        self.rollout = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, gamma=c.gamma,
                                       lam=c.lam, kl_estimator=c.kl_estimator, whiten_rewards=c.whiten_rewards,
                                       advantage=c.advantage, group_size=c.num_generations,
                                       scale_by_group_std=c.scale_by_group_std)
@@ -264,13 +265,20 @@ class PPOModule(L.LightningModule):
         lr, kl_coef = self.lr_schedulers().get_last_lr()[0], self.kl_ctl.value  # what this iteration uses
         stats: dict[str, list[Tensor]] = defaultdict(list)
         skipped = 0
+        epochs = 0
         if self._all_ranks(bool(r.is_finite())):
             for _ in range(c.ppo_epochs):
+                epoch_kl = []
                 for mb in self._minibatches(r):
                     mb_stats = self._update(mb)
                     skipped += mb_stats is None
                     for k, v in (mb_stats or {}).items():
                         stats[k].append(v)
+                    if mb_stats is not None:
+                        epoch_kl.append(mb_stats["policy/approxkl_avg"])
+                epochs += 1
+                if c.target_kl is not None and epochs < c.ppo_epochs and self._over_target_kl(epoch_kl):
+                    break
             self.optimizers().zero_grad()  # free the gradients: the next rollout needs no copy of them
         else:  # every update would be NaN
             skipped = c.ppo_epochs * (r.batch_size // c.minibatch_size)
@@ -278,6 +286,7 @@ class PPOModule(L.LightningModule):
         self._first_forward = None  # not used when the iteration was skipped
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # count queued kernels in the timers
+        stats["policy/epochs"] = [torch.tensor(float(epochs), device=self.device)]
         metrics = self._rollout_metrics(r, stats, time.perf_counter() - t0)
         self._end_iteration(r.batch_size, skipped, metrics["objective/kl"])
         metrics.update({"objective/kl_coef": kl_coef, "lr": lr, "episode": float(self.episode),
@@ -314,8 +323,9 @@ class PPOModule(L.LightningModule):
             with contextlib.nullcontext() if i == len(parts) - 1 else no_gradient_sync(self.trainer):
                 mask = part.response_mask
                 logits, new_values, new_logp = self._forward(part)
-                pg_loss, pg_clipfrac = ppo.ppo_policy_loss(new_logp, part.logprobs, part.advantages, mask, c.clip,
-                                                           n_tokens)
+                pg_loss, pg_clipfrac = ppo.ppo_policy_loss(
+                    new_logp, part.logprobs, part.advantages, mask, c.clip_low or c.clip, n_tokens,
+                    clip_high=c.clip_high or c.clip, dual_clip=c.dual_clip, agg=c.loss_agg, seq_count=mb.batch_size)
                 if new_values is not None:
                     vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, part.values, part.returns, mask,
                                                               c.vf_clip, n_tokens)
@@ -324,6 +334,10 @@ class PPOModule(L.LightningModule):
                 with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
                     entropy = ppo.token_mean(ppo.entropy_from_logits(logits.float()), mask, n_tokens)
                 loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
+                if c.kl_in == "loss":  # GRPO: beta * k3(policy || reference), aggregated like the policy loss
+                    kl_loss = ppo.aggregate(ppo.kl_k3(new_logp, part.ref_logprobs), mask, c.loss_agg, n_tokens,
+                                            mb.batch_size)
+                    loss = loss + self.kl_ctl.value * kl_loss
                 if not self._all_ranks(bool(torch.isfinite(loss))):
                     opt.zero_grad()  # weights untouched
                     self._last_nonfinite = f"loss {loss.item()}"
@@ -331,7 +345,8 @@ class PPOModule(L.LightningModule):
                 self.manual_backward(loss)
             for k, v in (("policy/clipfrac_avg", pg_clipfrac), ("policy/entropy_avg", entropy.detach()),
                          ("loss/policy_avg", pg_loss.detach()), ("loss/value_avg", vf_loss.detach()),
-                         ("val/clipfrac_avg", vf_clipfrac)):
+                         ("val/clipfrac_avg", vf_clipfrac),
+                         *((("loss/kl_avg", kl_loss.detach()),) if c.kl_in == "loss" else ())):
                 if k in VALUE_METRICS and new_values is None:
                     continue
                 stats[k] = stats[k] + v if k in stats else v  # shares of the minibatch's mean
@@ -379,6 +394,14 @@ class PPOModule(L.LightningModule):
                 f"{self._last_nonfinite}); stopping (ppo.max_nonfinite_iterations="
                 f"{self.ppo_cfg.max_nonfinite_iterations}). Checkpoints written so far are intact. Check the "
                 "reward function, or lower optimizer.lr.")
+
+    def _over_target_kl(self, epoch_kl: list[Tensor]) -> bool:
+        """Whether the epoch's mean approximate KL, over every rank's minibatches, passed
+        ``ppo.target_kl`` (every rank takes the same decision)."""
+        kl = torch.stack(epoch_kl).mean() if epoch_kl else torch.zeros((), device=self.device)
+        if self.trainer.world_size > 1:
+            kl = self.trainer.strategy.reduce(kl, reduce_op="mean")
+        return bool(kl > self.ppo_cfg.target_kl)
 
     def _all_ranks(self, ok: bool) -> bool:
         """True only if ``ok`` on every rank: a skip must happen everywhere, or DDP's gradient

@@ -118,19 +118,57 @@ def token_mean(x: Tensor, mask: Tensor, token_count: Tensor | None = None) -> Te
     return _select(x, mask).sum() / token_count.clamp(min=1)
 
 
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")  # ppo.loss_agg
+
+
+def aggregate(x: Tensor, mask: Tensor, mode: str = "token_mean", token_count: Tensor | None = None,
+              seq_count: Tensor | int | None = None) -> Tensor:
+    """A per-token loss ``[B, R]`` reduced to one number (``ppo.loss_agg``):
+
+    - ``token_mean``: every response token of the minibatch weighs the same (long responses weigh
+      more); ``token_count`` = the minibatch's tokens (see ``token_mean``);
+    - ``seq_mean_token_mean``: the mean over responses of each response's token mean (every
+      response weighs the same: GRPO's original loss, DeepSeekMath eq. 3);
+    - ``seq_mean_token_sum``: the mean over responses of each response's token sum (no division
+      by its length: Dr. GRPO's remedy for the length bias of the per-response mean).
+
+    ``seq_count`` = the minibatch's responses, so micro-batches' shares add up to the minibatch's
+    value, as ``token_count`` does for ``token_mean``.
+    """
+    if mode == "token_mean":
+        return token_mean(x, mask, token_count)
+    per_seq = masked_sum(x, mask, dim=1)
+    if mode == "seq_mean_token_mean":
+        per_seq = per_seq / mask.sum(1).clamp(min=1)
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGGREGATIONS}")
+    n = per_seq.shape[0] if seq_count is None else seq_count
+    return per_seq.sum() / (n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1))
+
+
 def ppo_policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                    clip: float, token_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                    clip: float, token_count: Tensor | None = None, *, clip_high: float | None = None,
+                    dual_clip: float | None = None, agg: str = "token_mean",
+                    seq_count: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
     """Clipped surrogate objective (as a loss to minimise) and the fraction of clipped tokens.
 
-    ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - clip, 1 + clip))``, averaged over response
-    tokens (``token_mean``). ``clip_frac`` counts tokens where the clipped branch was the active
-    (larger) one.
+    ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - clip, 1 + clip_high))`` per token
+    (``clip_high`` defaults to ``clip``; a larger one is DAPO's "clip-higher", Yu et al. 2025,
+    which lets unlikely tokens gain probability faster), then ``aggregate``d (``agg``).
+    ``dual_clip = c > 1`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+    RL"): for negative advantages the loss is also capped at ``-c * A``, so a ratio far above 1
+    on a bad token cannot produce an unbounded update. ``clip_frac`` (a token mean) counts
+    tokens where the clipped branch was the active (larger) one.
     """
     logratio = new_logp - old_logp
     ratio = torch.exp(logratio)
+    high = clip if clip_high is None else clip_high
     pg_loss1 = -advantages * ratio
-    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    loss = token_mean(torch.maximum(pg_loss1, pg_loss2), mask, token_count)
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
+    per_token = torch.maximum(pg_loss1, pg_loss2)
+    if dual_clip is not None:
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    loss = aggregate(per_token, mask, agg, token_count, seq_count)
     clip_frac = token_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask, token_count)
     return loss, clip_frac
 
