@@ -345,8 +345,15 @@ class PPOConfig:
     top_p: float = param(1.0, gt=0, le=1)
     """Nucleus sampling mass (1.0 = off); at least one token is always kept."""
     stop_at_eos: bool = True
-    """Stop a response at its first EOS. False runs every response to ``max_new_tokens``, EOS an
-    ordinary token, ``missing_eos_penalty`` ignored (benchmarks)."""
+    """Stop a response at its first EOS (or stop token / string). False runs every response to
+    ``max_new_tokens``, EOS an ordinary token, ``missing_eos_penalty`` ignored (benchmarks)."""
+    stop_token_ids: List[int] = field(default_factory=list)
+    """More token ids that end a response, as EOS does (kept, the last token of the response)."""
+    stop_strings: List[str] = field(default_factory=list)
+    """Strings that end a response: each is tokenised with the policy's tokenizer, and a response
+    stops when its last tokens are that sequence (the string tokenised differently, e.g. merged
+    with the token before it, does not stop it: prefer strings that start a token, like "\n\n").
+    A response that stops on one counts as ended for ``missing_eos_penalty``."""
     fast_decode: bool = True
     """Sample an exact ``GPT2LMHeadModel`` policy (no cross-attention, no upcast attention, whole
     unsharded weights) with a lean per-token step (``fast_decode.py``): the same ops on the same

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ppo_lightning import estimators, ppo
+from ppo_lightning.errors import ConfigError
 from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.lightning_compat import count_iteration, no_gradient_sync, step_optimizer
 from ppo_lightning.optim import configure_optimizers
@@ -43,6 +44,22 @@ UPDATE_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_
 VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg", "value/explained_variance")  # not logged without a critic
 
 PolicyOutput = tuple[Tensor, Tensor, Tensor]  # tempered logits [B, R, V], values [B, R], logprobs [B, R]
+
+
+def stop_sequences(tokenizer, token_ids, strings) -> tuple[tuple[int, ...], ...]:
+    """``ppo.stop_token_ids`` (one token each) and ``ppo.stop_strings`` tokenised without special
+    tokens, as the token-id sequences ``rollout.generate`` stops on."""
+    seqs = [(int(i),) for i in token_ids]
+    for text in strings:
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ConfigError(f"ppo.stop_strings: {text!r} is no token in the policy's tokenizer; remove it")
+        seqs.append(ids)
+    vocab = len(tokenizer)
+    bad = [i for i in token_ids if not 0 <= int(i) < vocab]
+    if bad:
+        raise ConfigError(f"ppo.stop_token_ids: {bad} outside the tokenizer's {vocab} ids")
+    return tuple(seqs)
 
 
 class NonFiniteError(RuntimeError):
@@ -71,6 +88,7 @@ class PPOModule(L.LightningModule):
         self.reward_fn = reward_fn  # registered as a submodule when it is a reward model
         self.tokenizer = tokenizer
         self.ppo_cfg = ppo_cfg
+        self.stop_sequences = stop_sequences(tokenizer, ppo_cfg.stop_token_ids, ppo_cfg.stop_strings)
         self.optim_cfg = optim_cfg
         self.seed = seed
         self.reward_norm = reward_norm  # (gain, bias); None until fitted
@@ -152,11 +170,9 @@ class PPOModule(L.LightningModule):
         raw = []
         for batch in loader.normalization_batches(need):
             ids, am = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-            resp, mask = generate(self.ref_lm, ids, am, max_new_tokens=c.max_new_tokens,
-                                  eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                                  temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-                                  stop_at_eos=c.stop_at_eos, fast_decode=c.fast_decode, generator=g,
-                                  chunk_size=c.rollout_generate_batch_size)
+            resp, mask = generate(self.ref_lm, ids, am, eos_token_id=self.tokenizer.eos_token_id,
+                                  pad_token_id=self.tokenizer.pad_token_id, **self.generation_kwargs(),
+                                  fast_decode=c.fast_decode, generator=g, chunk_size=c.rollout_generate_batch_size)
             # the same scoring path (token ids or decoded text) as the rollouts
             raw.append(score_responses(self.reward_fn, self.tokenizer, ids, am, resp, mask))
         reduce = None
@@ -175,6 +191,14 @@ class PPOModule(L.LightningModule):
         """The training reward of texts: the reward's raw scores through the run's normalisation."""
         gain, bias = self.reward_norm or (1.0, 0.0)
         return torch.as_tensor(self.reward_fn(prompts, responses), dtype=torch.float32) * gain + bias
+
+    def generation_kwargs(self) -> dict:
+        """How this run samples (``ppo.max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
+        ``stop_at_eos`` and the stop sequences): for ``rollout.generate`` in the rollouts, the
+        reward normalisation's samples and the recipes' before/after evaluations alike."""
+        c = self.ppo_cfg
+        return {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
+                "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "stop_sequences": self.stop_sequences}
 
     # ------------------------------------------------------------------------- part 1: rollout
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
@@ -207,9 +231,7 @@ class PPOModule(L.LightningModule):
         samples = sample_and_score(
             policy=self.policy, ref_lm=self.ref_lm, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
             input_ids=input_ids, attention_mask=attention_mask,
-            gen={"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
-                 "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "fast_decode": c.fast_decode,
-                 "chunk_size": c.rollout_generate_batch_size},
+            gen={**self.generation_kwargs(), "fast_decode": c.fast_decode, "chunk_size": c.rollout_generate_batch_size},
             missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
             reward_norm=self.reward_norm, generator=self.generator)
         logprobs, values = self._old_logprobs_and_values(samples)

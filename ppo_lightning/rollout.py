@@ -26,6 +26,7 @@ from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
 from ppo_lightning.lora import model_class
 from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
 
+StopSequences = tuple[tuple[int, ...], ...]  # token-id sequences that end a response (besides EOS)
 
 class _Sequences:
     """What ``Rollout`` and ``Samples`` share: ``query_responses [B, T]`` = left-padded prompt
@@ -125,13 +126,15 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
              eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
              generator: torch.Generator | None = None, fast_decode: bool = True,
-             chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+             chunk_size: int | None = None, stop_sequences: StopSequences = ()) -> tuple[Tensor, Tensor]:
     """Sample responses to left-padded prompts with a KV cache.
 
-    Returns ``responses [B, R]`` (pad after the first EOS, ``R <= max_new_tokens``: the loop
-    stops once every row has emitted EOS) and ``response_mask [B, R]`` (1 up to and including
-    EOS). With ``stop_at_eos=False`` every row runs to ``max_new_tokens`` and EOS is an ordinary
-    token (benchmarks use this for a fixed workload).
+    Returns ``responses [B, R]`` (pad after the first stop, ``R <= max_new_tokens``: the loop
+    stops once every row has stopped) and ``response_mask [B, R]`` (1 up to and including the
+    stop). A row stops at EOS or at the last token of any of ``stop_sequences`` (token-id
+    sequences: ``ppo.stop_token_ids`` and the tokenised ``ppo.stop_strings``). With
+    ``stop_at_eos=False`` every row runs to ``max_new_tokens`` and neither stops it (benchmarks
+    use this for a fixed workload).
 
     The prompt goes through the model's own forward (the prefill). Each further token goes through
     it too, or, with ``fast_decode`` on a model ``fast_decode.supports_fast_decode`` accepts
@@ -157,7 +160,7 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
         with torch.no_grad() if _is_fsdp(lm) else torch.inference_mode():
             parts = [_sample_loop(lm, input_ids[s:s + chunk_size], attention_mask[s:s + chunk_size],
                                   max_new_tokens, eos_token_id, pad_token_id, temperature, top_k, top_p,
-                                  stop_at_eos, greedy, generator, fast)
+                                  stop_at_eos, greedy, generator, fast, stop_sequences)
                      for s in range(0, B, chunk_size)]
     finally:
         lm.train(was_training)
@@ -177,7 +180,7 @@ def _is_fsdp(module: nn.Module) -> bool:
 
 
 def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
-                 temperature, top_k, top_p, stop_at_eos, greedy, generator, fast):
+                 temperature, top_k, top_p, stop_at_eos, greedy, generator, fast, stop_sequences=()):
     from transformers import DynamicCache
 
     B, P = input_ids.shape
@@ -204,6 +207,10 @@ def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pa
         n = t + 1
         if stop_at_eos:
             finished |= token == eos_token_id
+            for seq in stop_sequences:  # a sequence ending at this token
+                k = len(seq)
+                if k <= n:
+                    finished |= (responses[:, n - k:n] == responses.new_tensor(seq)).all(1)
             # .all() syncs with the device; on GPU checking every few steps would save a little
             if bool(finished.all()):
                 break
@@ -217,10 +224,30 @@ def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pa
         next_pos = next_pos + 1
     responses = responses[:, :n]
     if stop_at_eos:
-        response_mask = _mask_after_eos(responses, eos_token_id)
+        response_mask = _mask_after_stop(responses, eos_token_id, stop_sequences)
     else:
         response_mask = torch.ones_like(responses, dtype=torch.float32)
     return responses, response_mask
+
+
+def stop_hits(responses: Tensor, eos_token_id: int, stop_sequences: StopSequences = ()) -> Tensor:
+    """``[B, R]`` bool: the response stops at position ``t`` (EOS there, or the last token of a
+    stop sequence)."""
+    hits = responses == eos_token_id
+    for seq in stop_sequences:
+        k = len(seq)
+        if k <= responses.shape[1]:
+            windows = responses.unfold(1, k, 1)  # [B, R - k + 1, k]: the k tokens ending at k-1 .. R-1
+            hits[:, k - 1:] |= (windows == responses.new_tensor(seq)).all(-1)
+    return hits
+
+
+def _mask_after_stop(responses: Tensor, eos_token_id: int, stop_sequences: StopSequences = ()) -> Tensor:
+    """1 on tokens up to and including the first stop (EOS or a stop sequence's last token)."""
+    if not stop_sequences:
+        return _mask_after_eos(responses, eos_token_id)
+    hits = stop_hits(responses, eos_token_id, stop_sequences).long()
+    return ((hits.cumsum(-1) - hits) == 0).to(torch.float32)
 
 
 def _mask_after_eos(responses: Tensor, eos_token_id: int) -> Tensor:
@@ -319,7 +346,7 @@ class Samples(_Sequences):
     ref_logprobs: Tensor  # [B, R] (unmasked)
     scores: Tensor  # [B] normalised, after the missing-EOS penalty
     raw_scores: Tensor  # [B] the reward's own output
-    contains_eos: Tensor  # [B] bool
+    contains_eos: Tensor  # [B] bool: stopped by EOS or a stop sequence
     context_length: int  # P
 
 
@@ -347,7 +374,7 @@ def sample_and_score(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable
     raw_scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask)
     gain, bias = reward_norm
     scores = raw_scores * gain + bias
-    contains_eos = ((responses == tokenizer.eos_token_id) & (response_mask > 0)).any(1)
+    contains_eos = (stop_hits(responses, tokenizer.eos_token_id, gen.get("stop_sequences", ())) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and gen.get("stop_at_eos", True):
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
     return Samples(query_responses=query_responses, attention_mask=full_mask, position_ids=position_ids,

@@ -50,9 +50,7 @@ def prepare(cfg) -> Path:
 def evaluate(cfg, module, out_dir: Path | None) -> str:
     prompts = [p for p in (root(cfg) / "prompts_eval.txt").read_text().split("\n") if p]
     scorers = {"accuracy": arithmetic.reward_fn}
-    c = module.ppo_cfg
-    gen = {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
-           "top_p": c.top_p, "stop_at_eos": c.stop_at_eos}
+    gen = module.generation_kwargs()
     before = sample_and_evaluate(module.ref_lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
     after = sample_and_evaluate(module.policy.lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
     greedy = dict(gen, greedy=True)

@@ -167,9 +167,7 @@ def evaluate(cfg, module, out_dir: Path | None) -> str:
     scorers = {"reward (training reward)": module.score,
                "sentiment (ground truth)": true_sentiment,
                "well-formed fraction": well_formed}
-    c = module.ppo_cfg
-    gen = {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
-           "top_p": c.top_p, "stop_at_eos": c.stop_at_eos}
+    gen = module.generation_kwargs()
     before = sample_and_evaluate(module.ref_lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
     after = sample_and_evaluate(module.policy.lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
     return report(before, after, out_dir / "eval.json" if out_dir else None)
