@@ -84,3 +84,19 @@ def test_sharding_benchmark_counts_each_tensor_once():
     opt.step()
     # two moments per parameter, float32, plus a scalar step counter per parameter
     assert tensor_bytes(optimizer_tensors(opt)) == 2 * (3 * 4 + 4) * 4 + 2 * 4
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_pp"])
+def test_compare_estimators_configures_each_estimator_on_the_same_episodes(tmp_path, cache_dir, estimator):
+    """``benchmarks/compare_estimators.py``'s overrides compose and validate on both recipes'
+    jobs, and every estimator gets the recipe's 32 episodes per iteration."""
+    from compare_estimators import RECIPES, estimator_overrides
+
+    from ppo_lightning.config import validate
+    from tests.conftest import compose_cfg
+
+    for job, batch, _ in RECIPES.values():
+        cfg = compose_cfg([*job, *estimator_overrides(estimator, batch, 4)], tmp_path, cache_dir, experiment=None)
+        validate(cfg)
+        assert cfg.ppo.advantage == estimator
+        assert cfg.data.batch_size * cfg.ppo.num_generations == batch == 32

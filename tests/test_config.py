@@ -83,6 +83,19 @@ def test_a_preset_needs_both_its_reward_and_its_prompts(tmp_path, cache_dir):
     assert (cfg.recipe, cfg.ppo.max_new_tokens, cfg.ppo.kl_coef, cfg.optimizer.lr) == ("arithmetic", 4, 0.02, 1.0e-4)
 
 
+@pytest.mark.parametrize("name, advantage, generations, prompts", [
+    ("grpo", "grpo", 4, 8), ("rloo", "rloo", 4, 8), ("reinforce_pp", "reinforce_pp", 1, 32)])
+def test_the_estimator_experiments_are_the_arithmetic_job_with_their_estimator(tmp_path, cache_dir, name,
+                                                                              advantage, generations, prompts):
+    """``experiment=arithmetic_<name>``: the arithmetic recipe and preset, the estimator, and the
+    same 32 episodes per iteration (prompts x generations); GRPO takes the KL as a loss term."""
+    cfg = compose(tmp_path, cache_dir, f"experiment=arithmetic_{name}")
+    C.validate(cfg)
+    assert (cfg.recipe, cfg.ppo.max_new_tokens, cfg.ppo.kl_coef) == ("arithmetic", 4, 0.02)
+    assert (cfg.ppo.advantage, cfg.ppo.num_generations, cfg.data.batch_size) == (advantage, generations, prompts)
+    assert prompts * generations == 32 and cfg.ppo.kl_in == ("loss" if name == "grpo" else "reward")
+
+
 def _checked_fields():
     for prefix, cls in {**C.SECTIONS, "": C.TrainConfig}.items():
         for f in dataclasses.fields(cls):
