@@ -123,3 +123,25 @@ def test_lora_under_fsdp_cpu_matches_lora_under_ddp_cpu(cache_dir, tmp_path):
         assert a.keys() == b.keys(), name
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+
+
+def test_grpo_keeps_groups_on_their_rank_and_fsdp_matches_ddp(cache_dir, tmp_path):
+    """GRPO (no value head) over two processes: each rank samples ``num_generations`` answers for
+    its own prompts, so a group never spans ranks and its statistics need no communication; the
+    update's gradients are reduced as PPO's. Under DDP the ranks end identical (``ddp_run``), and
+    the sharded policy root without a value head gives DDP's run."""
+    grpo = ["trainer.max_steps=2", "ppo.advantage=grpo", "ppo.num_generations=2"]
+    ddp = ddp_run(tmp_path, cache_dir, "grpo", grpo)
+    assert [r["episode"] for r in ddp["rows"]] == [32.0, 64.0]  # 8 prompts x 2 answers x 2 ranks per iteration
+    assert not any(k.startswith("value/") for k in ddp["rows"][0])
+    assert all(0 <= r["objective/frac_zero_std_groups"] <= 1 for r in ddp["rows"])
+    run_dir = tmp_path / "run_fsdp_grpo"
+    p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *grpo, f"hydra.run.dir={run_dir}"],
+                  cache_dir, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    for a, b in zip(ddp["rows"], read_metrics(run_dir / "metrics.csv"), strict=True):
+        for k in a:
+            if k.startswith("perf/"):
+                continue
+            tol = dict(abs=0.02) if k.endswith("clipfrac_avg") else dict(rel=1e-4, abs=1e-5)
+            assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)
