@@ -39,7 +39,8 @@ from ppo_lightning.sharding import (FSDP2Strategy, full_tensor, initialize_root,
 log = logging.getLogger(__name__)
 
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
-UPDATE_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "loss/policy_avg",
+UPDATE_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/clipfrac_low_avg", "policy/clipfrac_high_avg",
+                  "policy/entropy_avg", "loss/policy_avg",
                   "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var")
 VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg", "value/explained_variance")  # not logged without a critic
 
@@ -345,9 +346,13 @@ class PPOModule(L.LightningModule):
             with contextlib.nullcontext() if i == len(parts) - 1 else no_gradient_sync(self.trainer):
                 mask = part.response_mask
                 logits, new_values, new_logp = self._forward(part)
+                low, high = c.clip_low or c.clip, c.clip_high or c.clip
                 pg_loss, pg_clipfrac = ppo.ppo_policy_loss(
-                    new_logp, part.logprobs, part.advantages, mask, c.clip_low or c.clip, n_tokens,
-                    clip_high=c.clip_high or c.clip, dual_clip=c.dual_clip, agg=c.loss_agg, seq_count=mb.batch_size)
+                    new_logp, part.logprobs, part.advantages, mask, low, n_tokens,
+                    clip_high=high, dual_clip=c.dual_clip, agg=c.loss_agg, seq_count=mb.batch_size)
+                with torch.no_grad():
+                    clipped_low, clipped_high = ppo.clip_fractions(new_logp, part.logprobs, part.advantages, mask,
+                                                                   low, high, n_tokens)
                 if new_values is not None:
                     vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, part.values, part.returns, mask,
                                                               c.vf_clip, n_tokens)
@@ -365,7 +370,8 @@ class PPOModule(L.LightningModule):
                     self._last_nonfinite = f"loss {loss.item()}"
                     return None
                 self.manual_backward(loss)
-            for k, v in (("policy/clipfrac_avg", pg_clipfrac), ("policy/entropy_avg", entropy.detach()),
+            for k, v in (("policy/clipfrac_avg", pg_clipfrac), ("policy/clipfrac_low_avg", clipped_low),
+                         ("policy/clipfrac_high_avg", clipped_high), ("policy/entropy_avg", entropy.detach()),
                          ("loss/policy_avg", pg_loss.detach()), ("loss/value_avg", vf_loss.detach()),
                          ("val/clipfrac_avg", vf_clipfrac),
                          *((("loss/kl_avg", kl_loss.detach()),) if c.kl_in == "loss" else ())):

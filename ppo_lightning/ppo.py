@@ -173,6 +173,19 @@ def ppo_policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
     return loss, clip_frac
 
 
+def clip_fractions(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
+                   clip_high: float, token_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The clipped tokens by side, as TRL's GRPOTrainer logs them (``clip_ratio/low_mean``,
+    ``high_mean``): ``ratio < 1 - clip_low`` with ``A < 0`` (the loss would push a bad token's
+    probability further down) and ``ratio > 1 + clip_high`` with ``A > 0`` (a good token's further
+    up). Token means; they add up to ``ppo_policy_loss``'s clip fraction."""
+    ratio = torch.exp(new_logp - old_logp)
+    low = (ratio < 1.0 - clip_low) & (advantages < 0)
+    high = (ratio > 1.0 + clip_high) & (advantages > 0)
+    return (token_mean(low.to(new_logp.dtype), mask, token_count),
+            token_mean(high.to(new_logp.dtype), mask, token_count))
+
+
 def ppo_value_loss(new_values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
                    vf_clip: float, token_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` and its clip fraction.

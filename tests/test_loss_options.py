@@ -93,3 +93,23 @@ def test_target_kl_stops_the_remaining_epochs(tmp_path, cache_dir, target, epoch
     rows = _run(tmp_path, cache_dir, f"ppo.target_kl={target}", "ppo.ppo_epochs=4", "ppo.minibatch_size=4",
                 "trainer.max_steps=2")
     assert [r["policy/epochs"] for r in rows] == [epochs, epochs]
+
+
+def test_clip_fractions_split_the_clipped_tokens_by_side():
+    """TRL's GRPOTrainer: low = ratio < 1 - eps_low with A < 0, high = ratio > 1 + eps_high with
+    A > 0; together they are the tokens where the clipped branch of the loss is active."""
+    old = torch.randn(B, R)
+    new = old + torch.tensor([[-0.5, 0.5, 1.5, -1.5, 0.1, 2.5]]).expand(B, R)
+    adv = torch.tensor([[1.0], [-1.0], [2.0], [-0.5]]).expand(B, R)
+    low, high = ppo.clip_fractions(new, old, adv, MASK, 0.2, 0.28)
+    n_low = n_high = 0
+    for b in range(B):
+        for t in range(R):
+            if MASK[b, t]:
+                r, a = math.exp(new[b, t].item() - old[b, t].item()), adv[b, t].item()
+                n_low += r < 0.8 and a < 0
+                n_high += r > 1.28 and a > 0
+    n = MASK.sum().item()
+    assert (low.item(), high.item()) == pytest.approx((n_low / n, n_high / n))
+    _, total = ppo.ppo_policy_loss(new, old, adv, MASK, 0.2, clip_high=0.28)
+    assert (low + high).item() == pytest.approx(total.item())
