@@ -116,7 +116,7 @@ class StopOnPreemption(L.Callback):
         _State.requested = True  # ranks that got no signal stop too, and ignore a late one
         _State.deferred = False
         path = last_checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the whole state: a resumable checkpoint
         raise Preempted(f"stopped by SIGTERM after PPO iteration {trainer.global_step - 1}; "
                         f"checkpoint written to {path}", checkpoint=path)
 
