@@ -698,13 +698,18 @@ def validate(cfg) -> None:
         raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} with model.lora.r={lora.r}: with LoRA the "
                           "reference is the policy with its adapters off (no second copy of the weights); unset "
                           f"{key}, or set model.lora.r=0 to keep a separate reference")
-    strategy = cfg.trainer.strategy
-    target = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
+    target = strategy_name(cfg.trainer)
     if target.lower() in ("fsdp", "fsdpstrategy") or target.endswith(".FSDPStrategy"):
         raise ConfigError(f"trainer.strategy={target}: Lightning's FSDP1 flattens the weights the sampler reads; "
                           "use trainer=fsdp (FSDP2, ppo_lightning.sharding.FSDP2Strategy) or trainer=fsdp_cpu")
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
+
+
+def strategy_name(trainer) -> str:
+    """``trainer.strategy`` as a name: a string as given (``ddp``), a class by its ``_target_``."""
+    strategy = trainer.get("strategy", "auto")
+    return str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
 
 
 def processes_per_job(trainer) -> int | None:
@@ -715,9 +720,7 @@ def processes_per_job(trainer) -> int | None:
     if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
         return len(devices) * nodes
     if str(devices) in ("-1", "auto"):
-        strategy = trainer.get("strategy", "auto")
-        name = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
-        return None if name not in ("auto", "single_device") else nodes
+        return None if strategy_name(trainer) not in ("auto", "single_device") else nodes
     return int(devices) * nodes
 
 

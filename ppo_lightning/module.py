@@ -34,7 +34,7 @@ from ppo_lightning.policy import PolicyWithValueHead
 from ppo_lightning.rewards import fit_normalization
 from ppo_lightning.rollout import Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score, score_responses
 from ppo_lightning.sharding import (FSDP2Strategy, full_tensor, initialize_root, is_sharded, shard_module,
-                                    unsharded_for_rollout)
+                                    tied_aliases, unsharded_for_rollout)
 
 log = logging.getLogger(__name__)
 
@@ -536,12 +536,9 @@ class PPOModule(L.LightningModule):
         if key.startswith(("ref_lm.", "reward_fn.")):
             return False
         if self._unsaved_policy_keys is None:
-            unsaved, seen = set(), set()
-            for k, v in self.policy.state_dict(keep_vars=True).items():
-                if (isinstance(v, nn.Parameter) and not v.requires_grad) or id(v) in seen:
-                    unsaved.add(f"policy.{k}")
-                seen.add(id(v))
-            self._unsaved_policy_keys = frozenset(unsaved)
+            frozen = {k for k, v in self.policy.state_dict(keep_vars=True).items()
+                      if isinstance(v, nn.Parameter) and not v.requires_grad}
+            self._unsaved_policy_keys = frozenset(f"policy.{k}" for k in frozen | tied_aliases(self.policy))
         return key not in self._unsaved_policy_keys
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -128,16 +128,25 @@ def load_full_state_dict(module: nn.Module, full: dict[str, torch.Tensor]) -> No
     module.load_state_dict(placed, strict=False)
 
 
-def drop_tied_aliases(module: nn.Module, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``whole`` without the second name of each tied weight (GPT-2's ``lm_head.weight`` is its
-    token embedding). Gathered state dicts hold a tied weight as separate copies, where
-    ``module.state_dict()`` shares one tensor: an export would write a 50257 x 768 embedding
-    twice. Loading sets the shared weight through its first name."""
-    first: dict[int, str] = {}
+def tied_aliases(module: nn.Module) -> set[str]:
+    """The state-dict names under which ``module`` holds a tensor it already holds under an
+    earlier name: the second name of each tied weight (GPT-2's ``lm_head.weight`` is its token
+    embedding). Loading the first name sets both."""
+    seen: set[int] = set()
+    aliases = set()
     for key, value in module.state_dict(keep_vars=True).items():
-        first.setdefault(id(value), key)
-    keep = set(first.values())
-    return {k: v for k, v in whole.items() if k in keep}
+        if id(value) in seen:
+            aliases.add(key)
+        seen.add(id(value))
+    return aliases
+
+
+def drop_tied_aliases(module: nn.Module, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``whole`` without ``tied_aliases(module)``. Gathered state dicts hold a tied weight as
+    separate copies, where ``module.state_dict()`` shares one tensor: an export would write a
+    50257 x 768 embedding twice."""
+    aliases = tied_aliases(module)
+    return {k: v for k, v in whole.items() if k not in aliases}
 
 
 def decoder_blocks(lm: nn.Module) -> list[nn.Module]:

@@ -29,6 +29,20 @@ def run_train(args: list[str], cache_dir: Path, timeout: float = 600, env_extra:
                           text=True, timeout=timeout)
 
 
+def assert_same_metrics(expected: list[dict], got: list[dict], rel: float = 1e-4, abs: float = 1e-5) -> None:
+    """Two runs' metrics rows agree, iteration by iteration (wall-clock ``perf/*`` aside). A clip
+    fraction counts tokens at a threshold, where a 1e-7 difference can move one token: those get
+    an absolute tolerance of 0.02."""
+    import pytest
+
+    for a, b in zip(expected, got, strict=True):
+        for k in a:
+            if k.startswith("perf/"):
+                continue
+            tol = dict(abs=0.02) if "clipfrac" in k else dict(rel=rel, abs=abs)
+            assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)
+
+
 class SaveRankWeights(L.Callback):
     """At the end of fit, every rank writes its policy weights to ``<dir>/rank<k>.pt``."""
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import read_metrics
-from tests.helpers import run_train
+from tests.helpers import assert_same_metrics, run_train
 from tests.test_cli import TINY_RUN
 from tests.test_ddp import ddp_run
 
@@ -40,12 +40,7 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
         assert 0.45 * total <= held <= 0.55 * total
 
     # the same run as DDP's: metrics and final weights
-    for a, b in zip(ddp["rows"], read_metrics(run_dir / "metrics.csv"), strict=True):
-        for k in a:
-            if k.startswith("perf/"):
-                continue
-            tol = dict(abs=0.02) if "clipfrac" in k else dict(rel=1e-4, abs=1e-5)
-            assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)
+    assert_same_metrics(ddp["rows"], read_metrics(run_dir / "metrics.csv"))
     exported = load_file(str(run_dir / "policy" / "model.safetensors"))
     value_head = load_file(str(run_dir / "policy" / "value_head.safetensors"))
     for k, v in ddp["weights"].items():
@@ -111,13 +106,7 @@ def test_lora_under_fsdp_cpu_matches_lora_under_ddp_cpu(cache_dir, tmp_path):
         p = run_train([f"trainer={trainer}", *TINY_RUN, "model.lora.r=4", "optimizer.lr=1e-3", "trainer.max_steps=3",
                        f"hydra.run.dir={run_dir}"], cache_dir, timeout=600)
         assert p.returncode == 0, p.stderr[-4000:]
-    for a, b in zip(read_metrics(runs["ddp_cpu"] / "metrics.csv"), read_metrics(runs["fsdp_cpu"] / "metrics.csv"),
-                    strict=True):
-        for k in a:
-            if k.startswith("perf/"):
-                continue
-            tol = dict(abs=0.02) if "clipfrac" in k else dict(rel=1e-4, abs=1e-5)
-            assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)
+    assert_same_metrics(read_metrics(runs["ddp_cpu"] / "metrics.csv"), read_metrics(runs["fsdp_cpu"] / "metrics.csv"))
     for name in ("model.safetensors", "value_head.safetensors", "adapter/adapter_model.safetensors"):
         a, b = (load_file(str(runs[t] / "policy" / name)) for t in ("ddp_cpu", "fsdp_cpu"))
         assert a.keys() == b.keys(), name
@@ -139,9 +128,4 @@ def test_grpo_keeps_groups_on_their_rank_and_fsdp_matches_ddp(cache_dir, tmp_pat
     p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *grpo, f"hydra.run.dir={run_dir}"],
                   cache_dir, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
-    for a, b in zip(ddp["rows"], read_metrics(run_dir / "metrics.csv"), strict=True):
-        for k in a:
-            if k.startswith("perf/"):
-                continue
-            tol = dict(abs=0.02) if "clipfrac" in k else dict(rel=1e-4, abs=1e-5)
-            assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)
+    assert_same_metrics(ddp["rows"], read_metrics(run_dir / "metrics.csv"))

@@ -10,6 +10,7 @@ import torch
 from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, position_ids_from_mask
 from ppo_lightning.train import train
 from tests.conftest import compose_cfg, read_metrics
+from tests.helpers import assert_same_metrics
 
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none",
          "trainer.enable_checkpointing=false", "logger=csv"]
@@ -102,13 +103,7 @@ def test_micro_batches_give_the_whole_minibatch_update(tmp_path, cache_dir, mini
     rows, w = _run(tmp_path, cache_dir, "micro", [f"ppo.minibatch_size={minibatch}", f"ppo.micro_batch_size={micro}"])
     for k in base_w:
         torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
-    for a, b in zip(base_rows, rows):
-        for k in a:
-            if k.startswith("perf/"):
-                continue
-            # a clip fraction counts tokens at a threshold: a 1e-7 difference can move one token
-            tol = dict(abs=0.02) if "clipfrac" in k else dict(rel=1e-4, abs=1e-6)
-            assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)
+    assert_same_metrics(base_rows, rows, abs=1e-6)
     assert rows[-1]["policy/approxkl_avg"] > 0
 
 
@@ -155,10 +150,5 @@ def test_lora_with_checkpointing_and_micro_batches_gives_the_same_adapters(tmp_p
                                                            "ppo.micro_batch_size=4"])
     for k in base_w:
         torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
-    for a, b in zip(base_rows, rows):
-        for k in a:
-            if k.startswith("perf/"):
-                continue
-            tol = dict(abs=0.02) if "clipfrac" in k else dict(rel=1e-4, abs=1e-6)
-            assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)
+    assert_same_metrics(base_rows, rows, abs=1e-6)
     assert rows[-1]["policy/approxkl_avg"] > 0
