@@ -23,6 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra composes)
+from ppo_lightning.checkpoint import CheckpointWriteError
 from ppo_lightning.config import check_sweep_launch
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.module import NonFiniteError
@@ -30,7 +31,7 @@ from ppo_lightning.preemption import EXIT_STATUS, Preempted
 from ppo_lightning.rewards import RewardError
 
 log = logging.getLogger("ppo_lightning")
-USER_ERRORS = (ConfigError, RewardError, NonFiniteError)
+USER_ERRORS = (ConfigError, RewardError, NonFiniteError, CheckpointWriteError)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -48,10 +49,8 @@ def main(cfg: DictConfig) -> float | None:
         metrics = run_task(cfg)
     except Preempted as e:
         _close_wandb()
-        from lightning.pytorch.utilities import rank_zero_only
-
-        if rank_zero_only.rank == 0:  # one line per job, not per process
-            print(f"{e}. {_resume_hint(e)}", file=sys.stderr, flush=True)
+        if _rank() == 0:  # one line per job, not per process
+            print(f"{e}. {_resume_hint(e.checkpoint)}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STATUS)
     except USER_ERRORS as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
@@ -60,7 +59,10 @@ def main(cfg: DictConfig) -> float | None:
         if in_sweep:
             _close_wandb()
             return None
-        print(f"error: {e}", file=sys.stderr)
+        if not isinstance(e, CheckpointWriteError):
+            print(f"error: {e}", file=sys.stderr)
+        elif _rank() == 0:  # every rank stops with it: one line per job; make space, then resume
+            print(f"error: {e}. {_resume_hint(e.checkpoint, without='Run the same command again')}", file=sys.stderr)
         sys.exit(1)
     except Exception:
         if not in_sweep:
@@ -76,12 +78,19 @@ def main(cfg: DictConfig) -> float | None:
     return value
 
 
-def _resume_hint(e: Preempted) -> str:
-    if e.checkpoint is None:
-        return "No checkpoint was written at the stop; run the same command again"
+def _resume_hint(checkpoint, without: str = "No checkpoint was written at the stop; run the same command again") -> str:
+    """The command that resumes this job from ``checkpoint`` (``without`` when there is none)."""
+    if checkpoint is None:
+        return without
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("ckpt_path=")]
-    args = [*overrides, f"ckpt_path={e.checkpoint.resolve()}"]
+    args = [*overrides, f"ckpt_path={checkpoint.resolve()}"]
     return "Resume with: python train.py " + " ".join(shlex.quote(a) for a in args)
+
+
+def _rank() -> int:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return rank_zero_only.rank
 
 
 def _close_wandb() -> None:

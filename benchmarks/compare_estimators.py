@@ -13,7 +13,7 @@ head, gradients or AdamW state for it).
 The estimators see the same episodes per iteration: GRPO and RLOO sample ``--generations``
 answers for ``batch / generations`` prompts, GAE and REINFORCE++ one answer for ``batch``
 prompts. Each is configured as its experiment says (``conf/experiment/arithmetic_<name>.yaml``:
-GRPO with the KL as a loss term); on the reviews job the same overrides are applied to the
+GRPO with the KL as a loss term and DeepSeekMath's per-response loss mean); on the reviews job the same overrides are applied to the
 default job. Every other key is the recipe's own.
 """
 
@@ -43,7 +43,7 @@ def estimator_overrides(name: str, batch: int, generations: int) -> list[str]:
     if name == "gae":
         return []
     grouped = [f"ppo.num_generations={generations}", f"data.batch_size={batch // generations}"]
-    return {"grpo": ["ppo.advantage=grpo", "ppo.kl_in=loss", *grouped],
+    return {"grpo": ["ppo.advantage=grpo", "ppo.kl_in=loss", "ppo.loss_agg=seq_mean_token_mean", *grouped],
             "rloo": ["ppo.advantage=rloo", *grouped],
             "reinforce_pp": ["ppo.advantage=reinforce_pp"]}[name]
 

@@ -215,7 +215,8 @@ class RewardConfig:
     Fitted once per run (own seeded sampler), saved in checkpoints, restored on resume. Scores
     without variance are only centred (one warning); non-finite ones are left out."""
     normalize_samples: int = param(256, ge=2)
-    """Reference responses scored for the fit, split over ranks (``normalize_samples // world``)."""
+    """Reference responses scored for the fit, split over ranks (``normalize_samples // world``):
+    at least one per rank."""
     trust_remote_code: bool = False
     """(model) Run code shipped with the reward model."""
 
@@ -260,15 +261,18 @@ class PPOConfig:
     ``grpo`` (each response's reward normalised within its prompt's group, DeepSeekMath),
     ``rloo`` (minus the mean reward of the group's other responses), both needing
     ``num_generations >= 2``; ``reinforce_pp`` (REINFORCE++: the per-token return-to-go,
-    whitened over the batch). The reward they judge is the score plus the KL penalty
+    whitened over the batch). GRPO and RLOO compare the scores within a group and then add each
+    token's return-to-go of the KL penalty (with ``kl_in=reward``), so KL noise cannot break the
+    ties of a group whose scores are equal; REINFORCE++ whitens the score plus the KL penalty
     (``ppo_lightning/estimators.py``)."""
     num_generations: int = param(1, ge=1)
     """Responses sampled per prompt. The rollout has ``data.batch_size * num_generations`` rows
     per rank, each prompt's responses on consecutive rows of one rank (a group: GRPO's and RLOO's
     statistics). ``minibatch_size`` counts these rows. Valid with every estimator."""
     scale_by_group_std: bool = True
-    """GRPO: divide by the group's reward std (+1e-4). False subtracts the group mean only
-    (Dr. GRPO: the division favours prompts that are almost always or almost never solved)."""
+    """GRPO only: divide by the group's score std (+1e-4). False subtracts the group mean only
+    (Dr. GRPO: the division favours prompts that are almost always or almost never solved; pair
+    it with ``loss_agg=seq_mean_token_sum_norm``). False with another estimator is refused."""
     clip: float = param(0.2, gt=0, hint="0.2 is the usual value")
     """Policy ratio clip epsilon: the ratio is clipped to [1 - clip, 1 + clip], unless
     ``clip_low`` / ``clip_high`` set a side."""
@@ -282,29 +286,44 @@ class PPOConfig:
     capped at ``-c * A``, so a ratio far above 1 on a bad token cannot blow up the update."""
     loss_agg: str = param("token_mean", choices=ppo.LOSS_AGGREGATIONS)
     """How the per-token policy loss (and the KL loss, ``kl_in=loss``) becomes one number:
-    ``token_mean`` over the minibatch's tokens; ``seq_mean_token_mean``, each response's token
-    mean, averaged over responses (GRPO's original); ``seq_mean_token_sum``, each response's token
-    sum, averaged (Dr. GRPO). Exact under micro-batches. The value loss is a token mean."""
-    kl_in: str = param("reward", choices=("reward", "loss"))
+    ``token_mean`` over this rank's minibatch tokens (the default; under DDP/FSDP the ranks'
+    means are averaged, so a token on a rank with fewer tokens weighs more);
+    ``token_mean_global``, over the tokens of every rank's minibatch (each token weighs the same
+    wherever it was sampled: TRL's ``dapo``; one all-reduce of a count per update; the value loss
+    and entropy then use the global count too); ``seq_mean_token_mean``, each response's token
+    mean, averaged over responses (GRPO's original, DeepSeekMath eq. 3);
+    ``seq_mean_token_sum``, each response's token sum, averaged; ``seq_mean_token_sum_norm``,
+    that divided by the constant ``max_new_tokens`` (Dr. GRPO, TRL's ``dr_grpo``: no length bias,
+    and gradients at a token mean's scale, so ``max_grad_norm`` keeps its meaning). Exact under
+    micro-batches. The value loss is a token mean."""
+    kl_in: str = param("reward", choices=ppo.KL_PLACEMENTS)
     """Where the KL to the reference enters: ``reward``, as ``-kl_coef * KL_t`` per token
-    (``kl_estimator``; PPO, RLOO, REINFORCE++), or ``loss``, as ``kl_coef *`` the k3 estimate of
-    KL(policy || reference) on the current policy's logprobs, added to the loss and aggregated
-    like it (GRPO, DeepSeekMath eq. 3); the reward is then the score alone."""
+    (PPO, RLOO, REINFORCE++; with GRPO and RLOO it is added after the group comparison of the
+    scores), or ``loss``, as ``kl_coef *`` an estimate of the KL on the current policy's
+    logprobs (k3 unless ``kl_estimator`` says k2), added to the loss and aggregated like it
+    (GRPO, DeepSeekMath eq. 3); the reward is then the score alone."""
     target_kl: Optional[float] = param(None, gt=0)
-    """Stop an iteration's remaining epochs once an epoch's mean ``policy/approxkl_avg`` (over all
-    ranks) exceeds this (e.g. 0.02; null = off). ``policy/epochs`` logs how many ran."""
+    """Stop an iteration's updates at the first minibatch whose ``policy/approxkl_avg`` to the
+    rollout's policy (measured by its own forward, so after every step before it; mean over
+    ranks) exceeds this, without taking that minibatch's step (Stable-Baselines3's early stop;
+    e.g. 0.02; null = off). ``policy/epochs`` logs how many epochs ran, fractions counting
+    minibatches. The first minibatch of an iteration measures 0 and always steps."""
     vf_clip: float = param(0.2, gt=0, hint="0.2 is the usual value")
     """Value clip range around the rollout's values (in reward units)."""
     gamma: float = param(1.0, ge=0, le=1)
-    """Per-token discount in GAE."""
+    """Per-token discount: in GAE, and in REINFORCE++'s return-to-go. GRPO and RLOO judge a
+    response by its score as a whole and refuse ``gamma < 1``."""
     lam: float = param(0.95, ge=0, le=1)
     """GAE lambda."""
     kl_coef: float = param(0.05, ge=0)
     """beta in ``reward_t = -beta * KL_t`` (plus the score at the last response token); the
     initial value when ``adaptive_kl``. Weighed against normalised scores (``reward.normalize``)."""
-    kl_estimator: str = param("k1", choices=ppo.KL_ESTIMATORS)
-    """Per-token KL estimator in the penalty. ``objective/kl`` and the adaptive controller always
-    use k1."""
+    kl_estimator: Optional[str] = param(None, choices=ppo.KL_ESTIMATORS)
+    """Per-token KL estimator (Schulman's k1 = log p/q, k2 = (log p/q)^2 / 2, k3 = (q/p - 1) -
+    log q/p); null = k1 in the reward, k3 in the loss (``ppo.DEFAULT_KL_ESTIMATOR``). In the loss
+    only k2 (its gradient is that of KL(policy || ref)) and k3 (that of KL(ref || policy)) are
+    accepted: k1's gradient has expectation 0 under the policy's samples. ``objective/kl`` and
+    the adaptive controller always use k1."""
     adaptive_kl: bool = False
     """Ziegler et al. controller: after each iteration ``beta <- beta * (1 + clip(KL / kl_target - 1,
     +-0.2) * B * W / kl_horizon)`` with KL = ``objective/kl`` (skipped when non-finite)."""
@@ -330,8 +349,11 @@ class PPOConfig:
     max_grad_norm: float = 1.0
     """Global L2 gradient-norm clip; <= 0 disables it."""
     whiten_rewards: bool = False
-    """Whiten per-token rewards (KL penalty + score) before GAE over the response tokens of all
-    ranks, keeping the mean. The ``objective/*`` metrics are taken before it."""
+    """GAE only: whiten per-token rewards (KL penalty + score) before GAE over the response tokens
+    of all ranks, keeping the mean (TRL's PPO). Refused with the critic-free estimators, which
+    normalise the scores themselves: whitening per-token rewards while keeping their mean adds a
+    term proportional to each response's length to its return. The ``objective/*`` metrics are
+    taken before it."""
     missing_eos_penalty: Optional[float] = None
     """Subtracted from the score of responses without EOS (only with ``stop_at_eos``)."""
     max_new_tokens: int = param(32, ge=1)
@@ -681,6 +703,13 @@ def validate(cfg) -> None:
             if value not in (None, "zeros"):
                 raise ConfigError(f"{key}={value!r} with ppo.advantage={p.advantage}: the critic-free "
                                   "estimators run no value head; unset it, or use ppo.advantage=gae")
+    _check_estimator_options(p)
+    world = processes_per_job(cfg.trainer)
+    r = cfg.reward
+    if r.normalize and world and r.normalize_samples < world:
+        raise ConfigError(f"reward.normalize_samples={r.normalize_samples} with {world} processes (trainer.devices x "
+                          f"trainer.num_nodes): each rank scores normalize_samples // {world} = 0 samples; set "
+                          f"reward.normalize_samples >= {max(2, world)}")
     if str(cfg.trainer.precision) in FP16_PRECISIONS:
         raise ConfigError(f"trainer.precision={cfg.trainer.precision}: float16 is not supported (it needs loss "
                           "scaling, which PPO's skip-on-overflow would have to share); use bf16-mixed (GPUs "
@@ -704,6 +733,26 @@ def validate(cfg) -> None:
                           "use trainer=fsdp (FSDP2, ppo_lightning.sharding.FSDP2Strategy) or trainer=fsdp_cpu")
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
+
+
+def _check_estimator_options(p) -> None:
+    """Keys that would do nothing, or something other than their docs say, with the chosen
+    estimator or KL placement: refused, naming both keys."""
+    if p.whiten_rewards and p.advantage != "gae":
+        raise ConfigError(f"ppo.whiten_rewards=true with ppo.advantage={p.advantage}: reward whitening is GAE's; "
+                          f"{p.advantage} normalises the scores itself, and whitening per-token rewards would add "
+                          "a term proportional to each response's length; unset ppo.whiten_rewards")
+    if p.gamma < 1 and p.advantage in estimators.GROUP_ESTIMATORS:
+        raise ConfigError(f"ppo.gamma={p.gamma} with ppo.advantage={p.advantage}: {p.advantage} judges each "
+                          "response by its score as a whole, with no per-token discount; unset ppo.gamma (it "
+                          "discounts GAE and REINFORCE++)")
+    if not p.scale_by_group_std and p.advantage != "grpo":
+        raise ConfigError(f"ppo.scale_by_group_std=false with ppo.advantage={p.advantage}: only grpo divides by "
+                          "the group's std; unset it, or use ppo.advantage=grpo (Dr. GRPO)")
+    if p.kl_in == "loss" and p.kl_estimator is not None and p.kl_estimator not in ppo.LOSS_KL_ESTIMATORS:
+        raise ConfigError(f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in=loss: as a loss term k1's gradient "
+                          "has expectation 0 under the policy's own samples, so it pulls nothing toward the "
+                          f"reference; choose one of {' | '.join(ppo.LOSS_KL_ESTIMATORS)} (null: k3)")
 
 
 def strategy_name(trainer) -> str:

@@ -94,34 +94,52 @@ def per_token(advantages: Tensor, mask: Tensor) -> Tensor:
     return advantages[:, None].to(mask.dtype) * mask
 
 
-def critic_free_advantages(estimator: str, token_rewards: Tensor, mask: Tensor, *, group_size: int,
-                           gamma: float = 1.0, scale_by_std: bool = True,
+def critic_free_advantages(estimator: str, scores: Tensor, kl_rewards: Tensor, mask: Tensor, *,
+                           group_size: int, gamma: float = 1.0, scale_by_std: bool = True,
                            distributed: bool = False) -> tuple[Tensor, Tensor]:
-    """``(advantages, returns)`` ``[B, R]`` of a critic-free ``estimator`` from the per-token
-    rewards (``-beta * KL_t``, plus the score at the last response token).
+    """``(advantages, returns)`` ``[B, R]`` of a critic-free ``estimator`` from the responses'
+    ``scores [B]`` and the per-token KL penalty ``kl_rewards [B, R]`` (``-beta * KL_t``; zeros
+    when the KL is a loss term, ``ppo.kl_in=loss``).
 
-    GRPO and RLOO judge a response by its whole reward, the sum of its per-token rewards (the
-    score plus the KL penalty: TRL's RLOO "rlhf_reward"; with ``kl_coef=0`` the score alone, as in
-    GRPO on verifiable rewards), and give every token of it the response's advantage. Their
-    ``returns`` are those sums on every token (a record; no value head learns from them).
-    REINFORCE++ keeps the per-token rewards (``reinforce_pp_advantages``).
+    GRPO and RLOO compare the *scores* within each group, then add each token's return-to-go of
+    the KL penalty: ``A_t = group_advantage(score)_i - beta * sum_{s >= t} KL_s`` (OpenRLHF's
+    group_norm and rloo). Comparing ``score - beta * sum KL`` instead would let the KL's sampling
+    noise break the ties of a group whose scores are all equal, and GRPO's std division would
+    then blow that noise up to advantages of about +-1 whatever beta is: a group that carries no
+    signal would train as hard as one that does. Here such a group's advantages are the KL
+    penalty's alone, of size beta * KL.
+
+    REINFORCE++ keeps the per-token rewards (score at the last response token plus the KL
+    penalty) and whitens their return-to-go over the batch (``reinforce_pp_advantages``).
+    ``returns`` are the return-to-go of the score plus the KL penalty, for every estimator (a
+    record; no value head learns from them).
     """
+    rewards = kl_rewards + score_at_last_token(scores, mask)  # [B, R]
     if estimator == "reinforce_pp":
-        return reinforce_pp_advantages(token_rewards, mask, gamma, distributed)
-    episode_reward = (token_rewards * mask).sum(1)
+        return reinforce_pp_advantages(rewards, mask, gamma, distributed)
     if estimator == "grpo":
-        adv = grpo_advantages(episode_reward, group_size, scale_by_std)
+        adv = grpo_advantages(scores, group_size, scale_by_std)
     elif estimator == "rloo":
-        adv = rloo_advantages(episode_reward, group_size)
+        adv = rloo_advantages(scores, group_size)
     else:
         raise ValueError(f"unknown critic-free estimator {estimator!r}; choose one of {ESTIMATORS[1:]}")
-    return per_token(adv, mask), per_token(episode_reward, mask)
+    advantages = per_token(adv, mask) + returns_to_go(kl_rewards, mask)
+    return advantages, returns_to_go(rewards, mask)
 
 
-def group_reward_stats(rewards: Tensor, group_size: int) -> dict[str, Tensor]:
-    """Per-group spread of the rewards, as TRL's GRPO and RLOO trainers log it: the mean over
-    groups of the (unbiased) std within each group, and the fraction of groups whose rewards are
-    all equal (zero advantage for every response: no learning signal from that prompt)."""
-    g = _groups(rewards.float(), group_size)
+def score_at_last_token(scores: Tensor, mask: Tensor) -> Tensor:
+    """``scores [B]`` placed on each row's last response token ``[B, R]`` (0 elsewhere): the
+    score is the reward of the whole response, earned by its last action ([N+] detail)."""
+    last = (mask.sum(1).long() - 1).clamp(min=0)  # index of the last real response token
+    return torch.zeros_like(mask, dtype=torch.float32).scatter(1, last[:, None], scores[:, None].float()) * mask
+
+
+def group_reward_stats(scores: Tensor, group_size: int) -> dict[str, Tensor]:
+    """Per-group spread of the scores, as TRL's GRPO and RLOO trainers log it: the mean over
+    groups of the (unbiased) std within each group, and the fraction of groups whose scores are
+    all equal (the same score advantage for every response: GRPO and RLOO learn nothing from
+    that prompt but the KL penalty). The scores, not score plus KL penalty: the KL breaks ties
+    that carry no signal."""
+    g = _groups(scores.float(), group_size)
     equal = g.amax(dim=1) == g.amin(dim=1)  # exactly, where a std could round to 1e-9
     return {"group_std": g.std(dim=1).mean(), "frac_zero_std": equal.float().mean()}

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ppo_lightning.checkpoint import AtomicCheckpointIO
+from ppo_lightning.checkpoint import AtomicCheckpointIO, stop_every_rank_on_write_error
 from ppo_lightning.preemption import StopOnPreemption
 from ppo_lightning.config import validate
 from ppo_lightning.data import PromptDataModule, read_prompts
@@ -231,6 +231,7 @@ def build_trainer(cfg: DictConfig, extra_callbacks: tuple | list = ()) -> L.Trai
     callbacks = [*instantiate_dict(cfg.get("callbacks"), "callbacks"), *extra_callbacks]
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
                                       plugins=[AtomicCheckpointIO()])
+    stop_every_rank_on_write_error(trainer.strategy)
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     return trainer

@@ -168,6 +168,10 @@ class PPOModule(L.LightningModule):
         c, loader = self.ppo_cfg, self.trainer.datamodule
         g = torch.Generator(device=self.device).manual_seed(self.seed + 7919 + self.global_rank)
         need = self.normalize_reward_samples // max(1, self.trainer.world_size)
+        if need < 1:  # config.validate refuses it when the process count is known before launch
+            raise ConfigError(f"reward.normalize_samples={self.normalize_reward_samples} is split over "
+                              f"{self.trainer.world_size} ranks and leaves none for some; set it to at least "
+                              f"{2 * self.trainer.world_size}")
         raw = []
         for batch in loader.normalization_batches(need):
             ids, am = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
@@ -237,8 +241,9 @@ class PPOModule(L.LightningModule):
             reward_norm=self.reward_norm, generator=self.generator)
         logprobs, values = self._old_logprobs_and_values(samples)
         kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
-        self.rollout = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, gamma=c.gamma,
-                                      lam=c.lam, kl_estimator=c.kl_estimator, whiten_rewards=c.whiten_rewards,
+        self.rollout = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, gamma=c.gamma, lam=c.lam,
+                                      kl_estimator=ppo.kl_estimator_for(c.kl_in, c.kl_estimator),
+                                      whiten_rewards=c.whiten_rewards,
                                       advantage=c.advantage, group_size=c.num_generations,
                                       scale_by_group_std=c.scale_by_group_std)
         self._time_rollout = time.perf_counter() - t0
@@ -287,29 +292,29 @@ class PPOModule(L.LightningModule):
         t0 = time.perf_counter()
         lr, kl_coef = self.lr_schedulers().get_last_lr()[0], self.kl_ctl.value  # what this iteration uses
         stats: dict[str, list[Tensor]] = defaultdict(list)
-        skipped = 0
-        epochs = 0
+        per_epoch = max(1, r.batch_size // c.minibatch_size)  # minibatches per epoch
+        skipped = done = 0  # updates skipped (non-finite); minibatches run, stepped or skipped
         if self._all_ranks(bool(r.is_finite())):
+            stop = False
             for _ in range(c.ppo_epochs):
-                epoch_kl = []
                 for mb in self._minibatches(r):
-                    mb_stats = self._update(mb)
+                    mb_stats, stop = self._update(mb)
+                    if stop:  # past ppo.target_kl: no further update this iteration
+                        break
+                    done += 1
                     skipped += mb_stats is None
                     for k, v in (mb_stats or {}).items():
                         stats[k].append(v)
-                    if mb_stats is not None:
-                        epoch_kl.append(mb_stats["policy/approxkl_avg"])
-                epochs += 1
-                if c.target_kl is not None and epochs < c.ppo_epochs and self._over_target_kl(epoch_kl):
+                if stop:
                     break
             self.optimizers().zero_grad()  # free the gradients: the next rollout needs no copy of them
         else:  # every update would be NaN
-            skipped = c.ppo_epochs * (r.batch_size // c.minibatch_size)
+            skipped = c.ppo_epochs * per_epoch
             self._last_nonfinite = self._describe_nonfinite(r)
         self._first_forward = None  # not used when the iteration was skipped
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # count queued kernels in the timers
-        stats["policy/epochs"] = [torch.tensor(float(epochs), device=self.device)]
+        stats["policy/epochs"] = [torch.tensor(done / per_epoch, device=self.device)]
         metrics = self._rollout_metrics(r, stats, time.perf_counter() - t0)
         self._end_iteration(r.batch_size, skipped, metrics["objective/kl"])
         metrics.update({"objective/kl_coef": kl_coef, "lr": lr, "episode": float(self.episode),
@@ -327,9 +332,13 @@ class PPOModule(L.LightningModule):
         for idx in torch.randperm(r.batch_size, generator=self.generator, device=self.device).split(mbs):
             yield r.index(idx)
 
-    def _update(self, mb: Rollout) -> dict[str, Tensor] | None:
-        """One clipped PPO step on a minibatch: its statistics, or None when it was skipped for a
-        non-finite loss or gradient norm (weights untouched; the decision is taken on all ranks).
+    def _update(self, mb: Rollout) -> tuple[dict[str, Tensor] | None, bool]:
+        """One clipped PPO step on a minibatch: ``(its statistics, False)``; ``(None, False)`` when
+        it was skipped for a non-finite loss or gradient norm; ``(None, True)`` when its approximate
+        KL to the rollout's policy, averaged over ranks, passed ``ppo.target_kl``: the step is not
+        taken and the iteration's updates end (Stable-Baselines3's early stop: the KL is measured
+        by this minibatch's forward, so it counts every step before it). Weights are untouched
+        unless a step is taken, and every decision is taken on all ranks.
 
         With ``ppo.micro_batch_size`` the minibatch's rows go through forward and backward a
         micro-batch at a time, gradients accumulating: each micro-batch's losses are its share of
@@ -337,7 +346,11 @@ class PPOModule(L.LightningModule):
         whole minibatch's. Gradients are all-reduced once, on the last micro-batch.
         """
         c, opt = self.ppo_cfg, self.optimizers()
-        n_tokens = mb.response_mask.sum()
+        # the token count every token mean divides by: this rank's minibatch, or with
+        # loss_agg=token_mean_global the mean over ranks (so DDP's gradient average is the global mean)
+        n_tokens = (ppo.global_token_count(mb.response_mask) if c.loss_agg == "token_mean_global"
+                    else mb.response_mask.sum())
+        kl_estimator = ppo.kl_estimator_for(c.kl_in, c.kl_estimator)
         parts = self._micro_batches(mb)
         stats: dict[str, Tensor] = {}
         new_logps = []
@@ -349,7 +362,8 @@ class PPOModule(L.LightningModule):
                 low, high = c.clip_low or c.clip, c.clip_high or c.clip
                 pg_loss, pg_clipfrac = ppo.ppo_policy_loss(
                     new_logp, part.logprobs, part.advantages, mask, low, n_tokens,
-                    clip_high=high, dual_clip=c.dual_clip, agg=c.loss_agg, seq_count=mb.batch_size)
+                    clip_high=high, dual_clip=c.dual_clip, agg=c.loss_agg, seq_count=mb.batch_size,
+                    norm_length=c.max_new_tokens)
                 with torch.no_grad():
                     clipped_low, clipped_high = ppo.clip_fractions(new_logp, part.logprobs, part.advantages, mask,
                                                                    low, high, n_tokens)
@@ -361,14 +375,15 @@ class PPOModule(L.LightningModule):
                 with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
                     entropy = ppo.token_mean(ppo.entropy_from_logits(logits.float()), mask, n_tokens)
                 loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
-                if c.kl_in == "loss":  # GRPO: beta * k3(policy || reference), aggregated like the policy loss
-                    kl_loss = ppo.aggregate(ppo.kl_k3(new_logp, part.ref_logprobs), mask, c.loss_agg, n_tokens,
-                                            mb.batch_size)
+                if c.kl_in == "loss":  # GRPO: beta * KL(policy, reference) (k3 by default), aggregated
+                    # like the policy loss; masked before the estimator (a pad's logprob is arbitrary)
+                    kl_loss = ppo.aggregate(ppo.kl_penalty(new_logp, part.ref_logprobs, kl_estimator, mask), mask,
+                                            c.loss_agg, n_tokens, mb.batch_size, c.max_new_tokens)
                     loss = loss + self.kl_ctl.value * kl_loss
                 if not self._all_ranks(bool(torch.isfinite(loss))):
                     opt.zero_grad()  # weights untouched
                     self._last_nonfinite = f"loss {loss.item()}"
-                    return None
+                    return None, False
                 self.manual_backward(loss)
             for k, v in (("policy/clipfrac_avg", pg_clipfrac), ("policy/clipfrac_low_avg", clipped_low),
                          ("policy/clipfrac_high_avg", clipped_high), ("policy/entropy_avg", entropy.detach()),
@@ -379,18 +394,21 @@ class PPOModule(L.LightningModule):
                     continue
                 stats[k] = stats[k] + v if k in stats else v  # shares of the minibatch's mean
             new_logps.append(new_logp.detach())
+        mask, new_logp = mb.response_mask, torch.cat(new_logps) if len(new_logps) > 1 else new_logps[0]
+        approxkl = ppo.approx_kl(new_logp, mb.logprobs, mask)
+        if c.target_kl is not None and self._mean_over_ranks(approxkl) > c.target_kl:
+            opt.zero_grad()  # weights untouched
+            return None, True
         if not self._all_ranks(self._clip_and_check_gradients(opt)):
             opt.zero_grad()  # weights untouched
             self._last_nonfinite = "gradient norm"
-            return None
+            return None, False
         step_optimizer(self.trainer, opt)
 
         with torch.no_grad():
-            mask, new_logp = mb.response_mask, torch.cat(new_logps) if len(new_logps) > 1 else new_logps[0]
             ratio = torch.exp(new_logp - mb.logprobs)
-            return {"policy/approxkl_avg": ppo.approx_kl(new_logp, mb.logprobs, mask), **stats,
-                    "val/ratio": ppo.masked_mean(ratio, mask),
-                    "val/ratio_var": ppo.masked_var(ratio, mask, unbiased=False)}
+            return {"policy/approxkl_avg": approxkl, **stats, "val/ratio": ppo.masked_mean(ratio, mask),
+                    "val/ratio_var": ppo.masked_var(ratio, mask, unbiased=False)}, False
 
     def _micro_batches(self, mb: Rollout) -> list[Rollout]:
         """The minibatch in ``ppo.micro_batch_size`` rows at a time (itself when unset or larger)."""
@@ -423,13 +441,11 @@ class PPOModule(L.LightningModule):
                 f"{self.ppo_cfg.max_nonfinite_iterations}). Checkpoints written so far are intact. Check the "
                 "reward function, or lower optimizer.lr.")
 
-    def _over_target_kl(self, epoch_kl: list[Tensor]) -> bool:
-        """Whether the epoch's mean approximate KL, over every rank's minibatches, passed
-        ``ppo.target_kl`` (every rank takes the same decision)."""
-        kl = torch.stack(epoch_kl).mean() if epoch_kl else torch.zeros((), device=self.device)
+    def _mean_over_ranks(self, x: Tensor) -> float:
+        """The mean of a scalar over ranks (every rank gets the same number: a shared decision)."""
         if self.trainer.world_size > 1:
-            kl = self.trainer.strategy.reduce(kl, reduce_op="mean")
-        return bool(kl > self.ppo_cfg.target_kl)
+            x = self.trainer.strategy.reduce(x.detach(), reduce_op="mean")
+        return float(x)
 
     def _all_ranks(self, ok: bool) -> bool:
         """True only if ``ok`` on every rank: a skip must happen everywhere, or DDP's gradient
@@ -505,13 +521,13 @@ class PPOModule(L.LightningModule):
         return metrics
 
     def _group_metrics(self, r: Rollout) -> dict[str, Tensor]:
-        """With several responses per prompt: how much the episode rewards (score plus KL penalty)
-        differ within a prompt's group, and the fraction of groups where they do not differ at
-        all (GRPO and RLOO learn nothing from those prompts)."""
+        """With several responses per prompt: how much the scores differ within a prompt's group,
+        and the fraction of groups where they do not differ at all (GRPO and RLOO learn nothing
+        from those prompts but the KL penalty)."""
         n = self.ppo_cfg.num_generations
         if n < 2:
             return {}
-        stats = estimators.group_reward_stats(r.scores + r.non_score_reward, n)
+        stats = estimators.group_reward_stats(r.scores, n)
         return {"objective/group_reward_std": stats["group_std"],
                 "objective/frac_zero_std_groups": stats["frac_zero_std"]}
 

@@ -118,28 +118,57 @@ def token_mean(x: Tensor, mask: Tensor, token_count: Tensor | None = None) -> Te
     return _select(x, mask).sum() / token_count.clamp(min=1)
 
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")  # ppo.loss_agg
+# ppo.loss_agg. token_mean_global is token_mean with the token count of every rank's minibatch
+# (``global_token_count``), which the caller passes as ``token_count``.
+LOSS_AGGREGATIONS = ("token_mean", "token_mean_global", "seq_mean_token_mean", "seq_mean_token_sum",
+                     "seq_mean_token_sum_norm")
+
+
+def global_token_count(mask: Tensor) -> Tensor:
+    """The mean over ranks of the response tokens in each rank's ``mask`` (itself on one process).
+
+    A rank whose loss is ``sum of its per-token losses / global_token_count`` contributes, once
+    DDP or FSDP averages the gradients over ranks, ``sum / (all ranks' tokens)``: the token mean
+    of the whole global minibatch, each token weighing the same wherever it was sampled (TRL's
+    ``dapo`` loss, verl's token-mean). A per-rank token mean (``token_mean``) weighs a token on a
+    rank with short responses more than one on a rank with long responses.
+    """
+    n = mask.sum().to(torch.float32)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    return _all_reduce_sum(n)[0] / dist.get_world_size()
 
 
 def aggregate(x: Tensor, mask: Tensor, mode: str = "token_mean", token_count: Tensor | None = None,
-              seq_count: Tensor | int | None = None) -> Tensor:
+              seq_count: Tensor | int | None = None, norm_length: int | None = None) -> Tensor:
     """A per-token loss ``[B, R]`` reduced to one number (``ppo.loss_agg``):
 
     - ``token_mean``: every response token of the minibatch weighs the same (long responses weigh
       more); ``token_count`` = the minibatch's tokens (see ``token_mean``);
+    - ``token_mean_global``: the same, with ``token_count`` = ``global_token_count`` (every rank's
+      tokens: the caller counts them);
     - ``seq_mean_token_mean``: the mean over responses of each response's token mean (every
       response weighs the same: GRPO's original loss, DeepSeekMath eq. 3);
     - ``seq_mean_token_sum``: the mean over responses of each response's token sum (no division
-      by its length: Dr. GRPO's remedy for the length bias of the per-response mean).
+      by its length);
+    - ``seq_mean_token_sum_norm``: that, divided by the constant ``norm_length``
+      (``ppo.max_new_tokens``): Dr. GRPO's loss (Liu et al. 2025; TRL's ``dr_grpo``, verl's
+      ``seq-mean-token-sum-norm``), free of the per-response length bias, at the scale of a
+      token mean (a gradient ``norm_length`` times smaller than ``seq_mean_token_sum``'s, so
+      ``ppo.max_grad_norm`` and ``ppo.ent_coef`` keep their meaning).
 
     ``seq_count`` = the minibatch's responses, so micro-batches' shares add up to the minibatch's
     value, as ``token_count`` does for ``token_mean``.
     """
-    if mode == "token_mean":
+    if mode in ("token_mean", "token_mean_global"):
         return token_mean(x, mask, token_count)
     per_seq = masked_sum(x, mask, dim=1)
     if mode == "seq_mean_token_mean":
         per_seq = per_seq / mask.sum(1).clamp(min=1)
+    elif mode == "seq_mean_token_sum_norm":
+        if not norm_length:
+            raise ValueError("loss_agg='seq_mean_token_sum_norm' divides by a constant length: pass norm_length")
+        per_seq = per_seq / norm_length
     elif mode != "seq_mean_token_sum":
         raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGGREGATIONS}")
     n = per_seq.shape[0] if seq_count is None else seq_count
@@ -149,7 +178,7 @@ def aggregate(x: Tensor, mask: Tensor, mode: str = "token_mean", token_count: Te
 def ppo_policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
                     clip: float, token_count: Tensor | None = None, *, clip_high: float | None = None,
                     dual_clip: float | None = None, agg: str = "token_mean",
-                    seq_count: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+                    seq_count: Tensor | int | None = None, norm_length: int | None = None) -> tuple[Tensor, Tensor]:
     """Clipped surrogate objective (as a loss to minimise) and the fraction of clipped tokens.
 
     ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - clip, 1 + clip_high))`` per token
@@ -168,7 +197,7 @@ def ppo_policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
     per_token = torch.maximum(pg_loss1, pg_loss2)
     if dual_clip is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
-    loss = aggregate(per_token, mask, agg, token_count, seq_count)
+    loss = aggregate(per_token, mask, agg, token_count, seq_count, norm_length)
     clip_frac = token_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask, token_count)
     return loss, clip_frac
 
@@ -212,17 +241,43 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return 0.5 * (logp - ref_logp) ** 2
 
 
+KL_LOG_RATIO_CLAMP = 20.0  # |log r| bound inside k3 (verl's kl_penalty clamps at 20 too)
+
+
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k3 = (r - 1) - log r with r = q / p: unbiased, always >= 0 [KL]."""
-    log_r = ref_logp - logp
+    """k3 = (r - 1) - log r with r = q / p: unbiased, always >= 0 [KL].
+
+    ``log r`` is clamped to +-20 before the exponential: beyond it ``exp`` overflows float32
+    (at 88.7) and a single token would give an infinite loss, and a NaN gradient even where a
+    mask later drops it (0 * inf). Within the clamp the value and gradient are exact.
+    """
+    log_r = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
     return torch.expm1(log_r) - log_r
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+KL_PLACEMENTS = ("reward", "loss")  # ppo.kl_in
+# ppo.kl_estimator=null: k1 in the reward ([Z19], TRL's PPO); k3 in the loss (DeepSeekMath's GRPO).
+# k1 is refused in the loss: its gradient, grad log p, has expectation 0 under the policy's own
+# samples, so as a loss term it pulls nothing toward the reference.
+DEFAULT_KL_ESTIMATOR = {"reward": "k1", "loss": "k3"}
+LOSS_KL_ESTIMATORS = ("k2", "k3")  # k2's gradient is that of KL(p||q), k3's that of KL(q||p)
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k1") -> Tensor:
-    """Per-token KL(policy || reference) estimate used in the reward ([Z19] uses k1)."""
+def kl_estimator_for(kl_in: str, estimator: str | None) -> str:
+    """The KL estimator a run uses: ``ppo.kl_estimator``, or null's default for ``ppo.kl_in``."""
+    return DEFAULT_KL_ESTIMATOR[kl_in] if estimator is None else estimator
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k1", mask: Tensor | None = None) -> Tensor:
+    """Per-token KL(policy || reference) estimate ([Z19] uses k1 in the reward).
+
+    With ``mask``, both log-probabilities are taken as 0 off the mask before the estimator runs,
+    so a pad or after-EOS position (whose logprob can be anything, e.g. -100) gives 0 and a zero
+    gradient, never an overflow that a later mask would turn into 0 * inf = NaN.
+    """
+    if mask is not None:
+        logp, ref_logp = _select(logp, mask), _select(ref_logp, mask)
     try:
         return KL_ESTIMATORS[estimator](logp, ref_logp)
     except KeyError:

@@ -389,27 +389,31 @@ def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_co
     """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``:
     per-token rewards (-beta * KL, plus the score at the last real token), then the advantages:
     GAE on the values, whitened (``advantage="gae"``), or a critic-free estimator on groups of
-    ``group_size`` consecutive rows (``estimators.critic_free_advantages``; ``values`` None, and
-    the rollout's values are zeros)."""
+    ``group_size`` consecutive rows (``estimators.critic_free_advantages``: the scores compared
+    within a group, the KL penalty added per token; ``values`` None, and the rollout's values are
+    zeros). ``whiten_rewards`` is GAE's alone: the critic-free estimators normalise the scores
+    themselves, and whitening per-token rewards while keeping their mean would add a term
+    proportional to each response's length to its return."""
+    if whiten_rewards and advantage != "gae":
+        raise ValueError(f"whiten_rewards is for advantage='gae' (got {advantage!r}): it would add a length bias")
     mask = s.response_mask
     values = torch.zeros_like(logprobs) if values is None else values
     logprobs, ref_logprobs, values = logprobs * mask, s.ref_logprobs * mask, values * mask
     kl = ppo.kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
-    per_token_kl = kl if kl_estimator == "k1" else ppo.kl_penalty(logprobs, ref_logprobs, kl_estimator) * mask
-    rewards = -kl_coef * per_token_kl
-    non_score_reward = rewards.sum(1)
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # index of the last real response token
-    rewards = rewards.scatter_add(1, last[:, None], s.scores[:, None].to(rewards.dtype))
-    if whiten_rewards:
-        rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
+    per_token_kl = kl if kl_estimator == "k1" else ppo.kl_penalty(logprobs, ref_logprobs, kl_estimator, mask)
+    kl_rewards = -kl_coef * per_token_kl  # [B, R]
+    non_score_reward = kl_rewards.sum(1)
+    rewards = kl_rewards + estimators.score_at_last_token(s.scores, mask)
     if advantage == "gae":
+        if whiten_rewards:
+            rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
         values_next = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # compute_gae masks it
         advantages, returns = ppo.compute_gae(rewards, values, values_next, mask, gamma, lam)
         advantages = ppo.whiten(advantages, mask, distributed=True)
     else:
         advantages, returns = estimators.critic_free_advantages(
-            advantage, rewards, mask, group_size=group_size, gamma=gamma, scale_by_std=scale_by_group_std,
-            distributed=True)
+            advantage, s.scores, kl_rewards, mask, group_size=group_size, gamma=gamma,
+            scale_by_std=scale_by_group_std, distributed=True)
     return Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask,
                    position_ids=s.position_ids, response_mask=mask, logprobs=logprobs,
                    ref_logprobs=ref_logprobs, values=values, kl=kl, rewards=rewards,

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ppo_lightning.checkpoint import CheckpointWriteError, last_good_checkpoint
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.factory import build, build_module, build_trainer, check_inputs
 from ppo_lightning.policy import save_policy
@@ -66,7 +67,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         recipe.prepare(cfg)  # first run builds its policy, reward model and prompts (cached)
     module, datamodule, trainer = build(cfg)
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+        fit(trainer, module, datamodule, cfg.ckpt_path)
         if cfg.export_dir:  # every rank: a sharded policy is gathered first
             path = save_policy(module.policy, module.tokenizer, cfg.export_dir, write=trainer.is_global_zero)
             if trainer.is_global_zero:
@@ -77,6 +78,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     finally:
         finish_loggers(trainer)
     return dict(module.last_metrics)
+
+
+def fit(trainer: L.Trainer, module, datamodule, ckpt_path: str | None) -> None:
+    """``trainer.fit``; a checkpoint that cannot be written (a full disk) stops the run with the
+    last good checkpoint named in the error (``CheckpointWriteError``). Only the rank that writes
+    raises it; Lightning's launcher then stops the other processes."""
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    except CheckpointWriteError as e:
+        e.checkpoint, e.iteration = last_good_checkpoint(trainer) or (None, None)
+        raise
 
 
 def finish_loggers(trainer: L.Trainer) -> None:
@@ -131,7 +143,7 @@ def train_stage(cfg: DictConfig) -> dict[str, Any]:
     try:
         if cfg.ckpt_path is None and trainer.limit_val_batches:
             trainer.validate(module, datamodule=datamodule, verbose=False)  # the starting point
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, weights_only=True)
+        fit(trainer, module, datamodule, cfg.ckpt_path)
         if trainer.is_global_zero:
             path = save_fn(module, cfg.task.save_dir)
             log.info("task=%s: model saved to %s", name, path)

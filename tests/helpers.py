@@ -163,3 +163,41 @@ def make_rollout(*, policy, ref_lm, reward_fn, tokenizer, input_ids: torch.Tenso
                                         s.context_length, gen["temperature"], forward_chunk_size)
     return finish_rollout(s, logprobs, values, kl_coef=kl_coef, gamma=gamma, lam=lam,
                           kl_estimator=kl_estimator, whiten_rewards=whiten_rewards)
+
+
+class DiskFullFromStep(L.Callback):
+    """From iteration ``step`` on, every checkpoint write on this process fails as on a full disk:
+    the first 64 KiB reach the file, then ``write`` raises ``OSError(ENOSPC)`` (what torch's zip
+    writer then reports is a ``RuntimeError`` with that ``OSError`` in its context, as on a real
+    full filesystem)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step:
+            return
+        io = trainer.strategy.checkpoint_io
+        write = io._write
+
+        class Full:
+            def __init__(self, f):
+                self.f, self.n = f, 0
+
+            def write(self, b):
+                if self.n + len(b) > 65536:
+                    import errno
+
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                self.n += len(b)
+                return self.f.write(b)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+        io._write = lambda checkpoint, f: write(checkpoint, Full(f))
+
+
+def constant_reward(prompts, responses):
+    """Every response scores the same: no group ever has a spread."""
+    return [1.0] * len(prompts)

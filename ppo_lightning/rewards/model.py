@@ -37,8 +37,15 @@ class RewardModel(nn.Module):
                 raise ConfigError(f"{key}={name_or_path!r}: the reward tokenizer has neither a pad "
                                   "nor an EOS token; set tokenizer.pad_token and save_pretrained")
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            source, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        self.model, loading = AutoModelForSequenceClassification.from_pretrained(
+            source, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True)
+        missing = sorted(loading["missing_keys"])
+        if missing:  # transformers initialised them at random: the run would train against noise
+            raise ConfigError(
+                f"{key}={name_or_path!r} is not a trained reward model: its checkpoint lacks "
+                f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (transformers would start "
+                "them at random); train one with task=reward_model, or point reward.name_or_path at a "
+                "sequence-classification checkpoint with its score head")
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         disable_dropout(self.model)
