@@ -165,37 +165,38 @@ def make_rollout(*, policy, ref_lm, reward_fn, tokenizer, input_ids: torch.Tenso
                           kl_estimator=kl_estimator, whiten_rewards=whiten_rewards)
 
 
+class FullDisk:
+    """A file whose first ``room`` bytes are written, after which ``write`` raises
+    ``OSError(ENOSPC)``, as on a filesystem that fills up during the write (torch's zip writer then
+    raises a ``RuntimeError`` with that ``OSError`` in its context, as on a real full disk)."""
+
+    def __init__(self, f, room: int = 65536):
+        self.f, self.room = f, room
+
+    def write(self, b):
+        if len(b) > self.room:
+            import errno
+
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(b)
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
 class DiskFullFromStep(L.Callback):
-    """From iteration ``step`` on, every checkpoint write on this process fails as on a full disk:
-    the first 64 KiB reach the file, then ``write`` raises ``OSError(ENOSPC)`` (what torch's zip
-    writer then reports is a ``RuntimeError`` with that ``OSError`` in its context, as on a real
-    full filesystem)."""
+    """From iteration ``step`` on, every checkpoint write on this process fails part-way as on a
+    full disk (``FullDisk``)."""
 
     def __init__(self, step: int):
         self.step = step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step != self.step:
-            return
-        io = trainer.strategy.checkpoint_io
-        write = io._write
-
-        class Full:
-            def __init__(self, f):
-                self.f, self.n = f, 0
-
-            def write(self, b):
-                if self.n + len(b) > 65536:
-                    import errno
-
-                    raise OSError(errno.ENOSPC, "No space left on device")
-                self.n += len(b)
-                return self.f.write(b)
-
-            def __getattr__(self, name):
-                return getattr(self.f, name)
-
-        io._write = lambda checkpoint, f: write(checkpoint, Full(f))
+        if trainer.global_step == self.step:
+            io = trainer.strategy.checkpoint_io
+            write = io._write
+            io._write = lambda checkpoint, f: write(checkpoint, FullDisk(f))
 
 
 def constant_reward(prompts, responses):

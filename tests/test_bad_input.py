@@ -149,3 +149,13 @@ def test_a_missing_recipe_output_names_the_recipe(tmp_path, monkeypatch, capfd):
     code, err = run_main(["reward=reviews", "data=file", f"data.path={prompts}"], tmp_path, tmp_path / "cache",
                          monkeypatch, capfd)  # a cache where no recipe has been built
     assert code == 1 and "reward.name_or_path=" in err and "built by recipe=reviews" in err, err
+
+
+def test_reward_model_without_a_trained_score_head(tmp_path, cache_dir, monkeypatch, capfd):
+    """A directory that is not a reward model (here a causal LM; a sentence-embedding encoder is
+    the same case) loads as a sequence classifier with a random score head: refused, naming
+    the key and the missing weights, instead of training against noise."""
+    code, err = run_main(["reward=model", f"reward.name_or_path={cache_dir / 'tiny-gpt2-l2-h2-d64'}"],
+                         tmp_path, cache_dir, monkeypatch, capfd)
+    assert code == 1 and "reward.name_or_path=" in err and "is not a trained reward model" in err
+    assert "score.weight" in err

@@ -92,6 +92,79 @@ def test_group_estimators_refuse_groups_they_cannot_form(fn):
         fn(torch.tensor([1.0, 2.0, 3.0, 4.0]), 3)
 
 
+# ----------------------------------------------------------------------------- with the KL penalty
+def _samples(scores: list[float], lengths: list[int], R: int = 6, P: int = 2, seed: int = 0):
+    """A ``rollout.Samples`` of ``len(scores)`` rows whose responses have ``lengths`` tokens, with
+    reference logprobs around -1 (what ``finish_rollout`` reads; the token ids are placeholders)."""
+    from ppo_lightning.rollout import Samples
+
+    B = len(scores)
+    mask = torch.tensor([[1.0] * n + [0.0] * (R - n) for n in lengths])
+    ref = -1.0 - torch.rand(B, R, generator=torch.Generator().manual_seed(seed))
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    am = torch.cat([torch.ones(B, P, dtype=torch.long), mask.long()], 1)
+    return Samples(query_responses=ids, attention_mask=am, position_ids=am.cumsum(1) - 1, response_mask=mask,
+                   ref_logprobs=ref, scores=torch.tensor(scores), raw_scores=torch.tensor(scores),
+                   contains_eos=torch.ones(B, dtype=torch.bool), context_length=P)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
+def test_group_estimators_compare_scores_and_add_the_kl_penalty_per_token(advantage):
+    """The audit's case: policy close to the reference (logprob noise 0.05), group 0 all correct,
+    group 1 mixed, beta = 0.05, the KL in the reward. Comparing ``score - beta * sum KL`` within
+    a group would turn group 0's KL noise into GRPO advantages of about +-1 (the std division
+    scales any spread up to 1, whatever beta). Here the scores are compared and each token adds
+    its return-to-go of the KL penalty (OpenRLHF): group 0's advantages are of size beta * KL,
+    group 1's are its score advantages plus that. A naive loop over the formula checks each."""
+    from ppo_lightning.rollout import finish_rollout
+
+    scores, lengths, beta = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [3, 6, 2, 5, 4, 6, 1, 3], 0.05
+    s = _samples(scores, lengths)
+    logprobs = s.ref_logprobs + 0.05 * torch.randn(s.ref_logprobs.shape, generator=torch.Generator().manual_seed(1))
+    r = finish_rollout(s, logprobs, None, kl_coef=beta, gamma=1.0, lam=0.95, advantage=advantage, group_size=4)
+    for g in range(2):
+        group = scores[4 * g:4 * g + 4]
+        for i, score in enumerate(group):
+            b = 4 * g + i
+            if advantage == "grpo":
+                m = sum(group) / 4
+                sd = math.sqrt(sum((x - m) ** 2 for x in group) / 3)
+                score_adv = (score - m) / (sd + 1e-4)
+            else:
+                score_adv = score - sum(group[j] for j in range(4) if j != i) / 3
+            for t in range(6):
+                kl_to_go = sum(logprobs[b, u].item() - s.ref_logprobs[b, u].item() for u in range(t, lengths[b]))
+                want = score_adv - beta * kl_to_go if t < lengths[b] else 0.0
+                assert r.advantages[b, t].item() == pytest.approx(want, abs=1e-5), (b, t)
+    assert r.advantages[:4].abs().max() < 0.05  # the tied group: KL-sized, not +-1
+    real = r.response_mask[4:] > 0
+    assert r.advantages[4:][real].abs().min() > 0.6  # the mixed group: its scores' signal (RLOO 2/3, GRPO 0.87)
+
+
+def test_frac_zero_std_groups_counts_groups_whose_scores_tie():
+    """With the KL in the reward, no two episode rewards are equal once the policy has moved;
+    the metric looks at the scores, which are what the group estimators compare."""
+    stats = E.group_reward_stats(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5]), 3)
+    assert stats["frac_zero_std"].item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
+def test_reward_whitening_is_refused_without_a_critic(advantage):
+    """Whitening per-token rewards while keeping their mean adds a term proportional to each
+    response's length: with equal scores within each group and lengths 2 and 6, GRPO's
+    advantages would be about +-0.87 (short answers rewarded for being short) instead of 0."""
+    from ppo_lightning.rollout import finish_rollout
+
+    s = _samples([1.0, 1.0, 0.0, 0.0], [2, 6, 3, 6])
+    r = finish_rollout(s, s.ref_logprobs.clone(), None, kl_coef=0.0, gamma=1.0, lam=0.95, advantage=advantage,
+                       group_size=2)
+    if advantage != "reinforce_pp":
+        assert r.advantages.abs().max() == 0  # no signal in equal scores
+    with pytest.raises(ValueError, match="length bias"):
+        finish_rollout(s, s.ref_logprobs.clone(), None, kl_coef=0.0, gamma=1.0, lam=0.95, advantage=advantage,
+                       group_size=2, whiten_rewards=True)
+
+
 # ----------------------------------------------------------------------------- in training
 RUN = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "optimizer.lr=1e-3",
        "ppo.kl_coef=0.01", "data.batch_size=4", "ppo.num_generations=4", "ppo.minibatch_size=8",
@@ -182,6 +255,48 @@ def test_bad_estimator_settings_name_the_key(tmp_path, cache_dir):
              r"^model.value_head_init='reward_model' with ppo.advantage=reinforce_pp"),
             (["ppo.num_generations=3", "data.batch_size=4", "ppo.minibatch_size=8"],
              r"^ppo.minibatch_size=8: must divide the rollout's 12 rows"),
-            (["ppo.advantage=vtrace"], r"ppo.advantage")):
+            (["ppo.advantage=vtrace"], r"ppo.advantage"),
+            (["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.whiten_rewards=true"],
+             r"^ppo.whiten_rewards=true with ppo.advantage=grpo: reward whitening is GAE's"),
+            (["ppo.advantage=reinforce_pp", "ppo.whiten_rewards=true"], r"^ppo.whiten_rewards=true with ppo.advantage=reinforce_pp"),
+            (["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.gamma=0.9"],
+             r"^ppo.gamma=0.9 with ppo.advantage=grpo: grpo judges each response by its score as a whole"),
+            (["ppo.advantage=rloo", "ppo.num_generations=2", "ppo.gamma=0.99"], r"^ppo.gamma=0.99 with ppo.advantage=rloo"),
+            (["ppo.advantage=rloo", "ppo.num_generations=2", "ppo.scale_by_group_std=false"],
+             r"^ppo.scale_by_group_std=false with ppo.advantage=rloo: only grpo divides"),
+            (["ppo.scale_by_group_std=false"], r"^ppo.scale_by_group_std=false with ppo.advantage=gae"),
+            (["ppo.advantage=reinforce_pp", "ppo.scale_by_group_std=false"],
+             r"^ppo.scale_by_group_std=false with ppo.advantage=reinforce_pp"),
+            (["ppo.kl_in=loss", "ppo.kl_estimator=k1"], r"^ppo.kl_estimator=k1 with ppo.kl_in=loss: as a loss term"),
+            (["trainer=ddp_cpu", "trainer.devices=4", "reward.normalize_samples=3"],
+             r"^reward.normalize_samples=3 with 4 processes")):
         with pytest.raises(ConfigError, match=match):
             validate(compose_cfg(overrides, tmp_path, cache_dir))
+
+
+def test_estimator_options_that_are_valid_pass(tmp_path, cache_dir):
+    from ppo_lightning.config import validate
+    from tests.conftest import compose_cfg
+
+    for overrides in (["ppo.advantage=reinforce_pp", "ppo.gamma=0.9"], ["ppo.gamma=0.99", "ppo.whiten_rewards=true"],
+                      ["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.scale_by_group_std=false"],
+                      ["ppo.kl_in=loss", "ppo.kl_estimator=k2"], ["ppo.kl_estimator=k1"],
+                      ["trainer=ddp_cpu", "reward.normalize_samples=2"]):
+        validate(compose_cfg(overrides, tmp_path, cache_dir))
+
+
+def test_tied_groups_are_counted_while_the_kl_penalty_moves_the_policy(tmp_path, cache_dir):
+    """A reward that scores every response alike, GRPO with the KL in the reward (the default),
+    and an entropy bonus that moves the policy off the reference: every group ties on every
+    iteration, though after the first update the KL penalty differs from response to response.
+    The metric counts the ties (with score + KL penalty it read 0 from iteration 1 on)."""
+    from ppo_lightning.train import train
+    from tests.conftest import compose_cfg, read_metrics
+
+    train(compose_cfg([*RUN, "ppo.advantage=grpo", "ppo.kl_coef=0.5", "ppo.ent_coef=0.5", "optimizer.lr=1e-2",
+                       "trainer.max_steps=3", "callbacks=none",
+                       "export_dir=null", "logger=csv", "reward.fn=tests.helpers.constant_reward"],
+                      tmp_path, cache_dir))
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert [r["objective/frac_zero_std_groups"] for r in rows] == [1.0, 1.0, 1.0]
+    assert rows[-1]["objective/kl"] != 0.0  # the penalty's rewards differ between responses

@@ -15,27 +15,63 @@ B, R = 4, 6
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]],
                     dtype=torch.float32)
 X = torch.randn(B, R)
+MAX_NEW_TOKENS = 10  # the constant seq_mean_token_sum_norm divides by (ppo.max_new_tokens >= R)
 
 
 def _naive_aggregate(x, mask, mode):
     rows = [[x[b, t].item() for t in range(R) if mask[b, t]] for b in range(B)]
-    if mode == "token_mean":
+    if mode in ("token_mean", "token_mean_global"):  # one process: the global count is the local one
         flat = [v for row in rows for v in row]
         return sum(flat) / len(flat)
     if mode == "seq_mean_token_mean":
         return sum(sum(row) / len(row) for row in rows) / B
+    if mode == "seq_mean_token_sum_norm":  # Dr. GRPO's code: sum over every token / (B * max length)
+        return sum(sum(row) for row in rows) / (B * MAX_NEW_TOKENS)
     return sum(sum(row) for row in rows) / B  # seq_mean_token_sum
 
 
 @pytest.mark.parametrize("mode", ppo.LOSS_AGGREGATIONS)
 def test_aggregation_matches_its_definition_and_micro_batch_shares_add_up(mode):
     """token_mean: every token weighs the same; seq_mean_token_mean: every response (GRPO,
-    DeepSeekMath eq. 3); seq_mean_token_sum: Dr. GRPO (Liu et al. 2025), no length division."""
-    whole = ppo.aggregate(X, MASK, mode)
+    DeepSeekMath eq. 3); seq_mean_token_sum: no length division; seq_mean_token_sum_norm: that
+    over a constant length (Dr. GRPO, Liu et al. 2025; TRL's dr_grpo)."""
+    whole = ppo.aggregate(X, MASK, mode, norm_length=MAX_NEW_TOKENS)
     assert whole.item() == pytest.approx(_naive_aggregate(X, MASK, mode), rel=1e-6)
-    shares = sum(ppo.aggregate(X[s:s + 2], MASK[s:s + 2], mode, token_count=MASK.sum(), seq_count=B)
-                 for s in (0, 2))
+    count = ppo.global_token_count(MASK)
+    shares = sum(ppo.aggregate(X[s:s + 2], MASK[s:s + 2], mode, token_count=count, seq_count=B,
+                               norm_length=MAX_NEW_TOKENS) for s in (0, 2))
     assert shares.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_seq_mean_token_sum_norm_needs_its_constant():
+    with pytest.raises(ValueError, match="norm_length"):
+        ppo.aggregate(X, MASK, "seq_mean_token_sum_norm")
+
+
+def test_k3_at_an_extreme_pad_logprob_has_a_finite_zero_gradient():
+    """``kl_in=loss`` computes k3 on the current logprobs, whose pad positions hold anything (the
+    rollout's reference logprobs there are 0). At a pad logprob of -100, exp(log r) = exp(100)
+    overflows float32; masked after the estimator, the backward pass would give 0 * inf = NaN.
+    Masked before it, the pad position contributes 0 and a zero gradient."""
+    new = torch.tensor([[-1.0, -2.0, -100.0]], requires_grad=True)
+    ref = torch.tensor([[-1.05, -1.9, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss = ppo.aggregate(ppo.kl_penalty(new, ref, "k3", mask), mask, "token_mean")
+    loss.backward()
+    assert torch.isfinite(new.grad).all() and new.grad[0, 2] == 0
+    want = [(1 - math.exp(r - n)) / 2 for n, r in ((-1.0, -1.05), (-2.0, -1.9))]  # d/dn k3 / 2 tokens
+    assert new.grad[0, :2].tolist() == pytest.approx(want, rel=1e-5)
+
+
+def test_k3_clamps_the_log_ratio_on_real_tokens_too():
+    """A real token the policy has all but ruled out (log r = 100) gives a large finite k3, not
+    inf: the log-ratio is clamped to +-20 before the exponential (verl clamps there too)."""
+    new = torch.tensor([[-100.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, -1.0]])
+    k3 = ppo.kl_k3(new, ref)
+    k3.sum().backward()
+    assert torch.isfinite(k3).all() and torch.isfinite(new.grad).all()
+    assert k3[0, 0].item() == pytest.approx(math.expm1(20.0) - 20.0, rel=1e-5) and k3[0, 1] == 0
 
 
 def test_asymmetric_and_dual_clip_follow_the_per_token_formula():
@@ -74,25 +110,52 @@ def _run(tmp_path, cache_dir, *overrides):
     return read_metrics(tmp_path / "metrics.csv")
 
 
+KL_LOSS_RUN = ("ppo.kl_in=loss", "ppo.kl_coef=0.5", "trainer.max_steps=3", "ppo.ppo_epochs=1", "ppo.minibatch_size=8",
+               "ppo.fuse_rollout_forward=false", "optimizer.lr=1e-2")
+
+
 def test_kl_in_the_loss_leaves_the_reward_alone_and_grows_from_zero(tmp_path, cache_dir):
     """``kl_in=loss``: the reward is the score alone (no per-token penalty), and the k3 KL loss is
     exactly 0 while the policy is the reference (the first update of the first iteration),
     positive once it has moved."""
-    rows = _run(tmp_path, cache_dir, "ppo.kl_in=loss", "ppo.kl_coef=0.5", "trainer.max_steps=3", "ppo.ppo_epochs=1",
-                "ppo.minibatch_size=8", "ppo.fuse_rollout_forward=false", "optimizer.lr=1e-2")
+    rows = _run(tmp_path, cache_dir, *KL_LOSS_RUN)
     for row in rows:
         assert row["objective/non_score_reward"] == 0.0 and row["objective/rlhf_reward"] == row["objective/scores"]
     assert rows[0]["loss/kl_avg"] == 0.0 and rows[0]["objective/kl"] == 0.0
     assert rows[-1]["loss/kl_avg"] > 0 and rows[-1]["objective/kl"] != 0.0
 
 
-@pytest.mark.parametrize("target, epochs", [(1e-12, 1.0), (1e9, 4.0)])
-def test_target_kl_stops_the_remaining_epochs(tmp_path, cache_dir, target, epochs):
-    """Two minibatches per epoch: after the first epoch its second minibatch has moved the
-    policy, so a tiny target stops there; a huge one never does."""
-    rows = _run(tmp_path, cache_dir, f"ppo.target_kl={target}", "ppo.ppo_epochs=4", "ppo.minibatch_size=4",
-                "trainer.max_steps=2")
-    assert [r["policy/epochs"] for r in rows] == [epochs, epochs]
+def test_kl_in_the_loss_uses_the_chosen_estimator(tmp_path, cache_dir):
+    """``ppo.kl_estimator=k2`` in the loss is k2, not k3: the two runs agree until the first
+    update that sees a moved policy (iteration 1's rollout is the same: at iteration 0 both KL
+    losses and their gradients are 0), where 0.5 (log r)^2 and (r - 1) - log r differ."""
+    k3 = _run(tmp_path / "k3", cache_dir, *KL_LOSS_RUN)
+    k2 = _run(tmp_path / "k2", cache_dir, *KL_LOSS_RUN, "ppo.kl_estimator=k2")
+    assert k2[1]["objective/scores"] == k3[1]["objective/scores"]  # the same samples
+    assert k2[1]["loss/kl_avg"] > 0 and k2[1]["loss/kl_avg"] != pytest.approx(k3[1]["loss/kl_avg"], rel=1e-3)
+
+
+@pytest.mark.parametrize("target, minibatch, epochs, want", [
+    (1e-12, 4, 4, 0.5),  # two minibatches an epoch: the second sees the first's step and stops
+    (1e-12, 8, 2, 1.0),  # one minibatch an epoch: epoch 2's forward sees epoch 1's step and stops
+    (1e9, 4, 4, 4.0)])  # never
+def test_target_kl_stops_at_the_first_minibatch_past_it(tmp_path, cache_dir, target, minibatch, epochs, want):
+    """The KL is measured by each minibatch's forward, before its step, so it counts every step
+    taken before it; the minibatch that passes the target takes no step. (Measured per epoch
+    from the minibatches' own pre-step KL, one minibatch an epoch with two epochs could never
+    stop: epoch 1's only KL is exactly 0.)"""
+    rows = _run(tmp_path, cache_dir, f"ppo.target_kl={target}", f"ppo.ppo_epochs={epochs}",
+                f"ppo.minibatch_size={minibatch}", "trainer.max_steps=2")
+    assert [r["policy/epochs"] for r in rows] == [want, want]
+
+
+def test_dr_grpo_loss_divides_by_the_constant_max_new_tokens(tmp_path, cache_dir):
+    """``seq_mean_token_sum_norm`` is ``seq_mean_token_sum`` / ``ppo.max_new_tokens`` (not the
+    rollout's longest response): one update on the same first rollout shows it."""
+    one = ("ppo.minibatch_size=8", "ppo.ppo_epochs=1", "trainer.max_steps=1")
+    total = _run(tmp_path / "sum", cache_dir, *one, "ppo.loss_agg=seq_mean_token_sum")[0]["loss/policy_avg"]
+    normed = _run(tmp_path / "norm", cache_dir, *one, "ppo.loss_agg=seq_mean_token_sum_norm")[0]["loss/policy_avg"]
+    assert total != 0 and normed == pytest.approx(total / 8, rel=1e-5)  # QUIET: ppo.max_new_tokens=8
 
 
 def test_clip_fractions_split_the_clipped_tokens_by_side():
@@ -113,3 +176,52 @@ def test_clip_fractions_split_the_clipped_tokens_by_side():
     assert (low.item(), high.item()) == pytest.approx((n_low / n, n_high / n))
     _, total = ppo.ppo_policy_loss(new, old, adv, MASK, 0.2, clip_high=0.28)
     assert (low + high).item() == pytest.approx(total.item())
+
+
+# ----------------------------------------------------------------------------- across ranks
+def _token_mean_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank: a linear per-token loss under DDP on this rank's rows, whose masks hold a
+    different number of tokens on each rank; writes the averaged gradient of each aggregation."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(3, 1))
+    x, mask = _RANK_X[rank], _RANK_MASK[rank]
+    grads = {}
+    for mode in ("token_mean", "token_mean_global"):
+        model.zero_grad()
+        count = ppo.global_token_count(mask) if mode == "token_mean_global" else mask.sum()
+        ppo.aggregate(model(x).squeeze(-1), mask, mode, token_count=count).backward()
+        grads[mode] = model.module.weight.grad.clone()
+    torch.save(grads, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+_RANK_X = [torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+_RANK_MASK = [torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.float32),  # 9 tokens
+              torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)]  # 3 tokens
+
+
+@pytest.mark.slow  # two processes
+def test_token_mean_global_is_the_token_mean_of_every_ranks_tokens(tmp_path):
+    """Two gloo ranks with 9 and 3 response tokens, DDP averaging the gradients: with
+    ``token_mean_global`` the gradient is that of the token mean over all 12 tokens on one
+    process; the per-rank ``token_mean`` weighs each of rank 1's tokens 3x as much instead."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_token_mean_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)  # the same init as the ranks'
+    x, mask = torch.cat(_RANK_X), torch.cat(_RANK_MASK)
+    ppo.masked_mean(model(x).squeeze(-1), mask).backward()
+    for g in got:
+        torch.testing.assert_close(g["token_mean_global"], model.weight.grad)
+    assert not torch.allclose(got[0]["token_mean"], model.weight.grad, atol=1e-4)

@@ -91,6 +91,55 @@ def test_sigterm_checkpoints_the_iteration_exits_143_and_resumes(tmp_path, tmp_p
     assert_resume_replays(switch, last, tmp_path / "resumed", expected, 5, cache_dir)
 
 
+@pytest.mark.slow  # runs in subprocesses
+@pytest.mark.parametrize("switch", ["full", "ddp_cpu", "fsdp_cpu"])
+def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp_path_factory, cache_dir,
+                                                                        switch):
+    """The disk fills during the checkpoint after iteration 6 (every write from iteration 4 on
+    fails with ENOSPC part-way, as a full filesystem does). Every rank stops at once with exit
+    status 1 and one line: what failed, the last good checkpoint (``last.ckpt`` after 3
+    iterations, untouched) and the command that resumes; no traceback, no temporary file. The
+    resumed run replays the uninterrupted trajectory."""
+    expected = uninterrupted(switch, tmp_path_factory, cache_dir)
+    run_dir = tmp_path / "full"
+    p = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}",
+                   "+callbacks.full._target_=tests.helpers.DiskFullFromStep", "+callbacks.full.step=4"], cache_dir,
+                  timeout=300)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, p.stderr[-3000:]  # one line, not one per rank
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert lines[0].startswith(f"error: No space left on device writing checkpoint {run_dir / 'checkpoints'}")
+    assert f"the last good checkpoint is {last} (after 3 iterations)" in lines[0]
+    assert f"ckpt_path={last.resolve()}" in lines[0]
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+    assert not list(last.parent.glob("*.tmp"))
+    assert_resume_replays(switch, last, tmp_path / "resumed", expected, 3, cache_dir)
+
+
+def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_previous_one(tmp_path):
+    """``AtomicCheckpointIO``: a write that runs out of space part-way raises
+    ``CheckpointWriteError`` with the operating system's reason (torch's own error, a zip-writer
+    ``RuntimeError``, only carries it in its context), the file already at the path is intact
+    and no temporary file is left. An error that is no ``OSError`` passes through as it is."""
+    from ppo_lightning.checkpoint import AtomicCheckpointIO, CheckpointWriteError
+    from tests.helpers import FullDisk
+
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(10)}, path)
+    write = io._write
+    io._write = lambda checkpoint, f: write(checkpoint, FullDisk(f, room=1000))
+    with pytest.raises(CheckpointWriteError, match=f"^No space left on device writing checkpoint {path}") as e:
+        io.save_checkpoint({"global_step": 6, "w": torch.zeros(100000)}, path)
+    assert isinstance(e.value.__cause__, RuntimeError)  # what torch raised
+    assert torch.load(path, weights_only=True)["global_step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    io._write = lambda checkpoint, f: (_ for _ in ()).throw(TypeError("not a checkpoint"))
+    with pytest.raises(TypeError, match="not a checkpoint"):
+        io.save_checkpoint({}, path)
+
+
 @pytest.mark.slow
 def test_sigterm_from_outside_stops_a_long_run_within_seconds(tmp_path, cache_dir):
     """The measured failure: ``experiment=tiny_char trainer.max_steps=2000``, SIGTERM from outside
