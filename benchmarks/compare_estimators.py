@@ -31,7 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
+# grpo_kl_reward: GRPO with the generic keys alone (README: ppo.advantage=grpo ppo.num_generations=4),
+# the KL in the reward (added per token after the group comparison of the scores), token-mean loss
+ESTIMATORS = ("gae", "grpo", "grpo_kl_reward", "rloo", "reinforce_pp")
 RECIPES = {  # recipe -> (the job's experiment overrides, its rollout batch, the table's headline row)
     "arithmetic": (["experiment=arithmetic"], 32, "accuracy"),
     "reviews": ([], 32, "sentiment (ground truth)"),
@@ -44,6 +46,7 @@ def estimator_overrides(name: str, batch: int, generations: int) -> list[str]:
         return []
     grouped = [f"ppo.num_generations={generations}", f"data.batch_size={batch // generations}"]
     return {"grpo": ["ppo.advantage=grpo", "ppo.kl_in=loss", "ppo.loss_agg=seq_mean_token_mean", *grouped],
+            "grpo_kl_reward": ["ppo.advantage=grpo", *grouped],
             "rloo": ["ppo.advantage=rloo", *grouped],
             "reinforce_pp": ["ppo.advantage=reinforce_pp"]}[name]
 
