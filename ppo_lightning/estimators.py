@@ -1,10 +1,11 @@
 """Critic-free advantage estimators: GRPO, RLOO and REINFORCE++, as pure tensor functions.
 
 PPO's GAE needs a value function; these replace it with a baseline computed from the rollout
-itself, so no value head runs, trains or is stored. GRPO and RLOO compare the ``G`` responses
-sampled for one prompt (a group: ``G`` consecutive rows); REINFORCE++ normalises over the whole
-batch. Each gives one advantage per token, the same for every token of a response (GRPO, RLOO)
-or a return-to-go per token (REINFORCE++). Sources:
+itself, so no value head runs, trains or is stored. GRPO and RLOO compare the scores of the
+``G`` responses sampled for one prompt (a group: ``G`` consecutive rows) and give every token of
+a response its score advantage, plus, when the KL is in the reward, that token's return-to-go
+of the KL penalty (``critic_free_advantages``); REINFORCE++ whitens the per-token return-to-go
+of score plus penalty over the whole batch. Sources:
 
 - [GRPO] Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open
   Language Models", section 4.1.2 (outcome supervision): A_i = (r_i - mean(r)) / std(r) over
@@ -14,6 +15,8 @@ or a return-to-go per token (REINFORCE++). Sources:
 - [RLOO] Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
   Learning from Human Feedback in LLMs" (after Kool et al. 2019): each sample's baseline is the
   mean reward of the other G - 1 samples of its prompt.
+- [ORLHF] OpenRLHF, ``openrlhf/trainer/ppo_utils/experience_maker.py``: group_norm and rloo
+  normalise the score, then add ``-beta * KL`` per token and take the return-to-go.
 - [R++] Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm with Robustness to Both Prompt and
   Reward Models": per-token rewards (the score at the last token, -beta * KL at every token),
   their discounted return-to-go, normalised over the global batch.

@@ -58,3 +58,13 @@ def test_ddp_lora_ranks_train_identical_adapters(cache_dir, tmp_path):
     assert torch.equal(init["transformer.h.0.attn.c_attn.weight"], w["lm.transformer.h.0.attn.c_attn.base_layer.weight"])
     assert w["lm.transformer.h.0.attn.c_attn.lora_B.default.weight"].abs().sum() > 0  # B starts at 0
 
+
+
+def test_ddp_global_token_mean_keeps_ranks_identical_and_changes_the_update(cache_dir, tmp_path):
+    """``ppo.loss_agg=token_mean_global`` under ``trainer=ddp_cpu``: the ranks' responses differ in
+    length, so dividing each rank's token sum by the mean count over ranks (not its own count)
+    gives another update than the per-rank ``token_mean``, and the ranks still end identical.
+    (``tests/test_loss_options.py`` checks the gradient against one process's global mean.)"""
+    local = ddp_run(tmp_path, cache_dir, "local", ["trainer.max_steps=2"])["weights"]
+    pooled = ddp_run(tmp_path, cache_dir, "global", ["trainer.max_steps=2", "ppo.loss_agg=token_mean_global"])["weights"]
+    assert any(not torch.allclose(local[k], pooled[k], rtol=1e-6, atol=1e-7) for k in local)
