@@ -27,7 +27,7 @@ from ppo_lightning.policy import (PolicyWithValueHead, VALUE_HEAD_FILE, context_
                                   load_tokenizer, load_value_head, make_reference, resolve_source)
 from ppo_lightning.recipes import RECIPES, recipe_root
 from ppo_lightning.rewards import build_reward
-from ppo_lightning.tiny import save_tiny_causal_lm
+from ppo_lightning.tiny import ensure_tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -108,23 +108,6 @@ def _built_by_hint(path: str, cfg: DictConfig) -> str:
 
 
 # ----------------------------------------------------------------------------- the module
-def ensure_model_source(model_cfg, cache_dir: str) -> None:
-    """Build the tiny offline model at ``model.name_or_path`` when ``model.build_tiny`` asks.
-
-    Only inside ``paths.cache_dir``: a user who points ``model.name_or_path`` at a directory of
-    their own gets that directory loaded (or a "no such directory" error), never a random model
-    written there.
-    """
-    t = model_cfg.build_tiny
-    target = Path(model_cfg.name_or_path).resolve()
-    if t is None or (target / "config.json").exists():
-        return
-    if not target.is_relative_to(Path(cache_dir).resolve()):
-        return  # resolve_source will report the missing directory
-    log.info("building tiny %s (%d layers, %d dims) at %s", t.arch, t.n_layer, t.n_embd, target)
-    save_tiny_causal_lm(target, t.n_layer, t.n_head, t.n_embd, t.n_positions, t.seed, t.arch)
-
-
 def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
     """Module, prompts and Trainer for a composed config; every cheap check runs first. The
     Trainer stops on SIGTERM at an iteration's end, with a checkpoint (``StopOnPreemption``)."""
@@ -137,7 +120,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     check_inputs(cfg)
     # first: building the tiny model seeds the global RNG itself, and what follows must not
     # depend on whether this run built it (LoRA's adapter init draws from that RNG)
-    ensure_model_source(cfg.model, cfg.paths.cache_dir)
+    ensure_tiny_model(cfg.model, cfg.paths.cache_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     reward_fn = build_reward(cfg.reward) if cfg.reward.kind == "function" else None
 

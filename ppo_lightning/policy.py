@@ -33,12 +33,17 @@ VALUE_HEAD_INITS = ("zeros", "reward_model")  # model.value_head_init
 def resolve_source(name_or_path: str, key: str) -> str:
     """Check that ``name_or_path`` can be loaded, failing fast with a message naming ``key``.
 
-    A local directory is used as is. Anything else is a hub id: it works if it is in the local
-    HF cache or the hub answers within a few seconds. Without this check ``from_pretrained``
+    A local directory is used as is, if ``save_pretrained`` wrote it (a ``config.json``, or a
+    tokenizer's ``tokenizer_config.json``). Anything else is a hub id: it works if it is in the
+    local HF cache or the hub answers within a few seconds. Without this check ``from_pretrained``
     retries for half a minute and ends in a long traceback.
     """
     expanded = os.path.expanduser(str(name_or_path))
     if os.path.isdir(expanded):
+        if not any(os.path.isfile(os.path.join(expanded, f)) for f in ("config.json", "tokenizer_config.json")):
+            raise ConfigError(
+                f"{key}={name_or_path!r}: the directory holds no config.json, so it is no model written by "
+                f"save_pretrained. Point {key} at one (config.json, weights, tokenizer files), or at a hub id.")
         return expanded
     # Hub ids are "name" or "org/name"; anything else that is not a directory is a bad path.
     first = expanded.split("/")[0]

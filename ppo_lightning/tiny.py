@@ -11,12 +11,15 @@ The tokenizer maps every byte to one token (ids 0..255), plus ``<|endoftext|>`` 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -128,6 +131,32 @@ def save_tiny_causal_lm(path: str | os.PathLike, n_layer: int = 2, n_head: int =
         build_byte_tokenizer().save_pretrained(tmp)
 
     return _atomic_build(Path(path), build)
+
+
+def ensure_tiny_model(model_cfg, cache_dir: str | os.PathLike | None) -> Path | None:
+    """Build the tiny offline causal LM at ``model.name_or_path`` when ``model.build_tiny`` asks
+    (``model=tiny``), for PPO and the stages alike; returns the built directory, or None.
+
+    Only inside ``cache_dir`` (``paths.cache_dir``; None: nowhere), and only where no
+    ``config.json`` is yet: a user who points ``model.name_or_path`` at a directory of their own
+    gets that directory loaded (or a "no such directory" error), never a random model written
+    into it. ``model_cfg`` is a ``ModelConfig``, a DictConfig or a dict.
+    """
+    t, name = _field(model_cfg, "build_tiny"), _field(model_cfg, "name_or_path")
+    if t is None or not name or cache_dir is None:
+        return None
+    target = Path(name).resolve()
+    if (target / "config.json").exists() or not target.is_relative_to(Path(cache_dir).resolve()):
+        return None
+    arch, n_layer, n_embd = _field(t, "arch", "gpt2"), _field(t, "n_layer", 2), _field(t, "n_embd", 64)
+    log.info("building tiny %s (%d layers, %d dims) at %s", arch, n_layer, n_embd, target)
+    return save_tiny_causal_lm(target, n_layer, _field(t, "n_head", 2), n_embd, _field(t, "n_positions", 256),
+                               _field(t, "seed", 0), arch)
+
+
+def _field(cfg, key: str, default=None):
+    """``cfg[key]`` of a dict or DictConfig, ``cfg.key`` of a dataclass."""
+    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
 
 
 def save_tiny_reward_model(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,

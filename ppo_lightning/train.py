@@ -138,7 +138,8 @@ def train_stage(cfg: DictConfig) -> dict[str, Any]:
     if not cfg.task.get("save_dir"):
         raise ConfigError(f"task.save_dir is empty: set where task={name} writes its model")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module, datamodule = build_fn(cfg.model, cfg.data, cfg.optimizer, stage_keys)
+    module, datamodule = build_fn(cfg.model, cfg.data, cfg.optimizer, stage_keys,
+                                  cache_dir=cfg.paths.cache_dir)
     trainer = build_trainer(cfg)
     try:
         if cfg.ckpt_path is None and trainer.limit_val_batches:

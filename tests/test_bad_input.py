@@ -159,3 +159,18 @@ def test_reward_model_without_a_trained_score_head(tmp_path, cache_dir, monkeypa
                          tmp_path, cache_dir, monkeypatch, capfd)
     assert code == 1 and "reward.name_or_path=" in err and "is not a trained reward model" in err
     assert "score.weight" in err
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_the_stages_never_build_the_tiny_model_into_a_users_directory(tmp_path, cache_dir, monkeypatch, capfd, exists):
+    """``model=tiny`` builds its random model only inside ``paths.cache_dir``. ``task=sft`` with
+    ``model.name_or_path`` pointing at a directory of the user's (empty, or not there yet) fails
+    with the key named, and writes nothing there, as PPO does."""
+    user = tmp_path / "my_model"
+    if exists:
+        user.mkdir()
+    data = _write(tmp_path / "sft.jsonl", json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    code, err = run_main(["task=sft", f"task.path={data}", f"model.name_or_path={user}"], tmp_path, cache_dir,
+                         monkeypatch, capfd)
+    assert code == 1 and f"model.name_or_path='{user}'" in err, err
+    assert (list(user.iterdir()) == []) if exists else not user.exists()

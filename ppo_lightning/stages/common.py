@@ -246,18 +246,6 @@ def pad_rows(rows: list[list[int]], pad: int, side: str = "right") -> tuple[torc
 
 
 # ----------------------------------------------------------------------------- models
-def ensure_tiny_source(model_cfg) -> None:
-    """Build the tiny offline causal LM at ``model.name_or_path`` when ``model.build_tiny`` asks."""
-    from ppo_lightning.tiny import save_tiny_causal_lm
-
-    t = get(model_cfg, "build_tiny", None)
-    path = get(model_cfg, "name_or_path", None)
-    if t is not None and path and not (Path(path) / "config.json").exists():
-        log.info("building tiny %s at %s", get(t, "arch", "gpt2"), path)
-        save_tiny_causal_lm(path, get(t, "n_layer", 2), get(t, "n_head", 2), get(t, "n_embd", 64),
-                            get(t, "n_positions", 256), get(t, "seed", 0), get(t, "arch", "gpt2"))
-
-
 DEFAULT_MAX_LENGTH = 512
 
 

@@ -35,8 +35,9 @@ from ppo_lightning.config import RewardModelConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import enable_activation_checkpointing, DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, fuse_activations, resolve_source
+from ppo_lightning.tiny import ensure_tiny_model
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check_common,
-                                         StageOptimization, check_optimizer, ensure_tiny_source, get,
+                                         StageOptimization, check_optimizer, get,
                                          make_loader, pad_rows, read_records, reset_val_metrics,
                                          resolve_max_length, split_indices, synced_value)
 
@@ -291,7 +292,8 @@ def load_sequence_classifier(name_or_path: str, tokenizer, dtype: str = "float32
 
 def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
                        records: Optional[Sequence[Mapping[str, Any]]] = None,
-                       key_prefix: str = "task") -> tuple[RewardModelModule, PreferenceDataModule]:
+                       key_prefix: str = "task",
+                       cache_dir: str | None = None) -> tuple[RewardModelModule, PreferenceDataModule]:
     """The reward-model module and datamodule that the configs describe.
 
     ``model_cfg``: ``model.*`` (name_or_path: a classifier or causal-LM directory / hub id,
@@ -301,6 +303,7 @@ def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None
     None). ``tokenizer``: reuse one (a copy is set up with ``prepare_reward_tokenizer``).
     ``records``: in-memory ``{prompt, chosen, rejected}`` dicts instead of a file. The data is read
     and checked before the model loads; errors are ``ConfigError``s naming ``<key_prefix>.<key>``.
+    ``cache_dir``: ``paths.cache_dir``, the only place ``model.build_tiny`` builds a model.
     """
     cfg = as_config(stage_cfg, RewardModelConfig, key_prefix)
     check_reward_model_config(cfg, key_prefix)
@@ -309,7 +312,7 @@ def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None
     if not name:
         raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
     trust = bool(get(model_cfg, "trust_remote_code", False))
-    ensure_tiny_source(model_cfg)
+    ensure_tiny_model(model_cfg, cache_dir)  # model=tiny: built in paths.cache_dir only
     source = resolve_source(name, "model.name_or_path")
     cfg = dataclasses.replace(cfg, max_length=resolve_max_length(cfg.max_length, source, trust,
                                                                  f"{key_prefix}.max_length"))

@@ -34,8 +34,9 @@ from ppo_lightning.config import SFTConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
+from ppo_lightning.tiny import ensure_tiny_model
 from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
-                                         StageOptimization, check_optimizer, ensure_tiny_source, get,
+                                         StageOptimization, check_optimizer, get,
                                          make_loader, pad_rows, read_records, reset_val_metrics,
                                          resolve_max_length, split_indices, synced_value)
 
@@ -257,7 +258,7 @@ class SFTModule(StageOptimization, L.LightningModule):
 # ----------------------------------------------------------------------------- build / save
 def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
               records: Optional[Sequence[Mapping[str, Any]]] = None,
-              key_prefix: str = "task") -> tuple[SFTModule, SFTDataModule]:
+              key_prefix: str = "task", cache_dir: str | None = None) -> tuple[SFTModule, SFTDataModule]:
     """The SFT module and datamodule that the configs describe.
 
     ``model_cfg``: ``model.*`` (name_or_path, tokenizer_name_or_path, dtype, trust_remote_code,
@@ -266,7 +267,8 @@ def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     (or dict / DictConfig / None). ``tokenizer``: reuse one (else ``load_tokenizer``: left
     padding, a pad distinct from EOS). ``records``: in-memory ``{prompt, response}`` dicts instead
     of a file. The data is read and checked before the model loads; errors are ``ConfigError``s
-    naming ``<key_prefix>.<key>``.
+    naming ``<key_prefix>.<key>``. ``cache_dir``: ``paths.cache_dir``, the only place
+    ``model.build_tiny`` builds a model.
     """
     cfg = as_config(stage_cfg, SFTConfig, key_prefix)
     check_sft_config(cfg, key_prefix)
@@ -275,7 +277,7 @@ def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     if not name:
         raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
     trust = bool(get(model_cfg, "trust_remote_code", False))
-    ensure_tiny_source(model_cfg)
+    ensure_tiny_model(model_cfg, cache_dir)  # model=tiny: built in paths.cache_dir only
     source = resolve_source(name, "model.name_or_path")
     cfg = dataclasses.replace(cfg, max_length=resolve_max_length(cfg.max_length, source, trust,
                                                                  f"{key_prefix}.max_length"))
