@@ -26,6 +26,7 @@ import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra c
 from ppo_lightning.checkpoint import CheckpointWriteError
 from ppo_lightning.config import check_sweep_launch
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.loggers import finish_wandb
 from ppo_lightning.module import NonFiniteError
 from ppo_lightning.preemption import EXIT_STATUS, Preempted
 from ppo_lightning.rewards import RewardError
@@ -48,7 +49,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = run_task(cfg)
     except Preempted as e:
-        _close_wandb()
+        finish_wandb(exit_code=EXIT_STATUS)
         if _rank() == 0:  # one line per job, not per process
             print(f"{e}. {_resume_hint(e.checkpoint)}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STATUS)
@@ -57,7 +58,7 @@ def main(cfg: DictConfig) -> float | None:
             raise
         log.error("%s", e)
         if in_sweep:
-            _close_wandb()
+            finish_wandb(exit_code=1)
             return None
         if not isinstance(e, CheckpointWriteError):
             print(f"error: {e}", file=sys.stderr)
@@ -68,7 +69,7 @@ def main(cfg: DictConfig) -> float | None:
         if not in_sweep:
             raise
         log.exception("job %s failed; the sweep goes on", HydraConfig.get().job.num)
-        _close_wandb()
+        finish_wandb(exit_code=1)
         return None
     value = metrics.get(cfg.optimized_metric)
     if value is None and metrics:
@@ -78,7 +79,8 @@ def main(cfg: DictConfig) -> float | None:
     return value
 
 
-def _resume_hint(checkpoint, without: str = "No checkpoint was written at the stop; run the same command again") -> str:
+def _resume_hint(checkpoint, without: str = "No checkpoint was written at the stop; run the same command again"
+                 ) -> str:
     """The command that resumes this job from ``checkpoint`` (``without`` when there is none)."""
     if checkpoint is None:
         return without
@@ -91,12 +93,6 @@ def _rank() -> int:
     from lightning.pytorch.utilities import rank_zero_only
 
     return rank_zero_only.rank
-
-
-def _close_wandb() -> None:
-    """A failed job's W&B run must end, or the next job in the sweep would log into it."""
-    if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
-        sys.modules["wandb"].finish(exit_code=1)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,18 @@ def resolve_wandb_mode(mode: str = "auto") -> str:
     return mode
 
 
+def finish_wandb(exit_code: int | None = None) -> None:
+    """End the process's open W&B run, if any (one place for it): Lightning leaves runs open, a
+    run closed only at interpreter exit may lose its last records, and the next job of a sweep
+    would log into it. ``exit_code`` non-zero marks the run failed in W&B. Imports nothing when
+    W&B was never imported."""
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=exit_code)
+
+
 def wandb_logger(project: str = "ppo_lightning", save_dir: str = ".", name: str | None = None,
                  mode: str = "auto", **kwargs):
     """A Lightning ``WandbLogger`` whose run lives under ``save_dir/wandb``."""
@@ -63,8 +75,7 @@ def wandb_logger(project: str = "ppo_lightning", save_dir: str = ".", name: str 
     # settings: no console capture (Lightning prints progress itself), no prompts
     import wandb
 
-    if wandb.run is not None:  # left open by an earlier job in this process: one run per job
-        wandb.finish()
+    finish_wandb()  # a run left open by an earlier job in this process: one run per job
     settings = wandb.Settings(console="off", silent=True)
     # mode goes straight to wandb.init: Lightning's offline=True would set WANDB_MODE for the
     # whole process, and wandb's settings singleton would otherwise keep the first run's mode.

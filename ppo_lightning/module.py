@@ -31,7 +31,7 @@ from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.lightning_compat import count_iteration, no_gradient_sync, step_optimizer
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
-from ppo_lightning.rewards import fit_normalization
+from ppo_lightning.rewards import fit_normalization, normalized
 from ppo_lightning.rollout import Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score, score_responses
 from ppo_lightning.sharding import (FSDP2Strategy, full_tensor, initialize_root, is_sharded, shard_module,
                                     tied_aliases, unsharded_for_rollout)
@@ -194,8 +194,7 @@ class PPOModule(L.LightningModule):
     @torch.no_grad()
     def score(self, prompts: list[str], responses: list[str]) -> Tensor:
         """The training reward of texts: the reward's raw scores through the run's normalisation."""
-        gain, bias = self.reward_norm or (1.0, 0.0)
-        return torch.as_tensor(self.reward_fn(prompts, responses), dtype=torch.float32) * gain + bias
+        return normalized(torch.as_tensor(self.reward_fn(prompts, responses), dtype=torch.float32), self.reward_norm)
 
     def generation_kwargs(self) -> dict:
         """How this run samples (``ppo.max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,

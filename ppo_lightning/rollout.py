@@ -25,6 +25,7 @@ from ppo_lightning import estimators, ppo
 from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
 from ppo_lightning.lora import model_class
 from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
+from ppo_lightning.rewards.base import normalized
 
 StopSequences = tuple[tuple[int, ...], ...]  # token-id sequences that end a response (besides EOS)
 
@@ -243,18 +244,10 @@ def stop_hits(responses: Tensor, eos_token_id: int, stop_sequences: StopSequence
 
 
 def _mask_after_stop(responses: Tensor, eos_token_id: int, stop_sequences: StopSequences = ()) -> Tensor:
-    """1 on tokens up to and including the first stop (EOS or a stop sequence's last token)."""
-    if not stop_sequences:
-        return _mask_after_eos(responses, eos_token_id)
+    """1 on tokens up to and including the first stop (EOS or a stop sequence's last token), 0
+    after it."""
     hits = stop_hits(responses, eos_token_id, stop_sequences).long()
-    return ((hits.cumsum(-1) - hits) == 0).to(torch.float32)
-
-
-def _mask_after_eos(responses: Tensor, eos_token_id: int) -> Tensor:
-    """1 on tokens up to and including the first EOS, 0 after it."""
-    is_eos = (responses == eos_token_id).long()
-    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before t
-    return (eos_before == 0).to(torch.float32)
+    return ((hits.cumsum(-1) - hits) == 0).to(torch.float32)  # no stop strictly before t
 
 
 # ----------------------------------------------------------------------------- scoring forwards
@@ -372,8 +365,7 @@ def sample_and_score(*, policy: PolicyWithValueHead, ref_lm, reward_fn: Callable
                                        gen["temperature"], forward_chunk_size)
 
     raw_scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask)
-    gain, bias = reward_norm
-    scores = raw_scores * gain + bias
+    scores = normalized(raw_scores, reward_norm)
     contains_eos = (stop_hits(responses, tokenizer.eos_token_id, gen.get("stop_sequences", ())) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and gen.get("stop_at_eos", True):
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from ppo_lightning.checkpoint import CheckpointWriteError, last_good_checkpoint
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.factory import build, build_module, build_trainer, check_inputs
+from ppo_lightning.loggers import finish_wandb
 from ppo_lightning.policy import save_policy
 from ppo_lightning.preemption import EXIT_STATUS, Preempted, handle_sigterm
 from ppo_lightning.recipes import get_recipe
@@ -92,17 +93,14 @@ def fit(trainer: L.Trainer, module, datamodule, ckpt_path: str | None) -> None:
 
 
 def finish_loggers(trainer: L.Trainer) -> None:
-    """Close W&B runs explicitly: Lightning leaves them open, and a run closed only at interpreter
-    exit may lose its last records (and a sweep's next job would log into the same run). Called
-    from ``finally``: a run that an exception ends is closed with a non-zero exit code (W&B
-    shows it failed), 143 for a SIGTERM stop."""
+    """Close the job's W&B run (``loggers.finish_wandb``). Called from ``finally``: a run that an
+    exception ends is closed with a non-zero exit code (W&B shows it failed), 143 for a SIGTERM
+    stop."""
     from lightning.pytorch.loggers import WandbLogger
 
     if any(isinstance(lg, WandbLogger) for lg in trainer.loggers):
-        import wandb
-
         error = sys.exc_info()[1]
-        wandb.finish(exit_code=0 if error is None else EXIT_STATUS if isinstance(error, Preempted) else 1)
+        finish_wandb(exit_code=0 if error is None else EXIT_STATUS if isinstance(error, Preempted) else 1)
 
 
 TASKS = ("ppo", "sft", "reward_model", "export")

@@ -14,7 +14,7 @@ import torch
 
 from ppo_lightning import ppo
 from ppo_lightning.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
-from ppo_lightning.rollout import _mask_after_eos, sample_next_token
+from ppo_lightning.rollout import _mask_after_stop, sample_next_token
 
 F64 = torch.float64
 
@@ -534,7 +534,7 @@ def test_mask_after_eos():
         [3, 2, 5, 2, 6, 2],  # several EOS: cut at the first
         [1, 1, 2, 2, 1, 1],
     ])
-    out = _mask_after_eos(responses, eos)
+    out = _mask_after_stop(responses, eos)
     assert out.dtype == torch.float32
     expected = torch.tensor([
         [1, 1, 1, 0, 0, 0],
@@ -548,4 +548,4 @@ def test_mask_after_eos():
     assert torch.equal(out, naive_mask_after_eos(responses, eos))
 
     random = torch.randint(0, 6, (32, 12), generator=torch.Generator().manual_seed(36))
-    assert torch.equal(_mask_after_eos(random, eos), naive_mask_after_eos(random, eos))
+    assert torch.equal(_mask_after_stop(random, eos), naive_mask_after_eos(random, eos))

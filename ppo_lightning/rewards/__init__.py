@@ -6,14 +6,14 @@ classification reward model, see ``model.py``).
 """
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.rewards.base import RewardError, check_scores, fit_normalization
+from ppo_lightning.rewards.base import Normalization, RewardError, check_scores, fit_normalization, normalized
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
 
 KINDS = ("function", "model")  # reward.kind
 
-__all__ = ["KINDS", "RewardError", "check_scores", "fit_normalization", "FunctionReward", "import_callable",
-           "RewardModel", "build_reward"]
+__all__ = ["KINDS", "Normalization", "RewardError", "check_scores", "fit_normalization", "normalized",
+           "FunctionReward", "import_callable", "RewardModel", "build_reward"]
 
 
 def build_reward(cfg):

@@ -17,6 +17,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
+Normalization = tuple[float, float]  # (gain, bias) of reward normalisation
+
+
+def normalized(raw: torch.Tensor, norm: Normalization | None) -> torch.Tensor:
+    """The training score of raw scores, ``gain * raw + bias`` ([N+] reward normalisation;
+    ``norm`` None or ``(1, 0)`` leaves them raw): the one place the map is written, for the
+    rollouts and for every other caller that scores text as training does."""
+    gain, bias = norm or (1.0, 0.0)
+    return raw * gain + bias
+
 
 class RewardError(RuntimeError):
     """A reward scorer returned something unusable (wrong length, not numbers, NaN/inf)."""
