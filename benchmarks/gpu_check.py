@@ -10,7 +10,7 @@ the run goes through ``train.py``'s Hydra config (``benchmarks/throughput.py``'s
 AMX) runs its matmuls ~100x slower than float32, so the smoke test uses ``tiny``). Prints one
 JSON line:
 
-* sampling: tokens/s of our sampler (``ppo_lightning.rollout.generate``) and of Hugging Face's
+* sampling: tokens/s of our sampler (``ppo_lightning.generation.hf.generate``) and of Hugging Face's
   ``model.generate(use_cache=True)`` on one rollout batch, both under bf16 autocast, alternated
   ``--repeats`` times (``throughput.compare_generate``);
 * the update's model FLOPs utilisation, per iteration::

@@ -11,7 +11,7 @@ PPO iterations. Reported: ``episodes_per_s`` and ``generated_tokens_per_s`` over
 timers, and peak RSS.
 
 ``--compare-generate`` also times generation alone on one rollout batch, alternating our
-KV-cache sampler (``rollout.generate``) with a bare ``model.generate(use_cache=True)`` on the same
+KV-cache sampler (``generation.hf.generate``) with a bare ``model.generate(use_cache=True)`` on the same
 prompts and lengths, and reports the ratio (median of ``--repeats`` alternations; both measured in
 this process, so machine noise hits both).
 """
@@ -115,7 +115,7 @@ def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = 
     import contextlib
 
     from ppo_lightning.policy import load_causal_lm, load_tokenizer
-    from ppo_lightning.rollout import generate
+    from ppo_lightning.generation.hf import generate
 
     dev = torch.device(device)
     policy_dir, _ = build_models(w, model_root)

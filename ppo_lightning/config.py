@@ -499,6 +499,9 @@ class PathsConfig:
     """Recipe builds (``${recipe_dir:<name>}``), built tiny models and other reusable artefacts."""
 
 
+GENERATION_HF = {"_target_": "ppo_lightning.generation.hf.HFBackend", "_partial_": True}  # conf/generation/hf.yaml
+
+
 @dataclass
 class TrainConfig:
     """The root: one field per config group, then the run-level keys."""
@@ -521,6 +524,12 @@ class TrainConfig:
     """The prompts (``DataConfig``)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The Lightning Trainer (``TrainerConfig``)."""
+    generation: Dict[str, Any] = field(default_factory=lambda: dict(GENERATION_HF))
+    """The generation backend every sampler goes through (``conf/generation/*.yaml``): a
+    ``_target_`` class instantiated as a partial (``_partial_: true``) and called with the LM to
+    sample and its tokenizer, plus any options of its own. ``hf``: the live module with a KV
+    cache (``ppo_lightning/generation/hf.py``). How it samples is ``ppo.*``'s
+    (``SamplingParams.from_config``)."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     """Output and cache directories (``PathsConfig``)."""
     logger: Dict[str, Any] = field(default_factory=dict)

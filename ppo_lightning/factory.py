@@ -159,8 +159,22 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
     module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed,
                        reward_norm=reward_norm, normalize_reward_samples=cfg.reward.normalize_samples,
-                       value_head_from_reward=cfg.model.value_head_init == "reward_model")
+                       value_head_from_reward=cfg.model.value_head_init == "reward_model",
+                       backend=build_backend(cfg.get("generation")))
     return module, datamodule
+
+
+def build_backend(node: DictConfig | None):
+    """The generation backend's factory (``generation.*``: a partial ``_target_``); the ``hf``
+    backend when the group is absent."""
+    if not node:
+        return None  # PPOModule's default: hf
+    if "_target_" not in node:
+        raise ConfigError("generation: expected a mapping with a _target_ (a backend class), e.g. generation=hf")
+    factory = hydra.utils.instantiate(node, _partial_=True)
+    if not callable(factory):
+        raise ConfigError(f"generation._target_={node._target_!r}: not a class or function to call")
+    return factory
 
 
 def build_reference(cfg: DictConfig, lm, tokenizer):

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from ppo_lightning import estimators, ppo
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.generation import BackendFactory, SamplingParams, StopSequences, default_backend
 from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.lightning_compat import count_iteration, no_gradient_sync, step_optimizer
 from ppo_lightning.optim import configure_optimizers
@@ -47,9 +48,9 @@ VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg", "value/explained_variance
 PolicyOutput = tuple[Tensor, Tensor, Tensor]  # tempered logits [B, R, V], values [B, R], logprobs [B, R]
 
 
-def stop_sequences(tokenizer, token_ids, strings) -> tuple[tuple[int, ...], ...]:
+def stop_sequences(tokenizer, token_ids, strings) -> StopSequences:
     """``ppo.stop_token_ids`` (one token each) and ``ppo.stop_strings`` tokenised without special
-    tokens, as the token-id sequences ``rollout.generate`` stops on."""
+    tokens, as the token-id sequences the samplers stop on (``SamplingParams.stop_sequences``)."""
     seqs = [(int(i),) for i in token_ids]
     for text in strings:
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))
@@ -72,7 +73,9 @@ class PPOModule(L.LightningModule):
 
     ``policy``: trained; ``ref_lm``: frozen copy of the initial LM (KL anchor); ``reward_fn``:
     ``(prompts, responses) -> raw scores``; ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` /
-    ``OptimizerConfig`` (see ``config.py``). ``reward_norm``: the ``(gain, bias)`` every raw score
+    ``OptimizerConfig`` (see ``config.py``). ``backend``: the generation backend's factory (the
+    ``generation`` config group; ``hf`` by default), called once for the policy (``sampler``) and
+    once for the reference (``ref_sampler``); ``sampling``: how both sample, for every caller. ``reward_norm``: the ``(gain, bias)`` every raw score
     goes through, or None to fit it on ``normalize_reward_samples`` reference samples when the run
     starts (``_fit_reward_normalization``). ``value_head_from_reward``: the value head was copied
     from the reward model's raw head, so the fitted gain and bias are applied to it too.
@@ -80,7 +83,8 @@ class PPOModule(L.LightningModule):
 
     def __init__(self, policy: PolicyWithValueHead, ref_lm: nn.Module, reward_fn, tokenizer,
                  ppo_cfg, optim_cfg, seed: int = 0, reward_norm: tuple[float, float] | None = (1.0, 0.0),
-                 normalize_reward_samples: int = 256, value_head_from_reward: bool = False):
+                 normalize_reward_samples: int = 256, value_head_from_reward: bool = False,
+                 backend: BackendFactory | None = None):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # frozen weights are not checkpointed (see checkpointed)
@@ -89,7 +93,11 @@ class PPOModule(L.LightningModule):
         self.reward_fn = reward_fn  # registered as a submodule when it is a reward model
         self.tokenizer = tokenizer
         self.ppo_cfg = ppo_cfg
-        self.stop_sequences = stop_sequences(tokenizer, ppo_cfg.stop_token_ids, ppo_cfg.stop_strings)
+        self.sampling = SamplingParams.from_config(
+            ppo_cfg, stop_sequences(tokenizer, ppo_cfg.stop_token_ids, ppo_cfg.stop_strings))
+        make = backend or default_backend()
+        self.sampler = make(policy.lm, tokenizer, fast_decode=ppo_cfg.fast_decode)
+        self.ref_sampler = make(ref_lm, tokenizer, fast_decode=ppo_cfg.fast_decode)
         self.optim_cfg = optim_cfg
         self.seed = seed
         self.reward_norm = reward_norm  # (gain, bias); None until fitted
@@ -163,9 +171,7 @@ class PPOModule(L.LightningModule):
         Runs once per run (a resumed run restores gain/bias from the checkpoint). Uses its own
         seeded generator so it does not shift the training run's sampling stream.
         """
-        from ppo_lightning.rollout import generate
-
-        c, loader = self.ppo_cfg, self.trainer.datamodule
+        loader = self.trainer.datamodule
         g = torch.Generator(device=self.device).manual_seed(self.seed + 7919 + self.global_rank)
         need = self.normalize_reward_samples // max(1, self.trainer.world_size)
         if need < 1:  # config.validate refuses it when the process count is known before launch
@@ -175,9 +181,7 @@ class PPOModule(L.LightningModule):
         raw = []
         for batch in loader.normalization_batches(need):
             ids, am = batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device)
-            resp, mask = generate(self.ref_lm, ids, am, eos_token_id=self.tokenizer.eos_token_id,
-                                  pad_token_id=self.tokenizer.pad_token_id, **self.generation_kwargs(),
-                                  fast_decode=c.fast_decode, generator=g, chunk_size=c.rollout_generate_batch_size)
+            resp, mask = self.ref_sampler.generate(ids, am, self.sampling, g)
             # the same scoring path (token ids or decoded text) as the rollouts
             raw.append(score_responses(self.reward_fn, self.tokenizer, ids, am, resp, mask))
         reduce = None
@@ -195,14 +199,6 @@ class PPOModule(L.LightningModule):
     def score(self, prompts: list[str], responses: list[str]) -> Tensor:
         """The training reward of texts: the reward's raw scores through the run's normalisation."""
         return normalized(torch.as_tensor(self.reward_fn(prompts, responses), dtype=torch.float32), self.reward_norm)
-
-    def generation_kwargs(self) -> dict:
-        """How this run samples (``ppo.max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
-        ``stop_at_eos`` and the stop sequences): for ``rollout.generate`` in the rollouts, the
-        reward normalisation's samples and the recipes' before/after evaluations alike."""
-        c = self.ppo_cfg
-        return {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_k": c.top_k,
-                "top_p": c.top_p, "stop_at_eos": c.stop_at_eos, "stop_sequences": self.stop_sequences}
 
     # ------------------------------------------------------------------------- part 1: rollout
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
@@ -233,9 +229,8 @@ class PPOModule(L.LightningModule):
             input_ids = input_ids.repeat_interleave(c.num_generations, dim=0)
             attention_mask = attention_mask.repeat_interleave(c.num_generations, dim=0)
         samples = sample_and_score(
-            policy=self.policy, ref_lm=self.ref_lm, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
-            input_ids=input_ids, attention_mask=attention_mask,
-            gen={**self.generation_kwargs(), "fast_decode": c.fast_decode, "chunk_size": c.rollout_generate_batch_size},
+            sampler=self.sampler, params=self.sampling, ref_lm=self.ref_lm, reward_fn=self.reward_fn,
+            tokenizer=self.tokenizer, input_ids=input_ids, attention_mask=attention_mask,
             missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
             reward_norm=self.reward_norm, generator=self.generator)
         logprobs, values = self._old_logprobs_and_values(samples)
@@ -421,6 +416,7 @@ class PPOModule(L.LightningModule):
         scheduler, the KL controller (from the measured KL), the episode and skip counters."""
         count_iteration(self.optimizers())
         self.lr_schedulers().step()
+        self.sampler.sync_weights(self.policy.lm.named_parameters())  # an engine with its own copy
         world = self.trainer.world_size
         if math.isfinite(kl):
             self.kl_ctl.update(kl, batch_size * world)

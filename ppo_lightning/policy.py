@@ -219,7 +219,7 @@ class PolicyWithValueHead(nn.Module):
         them: activation memory grows with the number of blocks' inputs, not their internals.
 
         Hugging Face checkpoints only while the LM is in train mode, so it stays there (dropout is
-        zeroed, so train mode changes no number); ``rollout.generate`` switches it to eval while it
+        zeroed, so train mode changes no number); ``generation.hf.generate`` switches it to eval while it
         samples, where the KV cache needs ``use_cache``. Non-reentrant checkpointing: it needs no
         input that requires grad, and works under ``no_grad``.
         """

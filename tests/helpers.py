@@ -151,12 +151,15 @@ def make_rollout(*, policy, ref_lm, reward_fn, tokenizer, input_ids: torch.Tenso
     """Sample, score and compute advantages for one batch of left-padded prompts, as
     ``PPOModule.on_train_batch_start`` does with a separate (unfused) old-policy forward.
 
-    ``gen`` holds ``max_new_tokens, temperature, top_k, top_p, stop_at_eos``.
+    ``gen`` holds ``SamplingParams`` fields (``max_new_tokens, temperature, top_k, top_p,
+    stop_at_eos``); the policy samples through the ``hf`` backend.
     """
+    from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.generation.hf import HFBackend
     from ppo_lightning.rollout import finish_rollout, forward_logprobs, sample_and_score
 
-    s = sample_and_score(policy=policy, ref_lm=ref_lm, reward_fn=reward_fn, tokenizer=tokenizer,
-                         input_ids=input_ids, attention_mask=attention_mask, gen=gen,
+    s = sample_and_score(sampler=HFBackend(policy.lm, tokenizer), params=SamplingParams(**gen), ref_lm=ref_lm,
+                         reward_fn=reward_fn, tokenizer=tokenizer, input_ids=input_ids, attention_mask=attention_mask,
                          missing_eos_penalty=missing_eos_penalty, forward_chunk_size=forward_chunk_size,
                          generator=generator)
     logprobs, values = forward_logprobs(policy, None, s.query_responses, s.attention_mask, s.position_ids,
@@ -202,3 +205,24 @@ class DiskFullFromStep(L.Callback):
 def constant_reward(prompts, responses):
     """Every response scores the same: no group ever has a spread."""
     return [1.0] * len(prompts)
+
+
+class RecordingBackend:
+    """A generation backend (``generation._target_=tests.helpers.RecordingBackend``) that samples
+    through the ``hf`` backend and records, for every ``generate``, the LM it samples and the
+    ``SamplingParams`` it got, and every ``sync_weights`` (class-level lists: one test run)."""
+
+    calls: list = []
+    syncs: list = []
+
+    def __init__(self, lm, tokenizer, fast_decode: bool = True):
+        from ppo_lightning.generation.hf import HFBackend
+
+        self.lm, self.inner = lm, HFBackend(lm, tokenizer, fast_decode)
+
+    def generate(self, prompt_ids, attention_mask, params, generator=None):
+        RecordingBackend.calls.append((self.lm, params))
+        return self.inner.generate(prompt_ids, attention_mask, params, generator)
+
+    def sync_weights(self, named_tensors) -> None:
+        RecordingBackend.syncs.append(len(list(named_tensors)))

@@ -11,7 +11,7 @@ from transformers import DynamicCache, GPT2LMHeadModel, LlamaConfig, LlamaForCau
 
 from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
 from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
-from ppo_lightning.rollout import generate
+from ppo_lightning.generation.hf import generate
 from tests.helpers import greedy_by_full_forward
 
 PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]  # left-padded: rows differ in length

@@ -53,7 +53,7 @@ def test_gradient_checkpointing_recomputes_the_blocks_and_gives_the_same_gradien
 
 
 def test_a_checkpointing_policy_still_samples_with_the_kv_cache(tiny_lm_dir):
-    from ppo_lightning.rollout import generate
+    from ppo_lightning.generation.hf import generate
 
     policy, ids, am, P = _policy_and_batch(tiny_lm_dir)
     kw = dict(max_new_tokens=8, eos_token_id=256, pad_token_id=257, greedy=True)
@@ -121,7 +121,7 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
     """ppo.rollout_forward_batch_size: the reference and old-policy forwards in chunks of 5 rows (of
     16, two minibatches so the old-policy forward is not fused) give the same run. And
     ppo.rollout_generate_batch_size reaches the sampler: 16 prompts sampled 6, 6 and 4 at a time."""
-    from ppo_lightning import rollout
+    from ppo_lightning.generation import hf
 
     common = ["ppo.minibatch_size=8"]
     base_rows, base_w = _run(tmp_path, cache_dir, "whole", common)
@@ -134,8 +134,8 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
 
     sampled_rows = []
-    loop = rollout._sample_loop
-    monkeypatch.setattr(rollout, "_sample_loop", lambda lm, ids, *a: sampled_rows.append(len(ids)) or loop(lm, ids, *a))
+    loop = hf._sample_loop
+    monkeypatch.setattr(hf, "_sample_loop", lambda lm, ids, *a: sampled_rows.append(len(ids)) or loop(lm, ids, *a))
     _run(tmp_path, cache_dir, "chunked_generation", [*common, "ppo.rollout_generate_batch_size=6",
                                                       "reward.normalize=false"])
     assert sampled_rows == [6, 6, 4] * 2  # two iterations

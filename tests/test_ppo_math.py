@@ -14,7 +14,7 @@ import torch
 
 from ppo_lightning import ppo
 from ppo_lightning.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
-from ppo_lightning.rollout import _mask_after_stop, sample_next_token
+from ppo_lightning.generation.hf import _mask_after_stop, sample_next_token
 
 F64 = torch.float64
 

@@ -229,7 +229,7 @@ def test_sigterm_outside_training_raises_where_the_program_is_and_cleans_up(tmp_
 
 
 def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_path, cache_dir):
-    from ppo_lightning.rollout import generate
+    from ppo_lightning.generation.hf import generate
     from ppo_lightning.factory import build
     from ppo_lightning.train import export, train
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -351,17 +351,20 @@ def test_fit_normalization_leaves_out_non_finite_scores():
 def test_sample_and_score_applies_the_normalisation_and_keeps_the_raw_scores(tiny_lm_dir):
     from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
     from ppo_lightning.rewards.rules import char_fraction
+    from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.generation.hf import HFBackend
     from ppo_lightning.rollout import sample_and_score
 
     tok = load_tokenizer(str(tiny_lm_dir))
     lm = load_causal_lm(str(tiny_lm_dir), tok)
     enc = tok(["hello there", "a b c"], return_tensors="pt", padding=True)
-    gen = dict(max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0, stop_at_eos=True)
+    params = SamplingParams(max_new_tokens=6)
     out = {}
     for norm in ((1.0, 0.0), (4.0, -0.5)):
-        out[norm] = sample_and_score(policy=PolicyWithValueHead(lm), ref_lm=make_reference(lm), reward_fn=char_fraction,
-                                     tokenizer=tok, input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                                     gen=gen, reward_norm=norm, generator=torch.Generator().manual_seed(0))
+        out[norm] = sample_and_score(sampler=HFBackend(PolicyWithValueHead(lm).lm, tok), params=params,
+                                     ref_lm=make_reference(lm), reward_fn=char_fraction, tokenizer=tok,
+                                     input_ids=enc.input_ids, attention_mask=enc.attention_mask, reward_norm=norm,
+                                     generator=torch.Generator().manual_seed(0))
     plain, scaled = out[(1.0, 0.0)], out[(4.0, -0.5)]
     assert torch.equal(plain.scores, plain.raw_scores) and torch.equal(scaled.raw_scores, plain.raw_scores)
     torch.testing.assert_close(scaled.scores, 4.0 * plain.raw_scores - 0.5)

@@ -6,7 +6,7 @@ import torch
 
 from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
 from ppo_lightning.rewards.rules import char_fraction
-from ppo_lightning.rollout import generate
+from ppo_lightning.generation.hf import generate
 from tests.helpers import greedy_by_full_forward, make_rollout
 
 PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_lightning.rollout import _mask_after_stop, generate, stop_hits
+from ppo_lightning.generation.hf import _mask_after_stop, generate, stop_hits
 
 
 def _naive_mask(responses, eos, seqs):
@@ -60,9 +60,8 @@ def test_stop_strings_become_token_sequences_and_bad_ones_name_the_key(tmp_path,
     module, _ = build_module(compose_cfg(["ppo.stop_strings=['ab',' c']", "ppo.stop_token_ids=[5]"],
                                          tmp_path, cache_dir))
     tok = module.tokenizer
-    assert module.stop_sequences == ((5,), tuple(tok.encode("ab", add_special_tokens=False)),
-                                     tuple(tok.encode(" c", add_special_tokens=False)))
-    assert module.generation_kwargs()["stop_sequences"] == module.stop_sequences
+    assert module.sampling.stop_sequences == ((5,), tuple(tok.encode("ab", add_special_tokens=False)),
+                                              tuple(tok.encode(" c", add_special_tokens=False)))
     with pytest.raises(ConfigError, match=r"^ppo.stop_token_ids: \[99999\] outside"):
         build_module(compose_cfg(["ppo.stop_token_ids=[99999]"], tmp_path, cache_dir))
     with pytest.raises(ConfigError, match=r"^ppo.stop_strings: '' is no token"):

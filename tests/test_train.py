@@ -142,7 +142,7 @@ def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_d
     assert gain > 0
     # the fitted map sends the raw scores of reference samples to mean 0 / std 1
     g = torch.Generator().manual_seed(0)
-    from ppo_lightning.rollout import generate
+    from ppo_lightning.generation.hf import generate
     batch = next(iter(datamodule.normalization_batches(32)))
     resp, mask = generate(module.ref_lm, batch["input_ids"], batch["attention_mask"], max_new_tokens=16,
                           eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,

@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from ppo_lightning.recipes import recipe_root
-from ppo_lightning.recipes.common import build_cached, fit_stage, report, sample_and_evaluate, save_base_model
+from ppo_lightning.recipes.common import build_cached, evaluate_before_after, fit_stage, report, save_base_model
 from ppo_lightning.tasks import arithmetic
 
 log = logging.getLogger(__name__)
@@ -50,13 +50,9 @@ def prepare(cfg) -> Path:
 def evaluate(cfg, module, out_dir: Path | None) -> str:
     prompts = [p for p in (root(cfg) / "prompts_eval.txt").read_text().split("\n") if p]
     scorers = {"accuracy": arithmetic.reward_fn}
-    gen = module.generation_kwargs()
-    before = sample_and_evaluate(module.ref_lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
-    after = sample_and_evaluate(module.policy.lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
-    greedy = dict(gen, greedy=True)
+    before, after = evaluate_before_after(module, prompts, scorers, cfg.seed)
     scorers_g = {"accuracy (greedy)": arithmetic.reward_fn}
-    before.update({k: v for k, v in sample_and_evaluate(module.ref_lm, module.ref_lm, module.tokenizer, prompts,
-                                                        scorers_g, greedy, cfg.seed).items() if k in scorers_g})
-    after.update({k: v for k, v in sample_and_evaluate(module.policy.lm, module.ref_lm, module.tokenizer, prompts,
-                                                       scorers_g, greedy, cfg.seed).items() if k in scorers_g})
+    greedy = evaluate_before_after(module, prompts, scorers_g, cfg.seed, module.sampling.replace(greedy=True))
+    for result, extra in zip((before, after), greedy):
+        result.update({k: v for k, v in extra.items() if k in scorers_g})
     return report(before, after, out_dir / "eval.json" if out_dir else None)

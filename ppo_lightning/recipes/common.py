@@ -17,7 +17,8 @@ import torch
 from ppo_lightning import ppo
 from ppo_lightning.data import LeftPadCollator
 from ppo_lightning.policy import position_ids_from_mask
-from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs, generate
+from ppo_lightning.generation import GenerationBackend, SamplingParams
+from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,23 @@ def fit_stage(stage: str, base_dir: Path, out_dir: Path, records: list[dict], *,
     return metrics
 
 
+def evaluate_before_after(module, prompts: list[str], scorers: dict[str, Callable], seed: int,
+                          params: SamplingParams | None = None) -> tuple[dict, dict]:
+    """The reference ("before") and the trained policy ("after") on ``prompts``, each sampled
+    through the run's own backends as the run samples (``module.sampling``, or ``params``)."""
+    params = params or module.sampling
+    before = sample_and_evaluate(module.ref_sampler, module.ref_lm, module.ref_lm, module.tokenizer, prompts,
+                                 scorers, params, seed)
+    after = sample_and_evaluate(module.sampler, module.policy.lm, module.ref_lm, module.tokenizer, prompts,
+                                scorers, params, seed)
+    return before, after
+
+
 @torch.no_grad()
-def sample_and_evaluate(lm, ref_lm, tokenizer, prompts: list[str], scorers: dict[str, Callable],
-                        gen: dict, seed: int, batch_size: int = 64) -> dict:
-    """Sample one response per prompt from ``lm``; score them; KL(lm || ref) per sequence (k1)."""
+def sample_and_evaluate(sampler: GenerationBackend, lm, ref_lm, tokenizer, prompts: list[str],
+                        scorers: dict[str, Callable], params: SamplingParams, seed: int, batch_size: int = 64) -> dict:
+    """Sample one response per prompt through ``sampler`` (which samples ``lm``); score them;
+    KL(lm || ref) per sequence (k1)."""
     device = next(lm.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     collate = LeftPadCollator(tokenizer.pad_token_id)
@@ -96,14 +110,13 @@ def sample_and_evaluate(lm, ref_lm, tokenizer, prompts: list[str], scorers: dict
         ids = tokenizer(prompts[s:s + batch_size], add_special_tokens=False)["input_ids"]
         batch = collate(ids)
         input_ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        resp, mask = generate(lm, input_ids, am, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, generator=g, **gen)
+        resp, mask = sampler.generate(input_ids, am, params, g)
         qr = torch.cat([input_ids, resp], 1)
         full_mask = torch.cat([am, mask.to(am.dtype)], 1)
         pos = position_ids_from_mask(full_mask)
         P = input_ids.shape[1]
-        logp, _ = forward_logprobs(None, lm, qr, full_mask, pos, P, gen["temperature"])
-        ref_logp, _ = forward_logprobs(None, ref_lm, qr, full_mask, pos, P, gen["temperature"])
+        logp, _ = forward_logprobs(None, lm, qr, full_mask, pos, P, params.temperature)
+        ref_logp, _ = forward_logprobs(None, ref_lm, qr, full_mask, pos, P, params.temperature)
         kls.append((ppo.kl_k1(logp, ref_logp) * mask).sum(1))
         p_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, resp, mask)
         all_prompts += p_texts

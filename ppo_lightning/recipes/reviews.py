@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from ppo_lightning.recipes import recipe_root
-from ppo_lightning.recipes.common import build_cached, fit_stage, report, sample_and_evaluate, save_base_model
+from ppo_lightning.recipes.common import build_cached, evaluate_before_after, fit_stage, report, save_base_model
 from ppo_lightning.tasks import reviews
 
 log = logging.getLogger(__name__)
@@ -99,21 +99,26 @@ def drift_pairs(sft_dir: Path, rng: random.Random, n_prompts: int, temperature: 
 def pairs_against_broken_samples(lm, tok, rng: random.Random, n_prompts: int, temperature: float = 1.0,
                                  batch_size: int = 256) -> list[dict]:
     """Sample one response per fresh prompt from ``lm``; label it with the grammar; pair each
-    ill-formed one (rejected) with a well-formed, positive continuation of its prompt (chosen)."""
+    ill-formed one (rejected) with a well-formed, positive continuation of its prompt (chosen).
+
+    Part of the recipe's build, which is cached once for every later run: it samples with the
+    recipe's own fixed settings (20 new tokens at ``temperature``, nothing truncated), never
+    with a run's, so the cached data does not depend on which run built it."""
     import torch
 
     from ppo_lightning.data import LeftPadCollator
-    from ppo_lightning.rollout import decode_prompts_and_responses, generate
+    from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.generation.hf import HFBackend
+    from ppo_lightning.rollout import decode_prompts_and_responses
 
     ps = reviews.prompts(rng, n_prompts)
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     collate = LeftPadCollator(tok.pad_token_id)
+    sampler, params = HFBackend(lm, tok), SamplingParams(max_new_tokens=20, temperature=temperature)
     pairs = []
     for s in range(0, len(ps), batch_size):
         batch = collate(tok(ps[s:s + batch_size], add_special_tokens=False)["input_ids"])
-        resp, mask = generate(lm, batch["input_ids"], batch["attention_mask"], max_new_tokens=20,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                              temperature=temperature, generator=g)
+        resp, mask = sampler.generate(batch["input_ids"], batch["attention_mask"], params, g)
         for p, r in zip(*decode_prompts_and_responses(tok, batch["input_ids"], resp, mask)):
             if not reviews.is_well_formed(reviews.join_text(p, r)):
                 pairs.append({"prompt": p, "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
@@ -167,7 +172,5 @@ def evaluate(cfg, module, out_dir: Path | None) -> str:
     scorers = {"reward (training reward)": module.score,
                "sentiment (ground truth)": true_sentiment,
                "well-formed fraction": well_formed}
-    gen = module.generation_kwargs()
-    before = sample_and_evaluate(module.ref_lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
-    after = sample_and_evaluate(module.policy.lm, module.ref_lm, module.tokenizer, prompts, scorers, gen, cfg.seed)
+    before, after = evaluate_before_after(module, prompts, scorers, cfg.seed)
     return report(before, after, out_dir / "eval.json" if out_dir else None)

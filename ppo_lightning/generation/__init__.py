@@ -1,0 +1,47 @@
+"""Sampling behind one interface: ``SamplingParams`` says how, a backend says with what.
+
+Every caller that samples (the rollout, reward normalisation's reference samples, the recipes'
+evaluations and data builds) passes a ``SamplingParams`` to a backend's ``generate``; none
+passes sampling arguments of its own. A backend is chosen by the ``generation`` config group
+(``_target_``, instantiated as a partial and called with the LM to sample and its tokenizer):
+
+- ``hf`` (``hf.HFBackend``, the default): samples the live module with a KV cache.
+
+An engine that keeps its own copy of the weights (vLLM) receives the new ones through
+``sync_weights`` after each iteration's updates. Old logprobs never come from a backend: they
+are the training forward's, so the first update's ratio is exactly 1 whatever the backend's
+numerics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+from ppo_lightning.generation.params import SamplingParams, StopSequences
+
+
+class GenerationBackend(Protocol):
+    def generate(self, prompt_ids: Tensor, attention_mask: Tensor, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """``(responses [B, R], response_mask [B, R])`` for left-padded ``prompt_ids [B, P]``:
+        pad after each row's stop, ``R <= params.max_new_tokens``, the mask 1 up to and
+        including the stop."""
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Take the policy's new weights (after an iteration's updates)."""
+
+
+BackendFactory = Callable[..., GenerationBackend]  # (lm, tokenizer, fast_decode=...) -> backend
+
+
+def default_backend() -> BackendFactory:
+    from ppo_lightning.generation.hf import HFBackend
+
+    return HFBackend
+
+
+__all__ = ["BackendFactory", "GenerationBackend", "SamplingParams", "StopSequences", "default_backend"]

@@ -1,0 +1,44 @@
+"""``SamplingParams``: how responses are sampled, one typed value for every caller."""
+
+from __future__ import annotations
+
+import dataclasses
+
+StopSequences = tuple[tuple[int, ...], ...]  # token-id sequences that end a response (besides EOS)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a backend samples. A run builds one from its config (``from_config``) and passes that
+    same value to every call: the rollouts, reward normalisation's reference samples and the
+    recipes' evaluations sample alike. Greedy evaluations use ``replace(greedy=True)``.
+    """
+
+    max_new_tokens: int
+    """Response length limit; a batch stops early once every row has stopped."""
+    temperature: float = 1.0
+    """Logits are divided by it before the draw (and before every logprob PPO takes)."""
+    top_k: int = 0
+    """Draw from the k most likely tokens; 0 = off."""
+    top_p: float = 1.0
+    """Nucleus mass; 1.0 = off (at least one token is kept)."""
+    stop_at_eos: bool = True
+    """Stop a row at its first EOS or stop sequence; False runs every row to ``max_new_tokens``."""
+    stop_sequences: StopSequences = ()
+    """Token-id sequences that end a response as EOS does (``ppo.stop_token_ids``, ``ppo.stop_strings``)."""
+    greedy: bool = False
+    """Argmax instead of a draw (evaluations)."""
+    chunk_size: int | None = None
+    """Rows sampled per call (bounds the KV cache); null = the whole batch. A seeded run draws
+    other tokens with another value (the random stream is consumed in another order)."""
+
+    @classmethod
+    def from_config(cls, ppo_cfg, stop_sequences: StopSequences = ()) -> "SamplingParams":
+        """The run's sampling (``ppo.max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
+        ``stop_at_eos``, ``rollout_generate_batch_size``) and its tokenised stop sequences."""
+        return cls(max_new_tokens=ppo_cfg.max_new_tokens, temperature=ppo_cfg.temperature, top_k=ppo_cfg.top_k,
+                   top_p=ppo_cfg.top_p, stop_at_eos=ppo_cfg.stop_at_eos, stop_sequences=tuple(stop_sequences),
+                   chunk_size=ppo_cfg.rollout_generate_batch_size)
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)

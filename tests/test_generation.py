@@ -1,0 +1,57 @@
+"""The generation interface: every caller samples through the configured backend, with the run's
+one ``SamplingParams``."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppo_lightning.generation import SamplingParams
+from tests.conftest import compose_cfg
+
+RUN = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none", "export_dir=null",
+       "logger=csv", "data.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1", "ppo.max_new_tokens=8",
+       "trainer.max_steps=2"]
+
+
+def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(tmp_path, cache_dir):
+    """Reward normalisation samples the reference, each rollout the policy, and the recipes'
+    before/after evaluation both: all through ``generation._target_``, all with the one
+    ``module.sampling`` (here with top-k and a stop string, which a caller rebuilding its own
+    arguments could drop); the backend gets the policy's weights after each iteration."""
+    from ppo_lightning.factory import build
+    from ppo_lightning.recipes.common import evaluate_before_after
+    from tests.helpers import RecordingBackend
+
+    RecordingBackend.calls.clear()
+    RecordingBackend.syncs.clear()
+    cfg = compose_cfg([*RUN, "generation._target_=tests.helpers.RecordingBackend", "ppo.top_k=5",
+                       "ppo.stop_strings=['xy']", "reward.normalize=true", "reward.normalize_samples=8"],
+                      tmp_path, cache_dir)
+    module, datamodule, trainer = build(cfg)
+    trainer.fit(module, datamodule=datamodule)
+    evaluate_before_after(module, ["ab", "cd"], {"length": lambda p, r: [len(x) for x in r]}, seed=0)
+    sampled = ["policy" if lm is module.policy.lm else "reference" if lm is module.ref_lm else "?"
+               for lm, _ in RecordingBackend.calls]
+    assert sampled == ["reference", "policy", "policy", "reference", "policy"]
+    assert all(params is module.sampling for _, params in RecordingBackend.calls)
+    assert module.sampling.top_k == 5 and len(module.sampling.stop_sequences) == 1
+    assert RecordingBackend.syncs == [len(list(module.policy.lm.parameters()))] * 2
+
+
+def test_sampling_params_come_from_the_ppo_keys(tmp_path, cache_dir):
+    cfg = compose_cfg(["ppo.temperature=0.7", "ppo.top_p=0.9", "ppo.rollout_generate_batch_size=4",
+                       "ppo.stop_at_eos=false"], tmp_path, cache_dir)
+    from omegaconf import OmegaConf
+
+    params = SamplingParams.from_config(OmegaConf.to_object(cfg.ppo), ((5,),))
+    assert params == SamplingParams(max_new_tokens=cfg.ppo.max_new_tokens, temperature=0.7, top_p=0.9,
+                                    stop_at_eos=False, stop_sequences=((5,),), chunk_size=4)
+    assert params.replace(greedy=True).greedy and not params.greedy
+
+
+def test_a_generation_node_without_a_target_names_the_key(tmp_path, cache_dir):
+    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.factory import build_module
+
+    with pytest.raises(ConfigError, match=r"^generation: expected a mapping with a _target_"):
+        build_module(compose_cfg(["~generation._target_"], tmp_path, cache_dir))
