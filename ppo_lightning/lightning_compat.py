@@ -1,4 +1,9 @@
-"""Every private Lightning API this project calls, in one place.
+"""The private Lightning calls of the training loop, in one place.
+
+What else touches Lightning's insides, and where: ``sharding.FSDP2Strategy`` subclasses
+``ModelParallelStrategy`` and sets or reads two of its private attributes
+(``_data_parallel_size``, ``_save_distributed_checkpoint``), exercised by ``tests/test_fsdp.py``;
+``checkpoint.stop_every_rank_on_write_error`` wraps the public ``Strategy.save_checkpoint``.
 
 Lightning minor releases move private names; keeping them here means one file to fix and one test
 file (``tests/test_lightning_compat.py``) that pins what each call must do, so an upgrade that
