@@ -21,13 +21,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import Metric
 
+from ppo_lightning.config import OptimizerConfig, check_fields
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import context_length
 
 log = logging.getLogger(__name__)
-
-from ppo_lightning.config import OptimizerConfig, check_fields
-from ppo_lightning.optim import configure_optimizers
 
 
 # ----------------------------------------------------------------------------- configs
