@@ -196,6 +196,7 @@ def _token_mean_worker(rank: int, world: int, port: int, out: str) -> None:
         ppo.aggregate(model(x).squeeze(-1), mask, mode, token_count=count).backward()
         grads[mode] = model.module.weight.grad.clone()
     torch.save(grads, f"{out}/rank{rank}.pt")
+    dist.barrier()  # an orderly end: no rank exits while gloo still talks to it
     dist.destroy_process_group()
 
 

@@ -46,6 +46,9 @@ if trainer.global_rank == 0:
         json.dump({"metrics": out, "world_size": trainer.world_size, "val_examples": len(dm.val_examples),
                    "shards": shards, "batch_sizes": [len(b["input_ids"]) for b in loader],
                    "warnings": [str(w.message) for w in caught]}, f)
+if torch.distributed.is_initialized():  # an orderly end: no rank exits while gloo still talks to it
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 '''
 
 
