@@ -75,7 +75,8 @@ class PPOModule(L.LightningModule):
     ``(prompts, responses) -> raw scores``; ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` /
     ``OptimizerConfig`` (see ``config.py``). ``backend``: the generation backend's factory (the
     ``generation`` config group; ``hf`` by default), called once for the policy (``sampler``) and
-    once for the reference (``ref_sampler``); ``sampling``: how both sample, for every caller. ``reward_norm``: the ``(gain, bias)`` every raw score
+    once for the reference (``ref_sampler``); ``sampling``: how both sample, for every caller.
+    ``reward_norm``: the ``(gain, bias)`` every raw score
     goes through, or None to fit it on ``normalize_reward_samples`` reference samples when the run
     starts (``_fit_reward_normalization``). ``value_head_from_reward``: the value head was copied
     from the reward model's raw head, so the fitted gain and bias are applied to it too.
@@ -95,6 +96,7 @@ class PPOModule(L.LightningModule):
         self.ppo_cfg = ppo_cfg
         self.sampling = SamplingParams.from_config(
             ppo_cfg, stop_sequences(tokenizer, ppo_cfg.stop_token_ids, ppo_cfg.stop_strings))
+        self.kl_estimator = ppo.kl_estimator_for(ppo_cfg.kl_in, ppo_cfg.kl_estimator)  # null: per placement
         make = backend or default_backend()
         self.sampler = make(policy.lm, tokenizer, fast_decode=ppo_cfg.fast_decode)
         self.ref_sampler = make(ref_lm, tokenizer, fast_decode=ppo_cfg.fast_decode)
@@ -236,7 +238,7 @@ class PPOModule(L.LightningModule):
         logprobs, values = self._old_logprobs_and_values(samples)
         kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
         self.rollout = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, gamma=c.gamma, lam=c.lam,
-                                      kl_estimator=ppo.kl_estimator_for(c.kl_in, c.kl_estimator),
+                                      kl_estimator=self.kl_estimator,
                                       whiten_rewards=c.whiten_rewards,
                                       advantage=c.advantage, group_size=c.num_generations,
                                       scale_by_group_std=c.scale_by_group_std)
@@ -344,7 +346,6 @@ class PPOModule(L.LightningModule):
         # loss_agg=token_mean_global the mean over ranks (so DDP's gradient average is the global mean)
         n_tokens = (ppo.global_token_count(mb.response_mask) if c.loss_agg == "token_mean_global"
                     else mb.response_mask.sum())
-        kl_estimator = ppo.kl_estimator_for(c.kl_in, c.kl_estimator)
         parts = self._micro_batches(mb)
         stats: dict[str, Tensor] = {}
         new_logps = []
@@ -371,7 +372,7 @@ class PPOModule(L.LightningModule):
                 loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
                 if c.kl_in == "loss":  # GRPO: beta * KL(policy, reference) (k3 by default), aggregated
                     # like the policy loss; masked before the estimator (a pad's logprob is arbitrary)
-                    kl_loss = ppo.aggregate(ppo.kl_penalty(new_logp, part.ref_logprobs, kl_estimator, mask), mask,
+                    kl_loss = ppo.aggregate(ppo.kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask), mask,
                                             c.loss_agg, n_tokens, mb.batch_size, c.max_new_tokens)
                     loss = loss + self.kl_ctl.value * kl_loss
                 if not self._all_ranks(bool(torch.isfinite(loss))):
