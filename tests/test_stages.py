@@ -292,8 +292,10 @@ def test_reward_model_learns_and_saves(tiny_lm_dir, tmp_path):
     print(f"RM held-out accuracy through RewardModel: {acc:.2f}")
     assert acc >= 0.9
     module.eval()
-    torch.testing.assert_close(module.score(prompts, [r["chosen"] for r in held_out]), chosen,
-                               rtol=1e-5, atol=1e-5)
+    batch = PairCollator(module.tokenizer.pad_token_id)(tokenize_pairs(held_out, module.tokenizer, 32))
+    with torch.no_grad():
+        trained_chosen, _ = module.pair_rewards(batch)  # the training path's tokens and forward
+    torch.testing.assert_close(trained_chosen, chosen, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,7 +512,7 @@ def test_builds_the_tiny_model_seeds_the_score_head_and_fits_max_length(tmp_path
 
     model_cfg = ModelConfig(name_or_path=str(tmp_path / "tiny"), build_tiny=TinyModelConfig())
     records = preference_records(6, seed=0)
-    a, _ = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=5), records=records, cache_dir=tmp_path)
+    a, dm = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=5), records=records, cache_dir=tmp_path)
     state = torch.random.get_rng_state()
     b, _ = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=5), records=records, cache_dir=tmp_path)
     assert torch.equal(torch.random.get_rng_state(), state)
@@ -519,6 +521,6 @@ def test_builds_the_tiny_model_seeds_the_score_head_and_fits_max_length(tmp_path
     wa, wb, wc = (m.model.score.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     # max_length null: the model's context (256 here), at most 512
-    assert a.max_length == 256
+    assert dm.cfg.max_length == 256
     _, dm = build_sft(model_cfg, None, None, SFTConfig(), records=repeat_records())
     assert dm.cfg.max_length == 256 and dm.cfg.max_prompt_length == 128

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 
@@ -185,8 +186,6 @@ def test_arithmetic_prompts_and_reward():
     assert arithmetic.reward_fn(
         ["12+7=", "12+7=", "12+7=", "12+7=", "3-7=", "3-7=", "3-7=", "12+7="],
         ["19", " 19 ", "20", "", "-4", "4", "--4", "19+1"]) == [1, 1, 0, 0, 1, 0, 1, 1]
-    assert arithmetic.accuracy(["1+1=", "1+1="], ["2", "3"]) == 0.5
-    assert arithmetic.accuracy([], []) == 0.0
     with pytest.raises(ValueError):
         arithmetic.reward_fn(["hello"], ["1"])
     with pytest.raises(ValueError):
@@ -197,12 +196,12 @@ def test_arithmetic_sft_corpus_is_partly_correct():
     rng = random.Random(6)
     corpus = arithmetic.sft_corpus(rng, 2000, accuracy=0.6)
     ps, rs = [ex["prompt"] for ex in corpus], [ex["response"] for ex in corpus]
-    assert 0.56 < arithmetic.accuracy(ps, rs) < 0.64
+    assert 0.56 < statistics.mean(arithmetic.reward_fn(ps, rs)) < 0.64
     errors = [int(r) - arithmetic.answer(p) for p, r in zip(ps, rs)]
     assert {e for e in errors if e} == {-2, -1, 1, 2}
     assert sum(abs(e) == 1 for e in errors) > 2 * sum(abs(e) == 2 for e in errors)
-    assert arithmetic.accuracy(*zip(*[(e["prompt"], e["response"])
-                                      for e in arithmetic.sft_corpus(rng, 50, accuracy=1.0)])) == 1.0
+    assert arithmetic.reward_fn(*zip(*[(e["prompt"], e["response"])
+                                       for e in arithmetic.sft_corpus(rng, 50, accuracy=1.0)])) == [1.0] * 50
 
 
 # ----------------------------------------------------------------------------- tokenizers

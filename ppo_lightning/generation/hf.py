@@ -169,6 +169,7 @@ def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pa
     decoder = GPT2Decoder(lm, cache, attention_mask, max_new_tokens) if fast else None
     responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    window = max((len(seq) for seq in stop_sequences), default=1)  # the tokens a stop can span
     n = 0
     for t in range(max_new_tokens):
         token = sample_next_token(logits, temperature, top_k, top_p, generator, greedy)
@@ -176,12 +177,8 @@ def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pa
             token = token.masked_fill(finished, pad_token_id)
         responses[:, t] = token
         n = t + 1
-        if stop_at_eos:
-            finished |= token == eos_token_id
-            for seq in stop_sequences:  # a sequence ending at this token
-                k = len(seq)
-                if k <= n:
-                    finished |= (responses[:, n - k:n] == responses.new_tensor(seq)).all(1)
+        if stop_at_eos:  # a stop ending at this token: stop_hits' last column over the last tokens
+            finished |= stop_hits(responses[:, max(0, n - window):n], eos_token_id, stop_sequences)[:, -1]
             # .all() syncs with the device; on GPU checking every few steps would save a little
             if bool(finished.all()):
                 break

@@ -180,9 +180,8 @@ class RewardModelModule(StageOptimization, L.LightningModule):
     """
 
     def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0,
-                 center_rewards_coef: float = 0.0, max_length: int = 512):
+                 center_rewards_coef: float = 0.0):
         super().__init__()
-        self.max_length = max_length
         self.model = model
         self.tokenizer = tokenizer
         self.optim_cfg = optim_cfg
@@ -246,13 +245,6 @@ class RewardModelModule(StageOptimization, L.LightningModule):
         reset_val_metrics(*self._val_metrics())
         if metrics:
             self.log_dict(metrics, prog_bar=True)
-
-    @torch.no_grad()
-    def score(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        """Rewards of ``prompt + response`` texts, tokenised as in training (a convenience)."""
-        enc = self.tokenizer([p + r for p, r in zip(prompts, responses)], return_tensors="pt", padding=True,
-                             truncation=True, max_length=self.max_length).to(self.device)
-        return self(enc["input_ids"], enc["attention_mask"])
 
     @property
     def last_metrics(self) -> dict[str, float]:
@@ -330,7 +322,7 @@ def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None
     if get(model_cfg, "gradient_checkpointing", False):
         enable_activation_checkpointing(model)
     module = RewardModelModule(model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm,
-                               center_rewards_coef=cfg.center_rewards_coef, max_length=cfg.max_length)
+                               center_rewards_coef=cfg.center_rewards_coef)
     return module, datamodule
 
 

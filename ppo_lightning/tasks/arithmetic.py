@@ -88,12 +88,6 @@ def reward_fn(prompts: list[str], responses: list[str]) -> list[float]:
     return [float(parse_response(r) == answer(p)) for p, r in zip(prompts, responses)]
 
 
-def accuracy(prompts: list[str], responses: list[str]) -> float:
-    """The fraction of responses whose answer is right (0.0 for no prompts)."""
-    scores = reward_fn(prompts, responses)
-    return sum(scores) / len(scores) if scores else 0.0
-
-
 def build_tokenizer():
     """A character-level tokenizer over :data:`VOCAB` (see :mod:`ppo_lightning.tasks.tokenizer`)."""
     from ppo_lightning.tasks.tokenizer import build_word_tokenizer
