@@ -1,8 +1,9 @@
 """Config -> the parts of a PPO run: policy, reference, reward, prompts, ``PPOModule``, Trainer.
 
-The entry point (``ppo_lightning/train.py``) and the recipes (whose red-team rounds are short PPO
-runs) both build runs here; nothing here imports a recipe. ``check_inputs`` holds every check of
-the user's inputs that needs no model, so each can run before any recipe build or model load.
+The jobs (``ppo_lightning/jobs.py``, which the entry point ``train.py`` runs) and the recipes
+(whose red-team rounds are short PPO runs) both build runs here; nothing here imports a recipe.
+``check_inputs`` holds every check of the user's inputs that needs no model, so each can run
+before any recipe build or model load.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ppo_lightning.preemption import StopOnPreemption
 from ppo_lightning.config import validate
 from ppo_lightning.data import PromptDataModule, read_prompts
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.generation import SamplingParams
 from ppo_lightning.module import PPOModule
 from ppo_lightning.lora import DisabledAdapters, apply_lora
 from ppo_lightning.policy import (PolicyWithValueHead, VALUE_HEAD_FILE, context_length, freeze, load_causal_lm,
@@ -158,6 +160,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
     module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed,
+                       sampling=SamplingParams.from_config(ppo_cfg, tokenizer),
                        reward_norm=reward_norm, normalize_reward_samples=cfg.reward.normalize_samples,
                        value_head_from_reward=cfg.model.value_head_init == "reward_model",
                        backend=build_backend(cfg.get("generation")))

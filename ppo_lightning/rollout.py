@@ -42,9 +42,13 @@ class _Sequences:
         return self.query_responses[:, self.context_length:]
 
 
+PolicyOutput = tuple[Tensor, Tensor | None, Tensor]  # tempered logits [B, R, V], values [B, R], logprobs [B, R]
+
+
 @dataclasses.dataclass
 class Rollout(_Sequences):
-    """One PPO batch: sampled responses and the old policy's view of them. All tensors share B."""
+    """One PPO batch: sampled responses and the old policy's view of them. All tensors share B.
+    What ``values``, ``advantages`` and ``returns`` hold depends on ``ppo.advantage``."""
 
     query_responses: Tensor  # [B, T] long
     attention_mask: Tensor  # [B, T] long: prompt mask | response mask
@@ -52,16 +56,20 @@ class Rollout(_Sequences):
     response_mask: Tensor  # [B, R] float: 1 on response tokens up to and including EOS
     logprobs: Tensor  # [B, R] old policy log pi(a_t | s_t), logits / temperature
     ref_logprobs: Tensor  # [B, R] reference model, same temperature
-    values: Tensor  # [B, R] old V(s_t)
+    values: Tensor  # [B, R] gae: the value head's V(s_t) at sampling time; critic-free: zeros
     kl: Tensor  # [B, R] per-token k1 = logprobs - ref_logprobs (for metrics)
-    rewards: Tensor  # [B, R] -beta * KL_t, plus the score at the last real token
+    rewards: Tensor  # [B, R] -beta * KL_t (kl_in=reward), plus the score at the last real token
     non_score_reward: Tensor  # [B] sum over tokens of -beta * KL_t (the KL part of the return)
-    advantages: Tensor  # [B, R] GAE, whitened over response tokens
-    returns: Tensor  # [B, R] value targets: advantages (before whitening) + values
+    advantages: Tensor  # [B, R] what the policy loss weighs each token by: gae, whitened GAE;
+    # grpo / rloo, the group-relative score plus the KL return-to-go; reinforce_pp, whitened returns
+    returns: Tensor  # [B, R] gae: value targets, advantages (before whitening) + values; else a record
     scores: Tensor  # [B] reward of each full response: normalised, after the missing-EOS penalty
     raw_scores: Tensor  # [B] the reward's own output, before normalisation and penalty
     contains_eos: Tensor  # [B] bool
     context_length: int  # P
+    first_forward: PolicyOutput | None = None  # the old policy's forward with gradients, when fused
+    # (algorithm.PPO._old_logprobs_and_values): the first update reuses it, once
+    collect_time_s: float = 0.0  # wall time of sampling, scoring and the rollout's forwards
 
     def is_finite(self) -> Tensor:
         """Whether every score, logprob, value and advantage is finite (a 0-dim bool tensor)."""
@@ -70,7 +78,7 @@ class Rollout(_Sequences):
 
     def index(self, idx: Tensor | slice) -> "Rollout":
         """The rows ``idx`` of every tensor: a minibatch, or a micro-batch of one."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "first_forward"}
         return Rollout(**{k: v[idx] if isinstance(v, Tensor) else v for k, v in fields.items()})
 
 
@@ -153,7 +161,7 @@ class Samples(_Sequences):
 
     ``finish_rollout`` completes it from the old policy's logprobs and values: a no-grad forward
     (``forward_logprobs``), or, when one PPO minibatch is the whole batch, the first update's own
-    forward run early (``PPOModule._old_logprobs_and_values``).
+    forward run early (``algorithm.PPO._old_logprobs_and_values``).
     """
 
     query_responses: Tensor  # [B, T]
@@ -197,17 +205,19 @@ def sample_and_score(*, sampler: GenerationBackend, params: SamplingParams, ref_
 
 
 @torch.no_grad()
-def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_coef: float, gamma: float,
-                   lam: float, kl_estimator: str = "k1", whiten_rewards: bool = False, advantage: str = "gae",
-                   group_size: int = 1, scale_by_group_std: bool = True) -> Rollout:
-    """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``:
-    per-token rewards (-beta * KL, plus the score at the last real token), then the advantages:
-    GAE on the values, whitened (``advantage="gae"``), or a critic-free estimator on groups of
-    ``group_size`` consecutive rows (``estimators.critic_free_advantages``: the scores compared
-    within a group, the KL penalty added per token; ``values`` None, and the rollout's values are
-    zeros). ``whiten_rewards`` is GAE's alone: the critic-free estimators normalise the scores
-    themselves, and whitening per-token rewards while keeping their mean would add a term
-    proportional to each response's length to its return."""
+def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_coef: float, kl_estimator: str,
+                   cfg) -> Rollout:
+    """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``, with the
+    estimator and its options of ``cfg`` (a ``config.PPOConfig``: ``advantage``, ``gamma``,
+    ``lam``, ``whiten_rewards``, ``num_generations``, ``scale_by_group_std``): per-token rewards
+    (``-kl_coef`` x the ``kl_estimator`` KL, plus the score at the last real token), then the
+    advantages: GAE on the values, whitened (``advantage="gae"``), or a critic-free estimator on
+    groups of ``num_generations`` consecutive rows (``estimators.critic_free_advantages``: the
+    scores compared within a group, the KL penalty added per token; ``values`` None, and the
+    rollout's values are zeros). ``whiten_rewards`` is GAE's alone: the critic-free estimators
+    normalise the scores themselves, and whitening per-token rewards while keeping their mean
+    would add a term proportional to each response's length to its return."""
+    advantage, whiten_rewards = cfg.advantage, cfg.whiten_rewards
     if whiten_rewards and advantage != "gae":
         raise ValueError(f"whiten_rewards is for advantage='gae' (got {advantage!r}): it would add a length bias")
     mask = s.response_mask
@@ -222,12 +232,12 @@ def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_co
         if whiten_rewards:
             rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
         values_next = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # compute_gae masks it
-        advantages, returns = ppo.compute_gae(rewards, values, values_next, mask, gamma, lam)
+        advantages, returns = ppo.compute_gae(rewards, values, values_next, mask, cfg.gamma, cfg.lam)
         advantages = ppo.whiten(advantages, mask, distributed=True)
     else:
         advantages, returns = estimators.critic_free_advantages(
-            advantage, s.scores, kl_rewards, mask, group_size=group_size, gamma=gamma,
-            scale_by_std=scale_by_group_std, distributed=True)
+            advantage, s.scores, kl_rewards, mask, group_size=cfg.num_generations, gamma=cfg.gamma,
+            scale_by_std=cfg.scale_by_group_std, distributed=True)
     return Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask,
                    position_ids=s.position_ids, response_mask=mask, logprobs=logprobs,
                    ref_logprobs=ref_logprobs, values=values, kl=kl, rewards=rewards,

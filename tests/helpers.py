@@ -164,8 +164,10 @@ def make_rollout(*, policy, ref_lm, reward_fn, tokenizer, input_ids: torch.Tenso
                          generator=generator)
     logprobs, values = forward_logprobs(policy, None, s.query_responses, s.attention_mask, s.position_ids,
                                         s.context_length, gen["temperature"], forward_chunk_size)
-    return finish_rollout(s, logprobs, values, kl_coef=kl_coef, gamma=gamma, lam=lam,
-                          kl_estimator=kl_estimator, whiten_rewards=whiten_rewards)
+    from ppo_lightning.config import PPOConfig
+
+    return finish_rollout(s, logprobs, values, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                          cfg=PPOConfig(gamma=gamma, lam=lam, whiten_rewards=whiten_rewards))
 
 
 class FullDisk:

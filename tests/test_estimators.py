@@ -3,12 +3,14 @@ over the formulas of each paper; ``ppo_lightning/estimators.py`` cites them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from ppo_lightning import estimators as E
+from ppo_lightning.config import PPOConfig
 
 # two prompts, three samples each: a group with spread, and one whose rewards are all equal
 REWARDS = [1.0, 0.0, 0.5, 2.0, 2.0, 2.0]
@@ -121,7 +123,8 @@ def test_group_estimators_compare_scores_and_add_the_kl_penalty_per_token(advant
     scores, lengths, beta = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [3, 6, 2, 5, 4, 6, 1, 3], 0.05
     s = _samples(scores, lengths)
     logprobs = s.ref_logprobs + 0.05 * torch.randn(s.ref_logprobs.shape, generator=torch.Generator().manual_seed(1))
-    r = finish_rollout(s, logprobs, None, kl_coef=beta, gamma=1.0, lam=0.95, advantage=advantage, group_size=4)
+    r = finish_rollout(s, logprobs, None, kl_coef=beta, kl_estimator="k1",
+                       cfg=PPOConfig(advantage=advantage, num_generations=4))
     for g in range(2):
         group = scores[4 * g:4 * g + 4]
         for i, score in enumerate(group):
@@ -156,13 +159,13 @@ def test_reward_whitening_is_refused_without_a_critic(advantage):
     from ppo_lightning.rollout import finish_rollout
 
     s = _samples([1.0, 1.0, 0.0, 0.0], [2, 6, 3, 6])
-    r = finish_rollout(s, s.ref_logprobs.clone(), None, kl_coef=0.0, gamma=1.0, lam=0.95, advantage=advantage,
-                       group_size=2)
+    cfg = PPOConfig(advantage=advantage, num_generations=2)
+    r = finish_rollout(s, s.ref_logprobs.clone(), None, kl_coef=0.0, kl_estimator="k1", cfg=cfg)
     if advantage != "reinforce_pp":
         assert r.advantages.abs().max() == 0  # no signal in equal scores
     with pytest.raises(ValueError, match="length bias"):
-        finish_rollout(s, s.ref_logprobs.clone(), None, kl_coef=0.0, gamma=1.0, lam=0.95, advantage=advantage,
-                       group_size=2, whiten_rewards=True)
+        finish_rollout(s, s.ref_logprobs.clone(), None, kl_coef=0.0, kl_estimator="k1",
+                       cfg=dataclasses.replace(cfg, whiten_rewards=True))
 
 
 # ----------------------------------------------------------------------------- in training
@@ -178,7 +181,7 @@ def test_critic_free_estimators_raise_reward_without_any_value_head(tmp_path, ca
     no value head exists anywhere: not in the policy, the optimizer, the checkpoint, the metrics
     or the export."""
     from ppo_lightning.factory import build
-    from ppo_lightning.train import train
+    from ppo_lightning.jobs import train
     from tests.conftest import compose_cfg, read_metrics
 
     overrides = [*RUN, f"ppo.advantage={advantage}", "trainer.max_steps=40",
@@ -290,7 +293,7 @@ def test_tied_groups_are_counted_while_the_kl_penalty_moves_the_policy(tmp_path,
     and an entropy bonus that moves the policy off the reference: every group ties on every
     iteration, though after the first update the KL penalty differs from response to response.
     The metric counts the ties (with score + KL penalty it read 0 from iteration 1 on)."""
-    from ppo_lightning.train import train
+    from ppo_lightning.jobs import train
     from tests.conftest import compose_cfg, read_metrics
 
     train(compose_cfg([*RUN, "ppo.advantage=grpo", "ppo.kl_coef=0.5", "ppo.ent_coef=0.5", "optimizer.lr=1e-2",

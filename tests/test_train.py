@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ppo_lightning.train import train
+from ppo_lightning.jobs import train
 from tests.conftest import compose_cfg, read_metrics
 
 FAST = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
@@ -166,8 +166,8 @@ def test_direct_clipping_matches_lightning_clip_gradients(tmp_path, cache_dir, m
     for plain in (True, False):
         def on_fit_start(self, plain=plain):
             orig(self)
-            assert self._plain_clipping  # what a CPU fp32 run gets
-            self._plain_clipping = plain
+            assert self.runtime.plain_clipping  # what a CPU fp32 run gets
+            self.runtime.plain_clipping = plain
         monkeypatch.setattr(PPOModule, "on_fit_start", on_fit_start)
         out = tmp_path / str(plain)
         cfg = compose_cfg([*FAST, "trainer.max_steps=2", "ppo.max_grad_norm=0.01", "callbacks=none",

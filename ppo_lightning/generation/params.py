@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ppo_lightning.errors import ConfigError
+
 StopSequences = tuple[tuple[int, ...], ...]  # token-id sequences that end a response (besides EOS)
 
 
@@ -33,12 +35,30 @@ class SamplingParams:
     other tokens with another value (the random stream is consumed in another order)."""
 
     @classmethod
-    def from_config(cls, ppo_cfg, stop_sequences: StopSequences = ()) -> "SamplingParams":
+    def from_config(cls, ppo_cfg, tokenizer) -> "SamplingParams":
         """The run's sampling (``ppo.max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
-        ``stop_at_eos``, ``rollout_generate_batch_size``) and its tokenised stop sequences."""
+        ``stop_at_eos``, ``rollout_generate_batch_size``) and its stop sequences, tokenised
+        (``stop_sequences``)."""
         return cls(max_new_tokens=ppo_cfg.max_new_tokens, temperature=ppo_cfg.temperature, top_k=ppo_cfg.top_k,
-                   top_p=ppo_cfg.top_p, stop_at_eos=ppo_cfg.stop_at_eos, stop_sequences=tuple(stop_sequences),
+                   top_p=ppo_cfg.top_p, stop_at_eos=ppo_cfg.stop_at_eos,
+                   stop_sequences=stop_sequences(tokenizer, ppo_cfg.stop_token_ids, ppo_cfg.stop_strings),
                    chunk_size=ppo_cfg.rollout_generate_batch_size)
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def stop_sequences(tokenizer, token_ids, strings) -> StopSequences:
+    """``ppo.stop_token_ids`` (one token each) and ``ppo.stop_strings`` tokenised without special
+    tokens, as the token-id sequences the samplers stop on (``SamplingParams.stop_sequences``)."""
+    seqs = [(int(i),) for i in token_ids]
+    for text in strings:
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ConfigError(f"ppo.stop_strings: {text!r} is no token in the policy's tokenizer; remove it")
+        seqs.append(ids)
+    vocab = len(tokenizer)
+    bad = [i for i in token_ids if not 0 <= int(i) < vocab]
+    if bad:
+        raise ConfigError(f"ppo.stop_token_ids: {bad} outside the tokenizer's {vocab} ids")
+    return tuple(seqs)
