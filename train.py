@@ -37,7 +37,7 @@ USER_ERRORS = (ConfigError, RewardError, NonFiniteError, CheckpointWriteError)
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from ppo_lightning.train import run_task
+    from ppo_lightning.jobs import run_task
 
     in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:

@@ -39,7 +39,7 @@ tests/test_docs.py fails when this file is stale. -->
 `python train.py [group=choice ...] [key=value ...]`. Hydra composes `conf/train.yaml` with the
 chosen group options and overrides, then merges the result into the typed schema `TrainConfig`
 (`ppo_lightning/config.py`). `task.name` picks the job: `ppo` (default), `sft`, `reward_model` or
-`export` (`ppo_lightning/train.py:run_task`).
+`export` (`ppo_lightning/jobs.py:run_task`).
 
 - **One declaration per key.** Each key below is one dataclass field: its type, its default, its
   check (`config.param`) and the docstring under it. This page, the range checks

@@ -7,7 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from ppo_lightning.config import TrainConfig
-from ppo_lightning.train import train
+from ppo_lightning.jobs import train
 from tests.conftest import compose_cfg, read_metrics
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -103,7 +103,7 @@ QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=fals
 
 
 def _run(tmp_path, cache_dir, *overrides):
-    from ppo_lightning.train import train
+    from ppo_lightning.jobs import train
     from tests.conftest import compose_cfg, read_metrics
 
     train(compose_cfg([*QUIET, *overrides], tmp_path, cache_dir))

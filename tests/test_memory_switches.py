@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, position_ids_from_mask
-from ppo_lightning.train import train
+from ppo_lightning.jobs import train
 from tests.conftest import compose_cfg, read_metrics
 from tests.helpers import assert_same_metrics
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ppo_lightning.config import validate
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer
-from ppo_lightning.train import train
+from ppo_lightning.jobs import train
 from tests.conftest import compose_cfg, read_metrics
 
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none",

@@ -231,7 +231,7 @@ def test_sigterm_outside_training_raises_where_the_program_is_and_cleans_up(tmp_
 def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_path, cache_dir):
     from ppo_lightning.generation.hf import generate
     from ppo_lightning.factory import build
-    from ppo_lightning.train import export, train
+    from ppo_lightning.jobs import export, train
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = compose_cfg([*FAST, "trainer.max_steps=4", "callbacks.model_checkpoint.every_n_train_steps=4"],
@@ -263,7 +263,7 @@ def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_pa
 
 
 def test_nan_rewards_skip_those_steps_and_count_them(tmp_path, cache_dir):
-    from ppo_lightning.train import train
+    from ppo_lightning.jobs import train
 
     cfg = compose_cfg([*FAST, "trainer.max_steps=6", "reward=function",
                        "reward.fn=tests.helpers.nan_on_odd_calls", "callbacks=none"], tmp_path, cache_dir)

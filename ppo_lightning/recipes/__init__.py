@@ -26,7 +26,7 @@ def recipe_root(cache_dir: str | Path, name: str) -> Path:
 
 
 def get_recipe(name: str):
-    """The recipe module ``name`` (imported on demand: recipes pull in the stages and tasks)."""
+    """The recipe module ``name`` (imported on demand: recipes pull in the stages and examples)."""
     recipe_root(".", name)  # an unknown name fails here, with the choices
     import importlib
 

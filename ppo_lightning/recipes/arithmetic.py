@@ -6,7 +6,7 @@ PPO with an exact-match reward (1 if the first integer of the response is the an
 then raises the accuracy. No reward model: the reward cannot be hacked through style.
 
 Built once under ``recipe_root(paths.cache_dir, "arithmetic")``: ``tokenizer/ sft/ prompts_train.txt
-prompts_eval.txt DONE`` (digit-level tokenizer, see ``ppo_lightning/tasks/arithmetic.py``).
+prompts_eval.txt DONE`` (digit-level tokenizer, see ``ppo_lightning/examples/arithmetic.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ppo_lightning.recipes import recipe_root
 from ppo_lightning.recipes.common import build_cached, evaluate_before_after, fit_stage, report, save_base_model
-from ppo_lightning.tasks import arithmetic
+from ppo_lightning.examples import arithmetic
 
 log = logging.getLogger(__name__)
 

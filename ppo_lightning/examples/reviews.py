@@ -314,7 +314,7 @@ def corrupt(rng: random.Random | int, prompt: str, response: str) -> str:
 def reward_fn(prompts: list[str], responses: list[str], ill_formed: float = -1.0) -> list[float]:
     """Ground-truth sentiment of each ``prompt + response``; ``ill_formed`` for texts off the grammar.
 
-    For ``reward=function reward.fn=ppo_lightning.tasks.reviews.reward_fn``. Prompt and response
+    For ``reward=function reward.fn=ppo_lightning.examples.reviews.reward_fn``. Prompt and response
     are joined by :func:`join_text`, so decoded responses without their leading space score the
     same as raw ones.
     """
@@ -328,7 +328,7 @@ def reward_fn(prompts: list[str], responses: list[str], ill_formed: float = -1.0
 
 
 def build_tokenizer():
-    """A word-level tokenizer over :data:`VOCAB` (see :mod:`ppo_lightning.tasks.tokenizer`)."""
-    from ppo_lightning.tasks.tokenizer import build_word_tokenizer
+    """A word-level tokenizer over :data:`VOCAB` (see :mod:`ppo_lightning.examples.tokenizer`)."""
+    from ppo_lightning.examples.tokenizer import build_word_tokenizer
 
     return build_word_tokenizer(VOCAB)

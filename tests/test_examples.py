@@ -1,4 +1,4 @@
-"""The offline demo tasks: grammar, ground-truth rewards, corpora and their tokenizers."""
+"""The example problems (ppo_lightning/examples): grammar, ground-truth rewards, corpora and their tokenizers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from ppo_lightning.tasks import arithmetic, reviews
+from ppo_lightning.examples import arithmetic, reviews
 
 
 # ----------------------------------------------------------------------------- reviews
@@ -293,9 +293,9 @@ def test_arithmetic_end_to_end_split_decoding(arith_tok):
 def test_reward_fns_import_as_config_paths():
     from ppo_lightning.rewards.function import FunctionReward
 
-    fn = FunctionReward("ppo_lightning.tasks.reviews.reward_fn")
+    fn = FunctionReward("ppo_lightning.examples.reviews.reward_fn")
     assert list(fn(["the plot was"], ["dull but the music was lovely ."])) == [0.0]
-    fn = FunctionReward("ppo_lightning.tasks.reviews.reward_fn", {"ill_formed": -2.0})
+    fn = FunctionReward("ppo_lightning.examples.reviews.reward_fn", {"ill_formed": -2.0})
     assert list(fn(["the plot was"], ["dull ."])) == [-2.0]
-    fn = FunctionReward("ppo_lightning.tasks.arithmetic.reward_fn")
+    fn = FunctionReward("ppo_lightning.examples.arithmetic.reward_fn")
     assert list(fn(["12+7="], ["19"])) == [1.0]

@@ -1,6 +1,6 @@
-"""Word- and character-level tokenizers over a task's fixed vocabulary, built offline.
+"""Word- and character-level tokenizers over an example's fixed vocabulary, built offline.
 
-A task language with a closed vocabulary needs no learned BPE: one token per word (reviews) or
+An example's closed vocabulary needs no learned BPE: one token per word (reviews) or
 per character (arithmetic) keeps the models tiny and makes every sampled token a meaningful unit.
 The result is a ``transformers.PreTrainedTokenizerFast``, so it goes through the same
 ``save_pretrained`` / ``AutoTokenizer.from_pretrained`` path as a hub tokenizer.
@@ -12,8 +12,8 @@ generation needs.
 Decoding:
 
 - word level (``char_level=False``): text is split on whitespace and decoded with single spaces
-  between tokens. A response decoded on its own therefore has no leading space; the tasks' reward
-  functions join prompt and response accordingly (``reviews.join_text``).
+  between tokens. A response decoded on its own therefore has no leading space; the examples'
+  reward functions join prompt and response accordingly (``reviews.join_text``).
 - character level (``char_level=True``): text is split into single characters (whitespace is
   dropped) and decoded by fusing tokens without spaces, so ``"12+7="`` is ``1 2 + 7 =`` and decodes
   back to ``"12+7="``; decoded prompt + decoded response is the original text.
