@@ -3,8 +3,8 @@
 Each field is declared once: its type annotation, its default and its check (``param``), and the
 docstring under it (litgpt style). ``docs/config.md`` is generated from these by
 ``python docs/gen_config.py`` (a test fails when it is stale), and ``validate`` checks every
-field's range and choices from the same declaration. Choice lists come from the registries of
-the code that uses them (``ppo.KL_ESTIMATORS``, ``policy.DTYPES``, ``optim.OPTIMIZERS``, ...).
+field's range and choices from the same declaration. Choice lists come from ``choices.py``, which
+imports nothing: loading this module imports no torch, Lightning or transformers.
 
 ``conf/train.yaml`` starts its defaults list with ``train_schema`` (registered below), so Hydra
 merges every YAML and command-line override into these dataclasses while composing: an unknown key
@@ -22,9 +22,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from ppo_lightning import data, estimators, optim, policy, ppo, recipes, rewards, tiny
+from ppo_lightning import choices, recipes
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.rewards.model import INPUTS as REWARD_INPUTS
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -82,7 +81,7 @@ def check_fields(node: Any, cls: type, prefix: str = "") -> None:
 class TinyModelConfig:
     """A random causal LM over a byte vocabulary (256 bytes + EOS + pad), built offline (``tiny.py``)."""
 
-    arch: str = param("gpt2", choices=tiny.ARCHITECTURES)
+    arch: str = param("gpt2", choices=choices.TINY_ARCHITECTURES)
     """Architecture: GPT-2, or Llama, Qwen2 and GPT-NeoX layouts of the same size."""
 
     n_layer: int = param(2, ge=1)
@@ -131,7 +130,7 @@ class ModelConfig:
     tokenizer_name_or_path: Optional[str] = None
     """Tokenizer source when it differs from ``name_or_path``. It pads on the left and must define
     EOS; a ``<|pad|>`` token is added (embeddings resized) when it has no pad or pad == EOS."""
-    dtype: str = param("float32", choices=policy.DTYPES)
+    dtype: str = param("float32", choices=choices.DTYPES)
     """Weights dtype of the policy and reference (the value head stays float32). Mixed precision
     is ``trainer.precision``."""
     trust_remote_code: bool = False
@@ -143,7 +142,7 @@ class ModelConfig:
     value_head_path: Optional[str] = None
     """Directory holding ``value_head.safetensors`` (e.g. a previous ``export_dir``) to start the
     value head from (else zeros). The file must exist."""
-    value_head_init: str = param("zeros", choices=policy.VALUE_HEAD_INITS)
+    value_head_init: str = param("zeros", choices=choices.VALUE_HEAD_INITS)
     """zeros: V = 0 at the start (unless ``value_head_path``). reward_model: copy the reward
     model's linear score head, mapped by the reward normalisation (needs ``reward.kind=model`` and
     the same hidden size; meaningful when policy and reward model share a backbone)."""
@@ -166,7 +165,7 @@ class RefConfig:
     LoRA, the policy itself with its adapters off). Else a hub id or ``save_pretrained`` directory
     over the policy's vocabulary, e.g. the SFT model when the policy starts from another checkpoint.
     Checked like ``model.name_or_path``."""
-    dtype: Optional[str] = param(None, choices=policy.DTYPES)
+    dtype: Optional[str] = param(None, choices=choices.DTYPES)
     """Weights dtype of the reference; null = ``model.dtype``. ``bfloat16`` halves its memory; under
     ``trainer.precision=bf16-mixed`` its matmuls run in bf16 anyway, so only the rounding of its
     weights differs, but the first iteration's KL is then not exactly 0."""
@@ -180,7 +179,7 @@ class RewardConfig:
     exception in ``fn``); NaN/inf pass through to the non-finite guard. The raw scores then go
     through ``gain * raw + bias`` (reward normalisation) for every kind."""
 
-    kind: str = param("function", choices=rewards.KINDS)
+    kind: str = param("function", choices=choices.REWARD_KINDS)
     """function: a Python callable (``fn``); model: an ``AutoModelForSequenceClassification``."""
     fn: Optional[str] = None
     """(function) ``pkg.module.fn`` or ``pkg.module:fn``, called as
@@ -195,9 +194,9 @@ class RewardConfig:
     """(model) Texts scored per forward."""
     max_length: int = param(512, ge=1)
     """(model) Tokens kept per ``prompt + response``, cut from the left (the response end stays)."""
-    dtype: str = param("float32", choices=policy.DTYPES)
+    dtype: str = param("float32", choices=choices.DTYPES)
     """(model) Weights dtype of the reward model."""
-    input: str = param("auto", choices=REWARD_INPUTS)
+    input: str = param("auto", choices=choices.REWARD_INPUTS)
     """(model) tokens: score the policy's token ids directly (special tokens masked as
     ``skip_special_tokens`` drops them; no decode and re-encode; needs the policy's vocabulary and
     a reward tokenizer that adds no special tokens, else a config error at startup). text: always
@@ -226,7 +225,7 @@ class OptimizerConfig:
     """The optimizer over the policy's trainable parameters (value head included), and its lr
     schedule, stepped once per PPO iteration (stages: once per optimizer step)."""
 
-    name: str = param("adamw", choices=optim.OPTIMIZERS)
+    name: str = param("adamw", choices=choices.OPTIMIZERS)
     """``torch.optim`` class; ``sgd`` uses ``lr`` and ``weight_decay`` only (no momentum)."""
     lr: float = param(1.0e-5, gt=0)
     """Base learning rate (``model=tiny``, ``model=reviews`` and ``model=arithmetic`` set the rate
@@ -237,7 +236,7 @@ class OptimizerConfig:
     """Adam/AdamW only. 1e-5 rather than torch's 1e-8, as OpenAI's RLHF code ([N+])."""
     weight_decay: float = param(0.0, ge=0)
     """Decoupled (AdamW) or L2 (Adam, SGD) weight decay."""
-    scheduler: str = param("constant", choices=optim.SCHEDULERS)
+    scheduler: str = param("constant", choices=choices.SCHEDULERS)
     """Decay from 1 to ``min_lr_ratio`` between step ``warmup_steps`` and ``trainer.max_steps``
     (``optim.py:lr_lambda``)."""
     warmup_steps: int = param(0, ge=0)
@@ -254,7 +253,7 @@ class OptimizerConfig:
 class PPOConfig:
     """PPO's hyperparameters; names follow the seed tutorial."""
 
-    advantage: str = param("gae", choices=estimators.ESTIMATORS)
+    advantage: str = param("gae", choices=choices.ESTIMATORS)
     """How advantages are estimated. ``gae``: PPO's generalised advantage estimation with the
     value head (the critic). The critic-free estimators run no value head at all (no value
     forward, loss, parameters or optimizer state; ``vf_coef``, ``vf_clip`` and ``lam`` unused):
@@ -284,7 +283,7 @@ class PPOConfig:
     dual_clip: Optional[float] = param(None, gt=1)
     """Dual clip's c (e.g. 3; null = off): for negative advantages the per-token loss is also
     capped at ``-c * A``, so a ratio far above 1 on a bad token cannot blow up the update."""
-    loss_agg: str = param("token_mean", choices=ppo.LOSS_AGGREGATIONS)
+    loss_agg: str = param("token_mean", choices=choices.LOSS_AGGREGATIONS)
     """How the per-token policy loss (and the KL loss, ``kl_in=loss``) becomes one number:
     ``token_mean`` over this rank's minibatch tokens (the default; under DDP/FSDP the ranks'
     means are averaged, so a token on a rank with fewer tokens weighs more);
@@ -296,7 +295,7 @@ class PPOConfig:
     that divided by the constant ``max_new_tokens`` (Dr. GRPO, TRL's ``dr_grpo``: no length bias,
     and gradients at a token mean's scale, so ``max_grad_norm`` keeps its meaning). Exact under
     micro-batches. The value loss is a token mean."""
-    kl_in: str = param("reward", choices=ppo.KL_PLACEMENTS)
+    kl_in: str = param("reward", choices=choices.KL_PLACEMENTS)
     """Where the KL to the reference enters: ``reward``, as ``-kl_coef * KL_t`` per token
     (PPO, RLOO, REINFORCE++; with GRPO and RLOO it is added after the group comparison of the
     scores), or ``loss``, as ``kl_coef *`` an estimate of the KL on the current policy's
@@ -318,9 +317,9 @@ class PPOConfig:
     kl_coef: float = param(0.05, ge=0)
     """beta in ``reward_t = -beta * KL_t`` (plus the score at the last response token); the
     initial value when ``adaptive_kl``. Weighed against normalised scores (``reward.normalize``)."""
-    kl_estimator: Optional[str] = param(None, choices=ppo.KL_ESTIMATORS)
+    kl_estimator: Optional[str] = param(None, choices=choices.KL_ESTIMATORS)
     """Per-token KL estimator (Schulman's k1 = log p/q, k2 = (log p/q)^2 / 2, k3 = (q/p - 1) -
-    log q/p); null = k1 in the reward, k3 in the loss (``ppo.DEFAULT_KL_ESTIMATOR``). In the loss
+    log q/p); null = k1 in the reward, k3 in the loss (``choices.DEFAULT_KL_ESTIMATOR``). In the loss
     only k2 (its gradient is that of KL(policy || ref)) and k3 (that of KL(ref || policy)) are
     accepted: k1's gradient has expectation 0 under the policy's samples. ``objective/kl`` and
     the adaptive controller always use k1."""
@@ -425,7 +424,7 @@ class DataConfig:
     examples (pairs) per batch per rank."""
     max_prompt_length: int = param(128, ge=1)
     """Prompt tokens kept; longer prompts follow ``truncation``."""
-    truncation: str = param("left", choices=data.TRUNCATION)
+    truncation: str = param("left", choices=choices.PROMPT_TRUNCATION)
     """left: keep the last ``max_prompt_length`` tokens (one warning); error: refuse long prompts."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch."""
@@ -558,7 +557,6 @@ class TrainConfig:
 
 
 # ============================================================================= the stage tasks
-SFT_TRUNCATION = ("truncate", "drop", "error")  # task.truncation of task=sft (stages/sft.py:tokenize_sft)
 
 
 @dataclass
@@ -581,7 +579,7 @@ class SFTConfig:
     max_prompt_length: int = param(128, ge=1)
     """Prompt tokens kept (the last ones); must be < ``max_length``. Keep PPO's
     ``data.max_prompt_length`` (default 128) at most this, so PPO prompts look like SFT ones."""
-    truncation: str = param("truncate", choices=SFT_TRUNCATION)
+    truncation: str = param("truncate", choices=choices.SFT_TRUNCATION)
     """Examples over a limit. truncate: cut the prompt from the left, then the response's end
     (losing its EOS); drop: skip them (one warning); error: refuse them."""
     val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
@@ -703,7 +701,7 @@ def validate(cfg) -> None:
                 f"the rollout's {rows} rows (data.batch_size={d.batch_size} x ppo.num_generations={p.num_generations})")
         raise ConfigError(f"ppo.minibatch_size={p.minibatch_size!r}: must divide {what}; choose a divisor, e.g. "
                           f"ppo.minibatch_size={_largest_divisor(rows, p.minibatch_size)}")
-    if p.advantage in estimators.GROUP_ESTIMATORS and p.num_generations < 2:
+    if p.advantage in choices.GROUP_ESTIMATORS and p.num_generations < 2:
         raise ConfigError(f"ppo.advantage={p.advantage}: compares the responses to one prompt; set "
                           f"ppo.num_generations >= 2 (e.g. 4)")
     if p.advantage != "gae":
@@ -751,17 +749,17 @@ def _check_estimator_options(p) -> None:
         raise ConfigError(f"ppo.whiten_rewards=true with ppo.advantage={p.advantage}: reward whitening is GAE's; "
                           f"{p.advantage} normalises the scores itself, and whitening per-token rewards would add "
                           "a term proportional to each response's length; unset ppo.whiten_rewards")
-    if p.gamma < 1 and p.advantage in estimators.GROUP_ESTIMATORS:
+    if p.gamma < 1 and p.advantage in choices.GROUP_ESTIMATORS:
         raise ConfigError(f"ppo.gamma={p.gamma} with ppo.advantage={p.advantage}: {p.advantage} judges each "
                           "response by its score as a whole, with no per-token discount; unset ppo.gamma (it "
                           "discounts GAE and REINFORCE++)")
     if not p.scale_by_group_std and p.advantage != "grpo":
         raise ConfigError(f"ppo.scale_by_group_std=false with ppo.advantage={p.advantage}: only grpo divides by "
                           "the group's std; unset it, or use ppo.advantage=grpo (Dr. GRPO)")
-    if p.kl_in == "loss" and p.kl_estimator is not None and p.kl_estimator not in ppo.LOSS_KL_ESTIMATORS:
+    if p.kl_in == "loss" and p.kl_estimator is not None and p.kl_estimator not in choices.LOSS_KL_ESTIMATORS:
         raise ConfigError(f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in=loss: as a loss term k1's gradient "
                           "has expectation 0 under the policy's own samples, so it pulls nothing toward the "
-                          f"reference; choose one of {' | '.join(ppo.LOSS_KL_ESTIMATORS)} (null: k3)")
+                          f"reference; choose one of {' | '.join(choices.LOSS_KL_ESTIMATORS)} (null: k3)")
 
 
 def strategy_name(trainer) -> str:

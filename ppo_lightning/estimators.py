@@ -27,12 +27,11 @@ from __future__ import annotations
 import torch
 
 from ppo_lightning.ppo import whiten
+from ppo_lightning.choices import ESTIMATORS
 
 Tensor = torch.Tensor
 
 GRPO_STD_EPS = 1e-4  # TRL's GRPOTrainer: (r - mean) / (std + 1e-4)
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")  # ppo.advantage; gae needs the value head
-GROUP_ESTIMATORS = ("grpo", "rloo")  # need ppo.num_generations >= 2
 
 
 def _groups(rewards: Tensor, group_size: int) -> Tensor:

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-SCHEDULERS = ("constant", "linear", "cosine")
+OPTIMIZER_CLASSES = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # choices.OPTIMIZERS
 
 
 def _get(cfg: Any, name: str, default: Any) -> Any:
@@ -46,7 +45,7 @@ def configure_optimizers(module, params, optim_cfg) -> dict:
     if name in ("adamw", "adam"):
         kwargs.update(betas=tuple(_get(optim_cfg, "betas", (0.9, 0.999))), eps=_get(optim_cfg, "eps", 1e-5))
     impl = {"fused": True} if _get(optim_cfg, "fused", True) else {"foreach": True}
-    optimizer = OPTIMIZERS[name](params, **impl, **kwargs)
+    optimizer = OPTIMIZER_CLASSES[name](params, **impl, **kwargs)
     trainer = module.trainer
     total = trainer.max_steps if trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -25,8 +25,7 @@ from ppo_lightning.errors import ConfigError
 VALUE_HEAD_FILE = "value_head.safetensors"
 DEFAULT_PAD_TOKEN = "<|pad|>"
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-VALUE_HEAD_INITS = ("zeros", "reward_model")  # model.value_head_init
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # choices.DTYPES
 
 
 # ----------------------------------------------------------------------------- model sources
@@ -151,7 +150,7 @@ def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32",
 
     source = resolve_source(name_or_path, key)
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -282,7 +281,7 @@ def make_reference(lm: nn.Module, dtype: str | None = None) -> nn.Module:
     if isinstance(head, nn.Module):  # the policy's value-head hook came along with the copy
         head._forward_pre_hooks.clear()
     if dtype is not None:
-        ref.to(DTYPES[dtype])
+        ref.to(TORCH_DTYPES[dtype])
     return freeze(ref)
 
 

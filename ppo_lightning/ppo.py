@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ppo_lightning.choices import DEFAULT_KL_ESTIMATOR, LOSS_AGGREGATIONS, LOSS_KL_ESTIMATORS  # noqa: F401
+
 Tensor = torch.Tensor
 
 
@@ -120,8 +122,6 @@ def token_mean(x: Tensor, mask: Tensor, token_count: Tensor | None = None) -> Te
 
 # ppo.loss_agg. token_mean_global is token_mean with the token count of every rank's minibatch
 # (``global_token_count``), which the caller passes as ``token_count``.
-LOSS_AGGREGATIONS = ("token_mean", "token_mean_global", "seq_mean_token_mean", "seq_mean_token_sum",
-                     "seq_mean_token_sum_norm")
 
 
 def global_token_count(mask: Tensor) -> Tensor:
@@ -255,13 +255,7 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.expm1(log_r) - log_r
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
-KL_PLACEMENTS = ("reward", "loss")  # ppo.kl_in
-# ppo.kl_estimator=null: k1 in the reward ([Z19], TRL's PPO); k3 in the loss (DeepSeekMath's GRPO).
-# k1 is refused in the loss: its gradient, grad log p, has expectation 0 under the policy's own
-# samples, so as a loss term it pulls nothing toward the reference.
-DEFAULT_KL_ESTIMATOR = {"reward": "k1", "loss": "k3"}
-LOSS_KL_ESTIMATORS = ("k2", "k3")  # k2's gradient is that of KL(p||q), k3's that of KL(q||p)
+KL_ESTIMATOR_FNS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # choices.KL_ESTIMATORS
 
 
 def kl_estimator_for(kl_in: str, estimator: str | None) -> str:
@@ -279,9 +273,9 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k1", mask: Tens
     if mask is not None:
         logp, ref_logp = _select(logp, mask), _select(ref_logp, mask)
     try:
-        return KL_ESTIMATORS[estimator](logp, ref_logp)
+        return KL_ESTIMATOR_FNS[estimator](logp, ref_logp)
     except KeyError:
-        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATOR_FNS)}")
 
 
 def approx_kl(new_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from ppo_lightning.choices import TINY_ARCHITECTURES as ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,6 @@ def gpt2_config(n_layer: int = 2, n_head: int = 2, n_embd: int = 64, n_positions
     )
 
 
-ARCHITECTURES = ("gpt2", "llama", "qwen2", "gpt_neox")  # model.build_tiny.arch
 
 
 def causal_lm_config(arch: str, n_layer: int, n_head: int, n_embd: int, n_positions: int):

@@ -186,3 +186,37 @@ def test_a_sweep_over_a_multi_process_trainer_is_refused_before_any_job_runs(tmp
     assert p.returncode == 1
     assert "error: hydra multirun (-m) with a trainer of 2 processes" in p.stderr
     assert "Launching 2 jobs" in p.stdout + p.stderr and not (tmp_path / "sweep" / "0" / "metrics.csv").exists()
+
+
+def test_loading_the_config_imports_no_torch():
+    """``config.py`` reads its choice lists from ``choices.py``: composing or printing a config
+    (``--cfg job``, the docs generator) must not pay for torch, Lightning or transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ppo_lightning.config; "
+            "print(','.join(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
+
+
+def test_every_choice_list_is_what_its_code_implements():
+    """Each list in ``choices.py`` names exactly what the code behind it accepts."""
+    import torch
+
+    from ppo_lightning import choices, estimators, optim, policy, ppo, tiny
+
+    assert set(ppo.KL_ESTIMATOR_FNS) == set(choices.KL_ESTIMATORS)
+    assert set(optim.OPTIMIZER_CLASSES) == set(choices.OPTIMIZERS)
+    assert set(policy.TORCH_DTYPES) == set(choices.DTYPES)
+    assert set(choices.DEFAULT_KL_ESTIMATOR) == set(choices.KL_PLACEMENTS)
+    assert set(choices.LOSS_KL_ESTIMATORS) <= set(choices.KL_ESTIMATORS)
+    assert set(choices.GROUP_ESTIMATORS) <= set(choices.ESTIMATORS)
+    for arch in choices.TINY_ARCHITECTURES:
+        tiny.causal_lm_config(arch, 1, 1, 8, 16)  # raises for an architecture it does not know
+    mask = torch.ones(2, 3)
+    for agg in choices.LOSS_AGGREGATIONS:
+        ppo.aggregate(torch.zeros(2, 3), mask, agg, mask.sum(), 2, 3)
+    for est in choices.ESTIMATORS[1:]:
+        estimators.critic_free_advantages(est, torch.zeros(2), torch.zeros(2, 3), mask, group_size=2, gamma=1.0,
+                                          scale_by_std=True)

@@ -9,8 +9,8 @@ from ppo_lightning.errors import ConfigError
 from ppo_lightning.rewards.base import Normalization, RewardError, check_scores, fit_normalization, normalized
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
+from ppo_lightning.choices import REWARD_KINDS as KINDS
 
-KINDS = ("function", "model")  # reward.kind
 
 __all__ = ["KINDS", "Normalization", "RewardError", "check_scores", "fit_normalization", "normalized",
            "FunctionReward", "import_callable", "RewardModel", "build_reward"]

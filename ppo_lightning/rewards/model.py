@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import (DTYPES, disable_dropout, fuse_activations, position_ids_from_mask,
+from ppo_lightning.policy import (TORCH_DTYPES, disable_dropout, fuse_activations, position_ids_from_mask,
                                   resolve_source)
 from ppo_lightning.rewards.base import check_scores
+from ppo_lightning.choices import REWARD_INPUTS as INPUTS
 
-INPUTS = ("auto", "tokens", "text")  # reward.input: see RewardModel.use_policy_tokens
 
 
 class RewardModel(nn.Module):
@@ -38,7 +38,7 @@ class RewardModel(nn.Module):
                                   "nor an EOS token; set tokenizer.pad_token and save_pretrained")
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model, loading = AutoModelForSequenceClassification.from_pretrained(
-            source, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True)
+            source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True)
         missing = sorted(loading["missing_keys"])
         if missing:  # transformers initialised them at random: the run would train against noise
             raise ConfigError(
