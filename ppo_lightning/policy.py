@@ -2,8 +2,10 @@
 
 One forward of ``PolicyWithValueHead`` gives both the next-token logits and a scalar value per
 position: the value head is a linear layer on the LM's final hidden states, sharing the backbone
-(the seed's design; cheaper than TRL's separate value model). Its output starts at exactly zero,
-so the first value loss is the raw return scale and the critic cannot mislead the first update.
+(the tutorial's design: the PPO tutorial this project started from,
+FareedKhan-dev/train-llm-from-scratch, ``src/post_training/ppo.py``; cheaper than TRL's separate
+value model). Its output starts at exactly zero, so the first value loss is the raw return scale
+and the critic cannot mislead the first update.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 Shapes: ``B`` rows (episodes), ``R`` response positions. Every function takes a ``mask`` that is 1
 on real response tokens and 0 on prompt, pad and after-EOS positions; statistics are taken over
-masked positions only. Names follow the math and the seed tutorial; sources of each detail:
+masked positions only. Names follow the math and the tutorial; sources of each detail:
 
+- The tutorial: the PPO tutorial this project started from, FareedKhan-dev/train-llm-from-scratch,
+  ``src/post_training/ppo.py``.
 - [N+] Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO".
 - [GAE] Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE".
 - [Z19] Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
@@ -49,7 +51,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True, distributed: bool = False) -> Tensor:
-    """Variance of ``x`` over masked positions (Bessel-corrected by default, as the seed does).
+    """Variance of ``x`` over masked positions (Bessel-corrected by default, as the tutorial does).
 
     With ``distributed=True`` the sums are all-reduced, giving the statistic over every rank's
     batch: each rank then whitens with the same mean and std ([N+] "statistics across ranks").
@@ -91,7 +93,7 @@ def compute_gae(rewards: Tensor, values: Tensor, values_next: Tensor, resp_mask:
     ``delta_t = r_t + gamma * nonterminal_t * V(s_{t+1}) - V(s_t)``,
     ``A_t = delta_t + gamma * lam * nonterminal_t * A_{t+1}``, with ``nonterminal_t =
     resp_mask[t + 1]`` (0 at the last position): bootstrapping stops where the next action is not
-    a response action, whatever ``values_next`` holds there. So the seed's raw shift,
+    a response action, whatever ``values_next`` holds there. So the tutorial's raw shift,
     ``values_next = cat(values[:, 1:], 0)``, is safe: the last real token never reads the value
     at the pad or after-EOS position behind it ([N+]: GAE must not bootstrap from positions that
     are not part of the response). A is 0 wherever ``resp_mask`` is 0.

@@ -131,7 +131,9 @@ def test_whiten_without_shifting_the_mean_keeps_it():
 
 # ============================================================================ GAE
 def raw_shift(values):
-    """The seed trainer's ``values_next``: ``values[:, 1:]`` plus a zero column, unmasked."""
+    """``values_next`` as the tutorial's trainer builds it (the PPO tutorial this project started
+    from, FareedKhan-dev/train-llm-from-scratch, ``src/post_training/ppo.py``): ``values[:, 1:]``
+    plus a zero column, unmasked."""
     return torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
 
 
@@ -179,7 +181,7 @@ def test_compute_gae_hand_computed():
 
 @pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.5)])
 def test_compute_gae_never_reads_prompt_or_pad_positions(gamma, lam):
-    """The seed's convention: ``values_next`` is the raw shift, so the last real token's
+    """The tutorial's convention: ``values_next`` is the raw shift, so the last real token's
     ``values_next`` is the value at the pad (or after-EOS) position behind it. ``compute_gae``
     must stop bootstrapping there (``nonterminal_t = mask[t + 1]``) whatever that value is."""
     mask = make_mask()
