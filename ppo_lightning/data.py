@@ -1,6 +1,12 @@
-"""Prompt datasets: a local ``.txt`` / ``.jsonl`` file or a Hugging Face dataset, tokenised once.
+"""Records and prompts: one reader of records (a local ``.txt`` / ``.jsonl`` / ``.json`` file or a
+Hugging Face dataset), one padding collator, and PPO's prompt datamodule on top of them.
 
-Prompts are tokenised when the datamodule is set up (not per batch), cut to
+``read_records`` is the reader PPO's prompts and the stages' pairs share: it yields every record as
+a dict with every field it has (consumers pick and check the fields they need), and its errors
+name the config key, the file and the line. ``PadCollator`` pads token-id lists on the left (PPO
+prompts, which generation continues) or the right (the stages' examples).
+
+PPO's prompts are tokenised when the datamodule is set up (not per batch), cut to
 ``data.max_prompt_length`` from the left (the end of a prompt is what the response continues) or
 refused, by ``data.truncation``. Batches are left-padded, as generation needs: every prompt then
 ends at the same column and the response starts right after it.
@@ -10,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import lightning as L
@@ -20,53 +27,123 @@ from ppo_lightning.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-TRUNCATION = ("left", "error")  # data.truncation: keep a long prompt's last tokens, or refuse it
+
+# the files read_records reads, by extension, as its errors describe them ("": .txt's format)
+RECORD_FILES = {".txt": ".txt (one prompt a line)", ".jsonl": ".jsonl (one JSON object a line)",
+                ".json": ".json (a JSON list of objects)"}
 
 
-def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
-    """Prompts from ``.txt`` (one per non-empty line) or ``.jsonl`` (``field`` of each object)."""
+# ----------------------------------------------------------------------------- records
+def records_source(key_prefix: str, path: str | Path | None = None, hf_dataset: str | None = None) -> str:
+    """How errors name a source of records: ``data.path='p.jsonl'``, ``task.hf_dataset='org/x'``."""
+    if path is not None:
+        return f"{key_prefix}.path={str(path)!r}"
+    return f"{key_prefix}.hf_dataset={hf_dataset!r}"
+
+
+def read_records(key_prefix: str, *, path: str | Path | None = None, hf_dataset: str | None = None,
+                 hf_split: str = "train", text_field: str = "prompt",
+                 suffixes: Sequence[str] = (".txt", ".jsonl", ".json")) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` for each record of ``path`` (or, when it is None, of ``hf_dataset``), in order.
+
+    ``where`` names the record for error messages (``data.path='p.jsonl' line 3``). A record is a
+    dict holding every field of its object or row; which fields matter, and their types, is the
+    caller's to check. Files, by extension (of ``suffixes``; ``.txt`` includes no extension):
+
+    - ``.txt``: one record ``{text_field: line}`` per non-empty line, the line as it is (split
+      on ``"\\n"`` only: ``str.splitlines`` would also split a prompt at form feeds or U+2028);
+    - ``.jsonl``: one JSON object a line, blank lines skipped;
+    - ``.json``: a JSON list of objects.
+
+    A Hugging Face dataset (needs ``pip install datasets``) gives its ``hf_split`` rows, every
+    column kept. Errors are ``ConfigError``s naming ``<key_prefix>.path`` / ``.hf_dataset``.
+    """
+    source = records_source(key_prefix, path, hf_dataset)
+    if path is None:
+        yield from _hf_rows(hf_dataset, hf_split, source, key_prefix)
+        return
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"data.path={str(path)!r}: no such file")
-    prompts: list[str] = []
-    if path.suffix == ".jsonl":
+        raise ConfigError(f"{source}: no such file")
+    suffix = ".txt" if path.suffix == "" else path.suffix
+    if suffix not in suffixes:
+        formats = [RECORD_FILES[s] for s in suffixes]
+        listed = formats[0] if len(formats) == 1 else f"{', '.join(formats[:-1])} or {formats[-1]}"
+        raise ConfigError(f"{source}: unsupported extension {path.suffix!r}; use {listed}")
+    if suffix == ".txt":
+        lines = path.read_text(encoding="utf-8").split("\n")
+        for lineno, line in enumerate(lines, start=1):
+            if line.strip():
+                yield f"{source} line {lineno}", {text_field: line.rstrip("\r")}
+    elif suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
+                where = f"{source} line {lineno}"
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"data.path={str(path)!r} line {lineno}: not valid JSON ({e.msg}); "
-                                      "each line must be one JSON object") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-                    raise ConfigError(f"data.path={str(path)!r} line {lineno}: expected an object with a "
-                                      f"string {field!r} field (data.prompt_field={field!r})")
-                prompts.append(obj[field])
-    elif path.suffix in (".txt", ""):
-        # split on "\n" only: str.splitlines would also split a prompt at form feeds or U+2028
-        prompts = [ln.rstrip("\r") for ln in path.read_text(encoding="utf-8").split("\n") if ln.strip()]
+                    raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON "
+                                      "object") from None
+                yield where, _object(obj, where)
     else:
-        raise ConfigError(f"data.path={str(path)!r}: unsupported extension {path.suffix!r}; use .txt "
-                          "(one prompt a line) or .jsonl")
+        try:
+            objs = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{source} line {e.lineno}: not valid JSON ({e.msg}); a .json file must "
+                              "hold one list of objects") from None
+        if not isinstance(objs, list):
+            raise ConfigError(f"{source}: expected a JSON list of objects, got a {type(objs).__name__}")
+        for i, obj in enumerate(objs):
+            where = f"{source} record {i}"
+            yield where, _object(obj, where)
+
+
+def _object(obj, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _hf_rows(name: str, split: str, source: str, key_prefix: str) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{source} needs the 'datasets' package: pip install datasets (or give a local "
+                          f"file with {key_prefix}.path=...)") from None
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network, missing split, bad name: all user-fixable
+        raise ConfigError(f"{source} (split {split!r}) could not be loaded: {e}. For offline use give a "
+                          f"local file with {key_prefix}.path=...") from None
+    for i, row in enumerate(ds):
+        yield f"{source} row {i}", dict(row)
+
+
+# ----------------------------------------------------------------------------- PPO prompts
+def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
+    """Prompts from ``.txt`` (one per non-empty line), ``.jsonl`` or ``.json`` (the string ``field``
+    of each object)."""
+    prompts = []
+    for where, record in read_records("data", path=path, text_field=field):
+        if not isinstance(record.get(field), str):
+            raise ConfigError(f"{where}: expected an object with a string {field!r} field "
+                              f"(data.prompt_field={field!r})")
+        prompts.append(record[field])
     if not prompts:
-        raise ConfigError(f"data.path={str(path)!r} holds no prompts; add one prompt per line")
+        raise ConfigError(f"{records_source('data', path)} holds no prompts; add one prompt per line")
     return prompts
 
 
 def load_hf_prompts(name: str, split: str, field: str) -> list[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(f"data.hf_dataset={name!r} needs the 'datasets' package: pip install datasets") from None
-    try:
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # network, missing split, bad name: all user-fixable
-        raise ConfigError(f"data.hf_dataset={name!r} (split {split!r}) could not be loaded: {e}. "
-                          "For offline use give a local file with data.path=...") from None
-    if field not in ds.column_names:
-        raise ConfigError(f"data.prompt_field={field!r} is not a column of {name!r}: {ds.column_names}")
-    return [str(x) for x in ds[field]]
+    """The ``field`` column of a Hugging Face dataset's ``split``, each value as a string."""
+    prompts = []
+    for _, row in read_records("data", hf_dataset=name, hf_split=split):
+        if field not in row:
+            raise ConfigError(f"data.prompt_field={field!r} is not a column of {name!r}: {list(row)}")
+        prompts.append(str(row[field]))
+    return prompts
 
 
 def tokenize_prompts(prompts: list[str], tokenizer, max_length: int, truncation: str,
@@ -88,30 +165,43 @@ def tokenize_prompts(prompts: list[str], tokenizer, max_length: int, truncation:
     return ids
 
 
-class PromptDataset(Dataset):
-    def __init__(self, token_ids: list[list[int]]):
-        self.token_ids = token_ids
+class ListDataset(Dataset):
+    """A list as a map-style dataset (PPO's tokenised prompts, the stages' examples)."""
+
+    def __init__(self, items: list):
+        self.items = items
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.items)
 
-    def __getitem__(self, i: int) -> list[int]:
-        return self.token_ids[i]
+    def __getitem__(self, i: int):
+        return self.items[i]
 
 
-class LeftPadCollator:
-    """Pads a list of token-id lists on the left: ``input_ids``, ``attention_mask`` ``[B, P]``."""
+def pad_rows(rows: list[list[int]], pad: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, T]`` ids padded with ``pad`` on ``side`` (``right``, else left), and the attention mask."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        sl = slice(0, len(r)) if side == "right" else slice(T - len(r), T)
+        ids[i, sl] = torch.tensor(r, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
 
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+
+class PadCollator:
+    """Pads a list of token-id lists: ``input_ids``, ``attention_mask`` ``[B, T]``. On the left
+    (the default) for generation, which continues every row at the same column; the stages pad
+    their examples on the right."""
+
+    def __init__(self, pad_token_id: int, padding_side: str = "left"):
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side={padding_side!r}: choose left or right")
+        self.pad_token_id, self.padding_side = pad_token_id, padding_side
 
     def __call__(self, batch: list[list[int]]) -> dict[str, torch.Tensor]:
-        P = max(len(x) for x in batch)
-        input_ids = torch.full((len(batch), P), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), P), dtype=torch.long)
-        for i, x in enumerate(batch):
-            input_ids[i, P - len(x):] = torch.tensor(x, dtype=torch.long)
-            attention_mask[i, P - len(x):] = 1
+        input_ids, attention_mask = pad_rows(batch, self.pad_token_id, self.padding_side)
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
@@ -126,7 +216,7 @@ class PromptBatches:
     distributed sampler is not used (``trainer.use_distributed_sampler=false``).
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, collate, shuffle: bool = True,
+    def __init__(self, dataset: ListDataset, batch_size: int, collate, shuffle: bool = True,
                  seed: int = 0, rank: int = 0, world_size: int = 1, consumed=None):
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
@@ -172,7 +262,7 @@ class PromptDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.seed = seed
-        self.dataset: PromptDataset | None = None
+        self.dataset: ListDataset | None = None
 
     def load(self) -> None:
         """Read and tokenise the prompts; called before fitting so bad data fails early."""
@@ -187,7 +277,7 @@ class PromptDataModule(L.LightningDataModule):
         if len(ids) < c.batch_size:
             raise ConfigError(f"{source} has {len(ids)} prompts, fewer than data.batch_size={c.batch_size}; "
                               "add prompts or lower data.batch_size")
-        self.dataset = PromptDataset(ids)
+        self.dataset = ListDataset(ids)
 
     def setup(self, stage: str | None = None) -> None:
         self.load()
@@ -198,7 +288,7 @@ class PromptDataModule(L.LightningDataModule):
         rank = self.trainer.global_rank if self.trainer is not None else 0
         g = torch.Generator().manual_seed(self.seed + 17 + rank)
         order = torch.randint(len(self.dataset), (n,), generator=g).tolist()
-        collate = LeftPadCollator(self.tokenizer.pad_token_id)
+        collate = PadCollator(self.tokenizer.pad_token_id)
         for s in range(0, n, self.cfg.batch_size):
             yield collate([self.dataset[i] for i in order[s:s + self.cfg.batch_size]])
 
@@ -209,6 +299,6 @@ class PromptDataModule(L.LightningDataModule):
             raise ConfigError(f"{len(self.dataset)} prompts cannot fill data.batch_size={self.cfg.batch_size} "
                               f"on each of {world} ranks; add prompts or lower data.batch_size")
         consumed = (lambda: trainer.global_step) if trainer is not None else None
-        return PromptBatches(self.dataset, self.cfg.batch_size, LeftPadCollator(self.tokenizer.pad_token_id),
+        return PromptBatches(self.dataset, self.cfg.batch_size, PadCollator(self.tokenizer.pad_token_id),
                              shuffle=self.cfg.shuffle, seed=self.seed, rank=rank, world_size=world,
                              consumed=consumed)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+import types
 
 import pytest
 import torch
 
 from ppo_lightning.config import DataConfig
-from ppo_lightning.data import (LeftPadCollator, PromptDataModule, read_prompts,
+from ppo_lightning.data import (PadCollator, PromptDataModule, load_hf_prompts, read_prompts, read_records,
                                 tokenize_prompts)
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.tiny import build_byte_tokenizer
@@ -90,6 +92,78 @@ def test_read_unsupported_extension_and_missing_file(tmp_path):
         read_prompts(tmp_path / "nope.txt")
 
 
+def fake_datasets(monkeypatch, rows: list[dict], fail: bool = False) -> list:
+    """``import datasets`` gives a module whose ``load_dataset`` returns ``rows`` (a dataset
+    iterates its rows as dicts); returns the list of ``(name, split)`` it was called with."""
+    calls = []
+
+    def load_dataset(name, split):
+        calls.append((name, split))
+        if fail:
+            raise FileNotFoundError(f"no dataset {name}")
+        return [dict(r) for r in rows]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    return calls
+
+
+def test_one_reader_keeps_every_field_in_order_from_each_source(tmp_path, monkeypatch):
+    """``read_records``: ``.jsonl``, ``.json`` and a HF dataset give the same dicts, every field
+    kept (metadata travels with the prompt); ``.txt`` gives one ``{"prompt": line}`` a line."""
+    rows = [{"prompt": "a", "id": 1, "meta": {"tags": ["x"]}}, {"prompt": "b é", "id": 2},
+            {"prompt": "c", "answer": "3"}]
+    (tmp_path / "r.jsonl").write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
+    (tmp_path / "r.json").write_text(json.dumps(rows, indent=1))
+    (tmp_path / "r.txt").write_text("a\n\n b é \nc\n")
+    calls = fake_datasets(monkeypatch, rows)
+    jsonl = list(read_records("data", path=tmp_path / "r.jsonl"))
+    assert [w for w, _ in jsonl] == [f"data.path='{tmp_path / 'r.jsonl'}' line {i}" for i in (1, 3, 4)]
+    assert [r for _, r in jsonl] == rows
+    assert [r for _, r in read_records("task", path=str(tmp_path / "r.json"))] == rows
+    hf = list(read_records("task", hf_dataset="org/x", hf_split="test"))
+    assert [r for _, r in hf] == rows and hf[2][0] == "task.hf_dataset='org/x' row 2"
+    assert calls == [("org/x", "test")]
+    txt = list(read_records("data", path=tmp_path / "r.txt"))
+    assert [r for _, r in txt] == [{"prompt": "a"}, {"prompt": " b é "}, {"prompt": "c"}]
+    assert txt[1][0].endswith("line 3")
+    assert [r for _, r in read_records("data", path=tmp_path / "r.txt", text_field="q")][0] == {"q": "a"}
+    # PPO's prompts through it: the .json file, the dataset's column (values as strings)
+    assert read_prompts(tmp_path / "r.json") == ["a", "b é", "c"]
+    fake_datasets(monkeypatch, [{"text": "alpha", "n": 1}, {"text": 5, "n": 2}])
+    assert load_hf_prompts("org/x", "train", "text") == ["alpha", "5"]
+    with pytest.raises(ConfigError, match=r"data.prompt_field='prompt' is not a column of 'org/x': "
+                                          r"\['text', 'n'\]"):
+        load_hf_prompts("org/x", "train", "prompt")
+
+
+def test_one_reader_names_the_file_and_line_of_a_bad_record(tmp_path, monkeypatch):
+    f = tmp_path / "lists.jsonl"
+    f.write_text('{"prompt": "a"}\n["a"]\n')
+    with pytest.raises(ConfigError, match=r"lists.jsonl' line 2: expected a JSON object, got list"):
+        read_prompts(f)
+    f = tmp_path / "bad.json"
+    for text, match in [('[{"prompt": "a"},\n {"prompt": }]', r"bad.json' line 2: not valid JSON"),
+                        ('{"prompt": "a"}', r"bad.json': expected a JSON list of objects, got a dict"),
+                        ('[{"prompt": "a"}, 5]', r"bad.json' record 1: expected a JSON object, got int"),
+                        ('[{"prompt": "a"}, {"prompt": 5}]', r"bad.json' record 1: expected an object with a "
+                                                             r"string 'prompt' field")]:
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            read_prompts(f)
+    f = tmp_path / "p.csv"
+    f.write_text("a\n")
+    with pytest.raises(ConfigError, match=r"task.path='.*p.csv': unsupported extension '.csv'; use "
+                                          r"\.jsonl \(one JSON object a line\) or \.json"):
+        list(read_records("task", path=f, suffixes=(".jsonl", ".json")))
+    fake_datasets(monkeypatch, [], fail=True)
+    with pytest.raises(ConfigError, match=r"data.hf_dataset='org/x' \(split 'train'\) could not be loaded: "
+                                          r"no dataset org/x. For offline use give a local file with data.path"):
+        load_hf_prompts("org/x", "train", "prompt")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(ConfigError, match=r"data.hf_dataset='org/x' needs the 'datasets' package"):
+        load_hf_prompts("org/x", "train", "prompt")
+
+
 # ---------------------------------------------------------------------------------------------
 # tokenize_prompts
 
@@ -126,12 +200,12 @@ def test_tokenize_truncation_error(tok):
 
 
 # ---------------------------------------------------------------------------------------------
-# LeftPadCollator
+# PadCollator
 
 
 def test_left_pad_collator():
     batch = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11]]
-    out = LeftPadCollator(PAD)(batch)
+    out = PadCollator(PAD)(batch)
     ids, mask = out["input_ids"], out["attention_mask"]
     assert ids.dtype == torch.long and mask.dtype == torch.long
     assert ids.shape == mask.shape == (4, 5)
@@ -142,6 +216,10 @@ def test_left_pad_collator():
     assert torch.equal(mask == 0, ids == PAD)
     # every row ends at the same column
     assert bool(mask[:, -1].all())
+    right = PadCollator(PAD, "right")(batch)  # the stages' side: every row starts at column 0
+    assert torch.equal(right["attention_mask"], mask.flip(1)) and right["input_ids"][1].tolist() == [4] + [PAD] * 4
+    with pytest.raises(ValueError, match="padding_side='middle'"):
+        PadCollator(PAD, "middle")
 
 
 # ---------------------------------------------------------------------------------------------

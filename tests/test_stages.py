@@ -460,6 +460,30 @@ def test_missing_fields_are_named(tmp_path, tiny_lm_dir, stage, row, missing):
         build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, cfg_cls(), records=[full, full, row])
 
 
+def test_the_stages_read_json_and_hf_datasets_as_they_read_jsonl(tmp_path, tok, monkeypatch):
+    """The stages read through PPO's reader (``data.read_records``): a ``.json`` list and a HF
+    dataset give the examples a ``.jsonl`` gives, extra columns ignored; ``.txt`` is refused."""
+    from tests.test_data import fake_datasets
+
+    rows = [{**r, "id": i} for i, r in enumerate(repeat_records("ab"))]
+    jsonl = write_jsonl(tmp_path / "r.jsonl", rows)
+    (tmp_path / "r.json").write_text(json.dumps(rows))
+    fake_datasets(monkeypatch, rows)
+    examples = []
+    for source in [dict(path=jsonl), dict(path=str(tmp_path / "r.json")), dict(hf_dataset="org/sft")]:
+        dm = SFTDataModule(SFTConfig(**source, val_fraction=0.25), tok)
+        dm.load()
+        examples.append((dm.train_examples, dm.val_examples))
+    assert examples[0] == examples[1] == examples[2] and len(examples[0][1]) == 4
+    (tmp_path / "r.txt").write_text("a*1=\n")
+    with pytest.raises(ConfigError, match=r"task.path='.*r.txt': unsupported extension '.txt'; use .jsonl"):
+        SFTDataModule(SFTConfig(path=str(tmp_path / "r.txt")), tok).load()
+    fake_datasets(monkeypatch, [{"question": "q"}])
+    with pytest.raises(ConfigError, match=r"task.hf_dataset='org/sft' row 0: missing field\(s\) 'prompt', "
+                                          r"'response' .*; it has \['question'\]"):
+        SFTDataModule(SFTConfig(hf_dataset="org/sft"), tok).load()
+
+
 def test_custom_field_names_and_type_errors(tmp_path, tok):
     f = write_jsonl(tmp_path / "q.jsonl", [{"q": "in", "a": "out"}, {"q": "in", "a": 5}])
     dm = SFTDataModule(SFTConfig(path=f, prompt_field="q", response_field="a", val_fraction=0), tok)

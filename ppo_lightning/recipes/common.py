@@ -15,7 +15,7 @@ import lightning as L
 import torch
 
 from ppo_lightning import ppo
-from ppo_lightning.data import LeftPadCollator
+from ppo_lightning.data import PadCollator
 from ppo_lightning.policy import position_ids_from_mask
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs
@@ -104,7 +104,7 @@ def sample_and_evaluate(sampler: GenerationBackend, lm, ref_lm, tokenizer, promp
     KL(lm || ref) per sequence (k1)."""
     device = next(lm.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
-    collate = LeftPadCollator(tokenizer.pad_token_id)
+    collate = PadCollator(tokenizer.pad_token_id)
     all_prompts, all_texts, kls = [], [], []
     for s in range(0, len(prompts), batch_size):
         ids = tokenizer(prompts[s:s + batch_size], add_special_tokens=False)["input_ids"]

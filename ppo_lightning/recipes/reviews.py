@@ -106,14 +106,14 @@ def pairs_against_broken_samples(lm, tok, rng: random.Random, n_prompts: int, te
     with a run's, so the cached data does not depend on which run built it."""
     import torch
 
-    from ppo_lightning.data import LeftPadCollator
+    from ppo_lightning.data import PadCollator
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
     from ppo_lightning.rollout import decode_prompts_and_responses
 
     ps = reviews.prompts(rng, n_prompts)
     g = torch.Generator().manual_seed(rng.randrange(2**31))
-    collate = LeftPadCollator(tok.pad_token_id)
+    collate = PadCollator(tok.pad_token_id)
     sampler, params = HFBackend(lm, tok), SamplingParams(max_new_tokens=20, temperature=temperature)
     pairs = []
     for s in range(0, len(ps), batch_size):

@@ -1,6 +1,7 @@
-"""What the SFT and reward-model stages share: records from a file, a list or a HF dataset, the
-validation split, model sources, the optimizer, data loaders that shard themselves under DDP, and
-the handling of the torchmetrics validation metrics.
+"""What the SFT and reward-model stages share: records from a file, a list or a HF dataset (read
+by ``data.read_records``, as PPO's prompts are), the validation split, model sources, the optimizer,
+data loaders that shard themselves under DDP, and the handling of the torchmetrics validation
+metrics.
 
 Records are read once, checked field by field, and normalised to plain dicts keyed by *role*
 (``prompt``, ``response`` / ``chosen``, ``rejected``) whatever the source columns are called, so
@@ -10,11 +11,9 @@ every error can name the line or record and the config key that chose the column
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import Metric
 
 from ppo_lightning.config import OptimizerConfig, check_fields
+from ppo_lightning.data import read_records, records_source
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import context_length
@@ -86,29 +86,30 @@ def check_optimizer(optim_cfg) -> None:
 
 
 # ----------------------------------------------------------------------------- records
-def read_records(roles: dict[str, tuple[str, str]], *, path: str | None, hf_dataset: str | None,
-                 hf_split: str, records: Sequence[Mapping] | None,
-                 key_prefix: str) -> tuple[list[dict[str, str]], str]:
+def read_role_records(roles: dict[str, tuple[str, str]], *, path: str | None, hf_dataset: str | None,
+                      hf_split: str, records: Sequence[Mapping] | None,
+                      key_prefix: str) -> tuple[list[dict[str, str]], str]:
     """Records as ``{role: text}`` dicts from exactly one source, and a name for that source.
 
     ``roles`` maps each role to ``(config key, column)``, e.g. ``{"prompt": ("task.prompt_field",
     "question")}``; errors name both. Sources, in order: ``records`` (an in-memory list of dicts),
-    ``path`` (a local ``.jsonl``, one object a line), ``hf_dataset`` (a Hugging Face dataset name).
+    ``path`` (a local ``.jsonl``, one object a line, or ``.json``, a list of objects),
+    ``hf_dataset`` (a Hugging Face dataset name); files and datasets through
+    ``data.read_records``, the reader PPO's prompts use too.
     """
     if records is not None:
         source = "records"
-        out = [_record(r, roles, f"records[{i}]") for i, r in enumerate(records)]
-    elif path is not None:
-        source = f"{key_prefix}.path={str(path)!r}"
-        out = _read_jsonl(Path(path), roles, source)
-    elif hf_dataset is not None:
-        source = f"{key_prefix}.hf_dataset={hf_dataset!r}"
-        out = _read_hf(hf_dataset, hf_split, roles, source)
+        rows = ((f"records[{i}]", r) for i, r in enumerate(records))
+    elif path is not None or hf_dataset is not None:
+        source = records_source(key_prefix, path, hf_dataset)
+        rows = read_records(key_prefix, path=path, hf_dataset=hf_dataset, hf_split=hf_split,
+                            suffixes=(".jsonl", ".json"))
     else:
         raise ConfigError(f"{key_prefix}.path and {key_prefix}.hf_dataset are both null: set "
                           f"{key_prefix}.path=data.jsonl (one JSON object a line with "
                           f"{', '.join(repr(c) for _, c in roles.values())} fields) or "
                           f"{key_prefix}.hf_dataset=<name>")
+    out = [_record(r, roles, where) for where, r in rows]
     if not out:
         raise ConfigError(f"{source} holds no records")
     return out, source
@@ -132,49 +133,6 @@ def _record(obj: Any, roles: dict[str, tuple[str, str]], where: str) -> dict[str
     return out
 
 
-def _read_jsonl(path: Path, roles: dict[str, tuple[str, str]], source: str) -> list[dict[str, str]]:
-    if not path.is_file():
-        raise ConfigError(f"{source}: no such file")
-    if path.suffix != ".jsonl":
-        raise ConfigError(f"{source}: unsupported extension {path.suffix!r}; give a .jsonl file, one "
-                          f"JSON object a line with {', '.join(repr(c) for _, c in roles.values())} fields")
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{source} line {lineno}: not valid JSON ({e.msg}); each line must be "
-                                  "one JSON object") from None
-            out.append(_record(obj, roles, f"{source} line {lineno}"))
-    return out
-
-
-def _read_hf(name: str, split: str, roles: dict[str, tuple[str, str]], source: str) -> list[dict[str, str]]:
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(f"{source} needs the 'datasets' package: pip install datasets "
-                          "(or give a local .jsonl with path=...)") from None
-    try:
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # network, missing split, bad name: all user-fixable
-        raise ConfigError(f"{source} (split {split!r}) could not be loaded: {e}. For offline use "
-                          "give a local .jsonl with path=...") from None
-    missing = [(k, c) for k, c in roles.values() if c not in ds.column_names]
-    if missing:
-        raise ConfigError(f"{source}: no column(s) {', '.join(repr(c) for _, c in missing)} "
-                          f"({', '.join(f'{k}={c!r}' for k, c in missing)}); columns: {ds.column_names}")
-    cols = {role: ds[c] for role, (_, c) in roles.items()}
-    out = []
-    for i in range(len(ds)):
-        row = {c: cols[role][i] for role, (_, c) in roles.items()}
-        out.append(_record(row, roles, f"{source} row {i}"))
-    return out
-
-
 def split_indices(n: int, val_fraction: float, seed: int, source: str,
                   key_prefix: str) -> tuple[list[int], list[int]]:
     """Deterministic train / validation indices: a permutation by ``seed``, the first
@@ -190,17 +148,6 @@ def split_indices(n: int, val_fraction: float, seed: int, source: str,
 
 
 # ----------------------------------------------------------------------------- loaders
-class ListDataset(Dataset):
-    def __init__(self, items: list):
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int):
-        return self.items[i]
-
-
 class ShardSampler(DistributedSampler):
     """This rank's share of a dataset in order, without the padding ``DistributedSampler`` adds
     (validation sums stay exact). A ``DistributedSampler``, so Lightning leaves it in place."""
@@ -230,18 +177,6 @@ def make_loader(dataset: Dataset, batch_size: int, collate, *, train: bool, shuf
         kwargs["generator"] = torch.Generator().manual_seed(seed)
     return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
                       persistent_workers=num_workers > 0, **kwargs)
-
-
-def pad_rows(rows: list[list[int]], pad: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, T]`` ids padded with ``pad`` on ``side``, and the attention mask."""
-    T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for i, r in enumerate(rows):
-        sl = slice(0, len(r)) if side == "right" else slice(T - len(r), T)
-        ids[i, sl] = torch.tensor(r, dtype=torch.long)
-        mask[i, sl] = 1
-    return ids, mask
 
 
 # ----------------------------------------------------------------------------- models

@@ -32,13 +32,14 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from ppo_lightning.config import RewardModelConfig
+from ppo_lightning.data import ListDataset, PadCollator
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
-from ppo_lightning.policy import enable_activation_checkpointing, DEFAULT_PAD_TOKEN, DTYPES, disable_dropout, fuse_activations, resolve_source
+from ppo_lightning.policy import enable_activation_checkpointing, DEFAULT_PAD_TOKEN, TORCH_DTYPES, disable_dropout, fuse_activations, resolve_source
 from ppo_lightning.tiny import ensure_tiny_model
-from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check_common,
+from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, as_config, check_common,
                                          StageOptimization, check_optimizer, get,
-                                         make_loader, pad_rows, read_records, reset_val_metrics,
+                                         make_loader, read_role_records, reset_val_metrics,
                                          resolve_max_length, split_indices, synced_value)
 
 log = logging.getLogger(__name__)
@@ -92,17 +93,15 @@ def tokenize_pairs(records: Sequence[Mapping[str, str]], tokenizer, max_length: 
     return [{"chosen": ids[i], "rejected": ids[n + i]} for i in range(n)]
 
 
-class PairCollator:
+class PairCollator(PadCollator):
     """``input_ids`` / ``attention_mask`` ``[2B, T]``, right-padded: the B chosen texts, then the B
     rejected ones (one forward scores both)."""
 
     def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+        super().__init__(pad_token_id, "right")
 
     def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-        rows = [x["chosen"] for x in batch] + [x["rejected"] for x in batch]
-        input_ids, attention_mask = pad_rows(rows, self.pad_token_id, "right")
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        return super().__call__([x["chosen"] for x in batch] + [x["rejected"] for x in batch])
 
 
 class PreferenceDataModule(L.LightningDataModule):
@@ -128,7 +127,7 @@ class PreferenceDataModule(L.LightningDataModule):
         if self.train_pairs is not None:
             return
         c, p = self.cfg, self.key_prefix
-        records, source = read_records(
+        records, source = read_role_records(
             {"prompt": (f"{p}.prompt_field", c.prompt_field),
              "chosen": (f"{p}.chosen_field", c.chosen_field),
              "rejected": (f"{p}.rejected_field", c.rejected_field)},
@@ -264,13 +263,13 @@ def load_sequence_classifier(name_or_path: str, tokenizer, dtype: str = "float32
     from transformers import AutoModelForSequenceClassification
 
     source = resolve_source(name_or_path, key)
-    if dtype not in DTYPES:
+    if dtype not in TORCH_DTYPES:
         raise ConfigError(f"model.dtype={dtype!r}: choose float32, bfloat16 or float16")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             model = AutoModelForSequenceClassification.from_pretrained(
-                source, num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+                source, num_labels=1, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"{key}={name_or_path!r} does not load as a one-output sequence classifier "
                               f"(AutoModelForSequenceClassification, num_labels=1): {e}") from None

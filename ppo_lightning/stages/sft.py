@@ -31,13 +31,14 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import SumMetric
 
 from ppo_lightning.config import SFTConfig
+from ppo_lightning.data import ListDataset, PadCollator, pad_rows
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
 from ppo_lightning.tiny import ensure_tiny_model
-from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, ListDataset, as_config, check, check_common,
+from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, as_config, check, check_common,
                                          StageOptimization, check_optimizer, get,
-                                         make_loader, pad_rows, read_records, reset_val_metrics,
+                                         make_loader, read_role_records, reset_val_metrics,
                                          resolve_max_length, split_indices, synced_value)
 
 log = logging.getLogger(__name__)
@@ -96,21 +97,18 @@ def tokenize_sft(records: Sequence[Mapping[str, str]], tokenizer, max_length: in
     return out
 
 
-class SFTCollator:
+class SFTCollator(PadCollator):
     """Pads ``{"input_ids", "labels"}`` examples: ``input_ids``, ``attention_mask``, ``labels``
     ``[B, T]``, labels -100 on padding. Right padding by default; ``"left"`` works too (the module
     takes position ids from the mask)."""
 
     def __init__(self, pad_token_id: int, padding_side: str = "right"):
-        if padding_side not in ("left", "right"):
-            raise ValueError(f"padding_side={padding_side!r}: choose left or right")
-        self.pad_token_id, self.padding_side = pad_token_id, padding_side
+        super().__init__(pad_token_id, padding_side)
 
     def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-        input_ids, attention_mask = pad_rows([x["input_ids"] for x in batch], self.pad_token_id,
-                                             self.padding_side)
-        labels, _ = pad_rows([x["labels"] for x in batch], IGNORE_INDEX, self.padding_side)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        out = super().__call__([x["input_ids"] for x in batch])
+        out["labels"], _ = pad_rows([x["labels"] for x in batch], IGNORE_INDEX, self.padding_side)
+        return out
 
 
 class SFTDataModule(L.LightningDataModule):
@@ -134,7 +132,7 @@ class SFTDataModule(L.LightningDataModule):
         if self.train_examples is not None:
             return
         c, p = self.cfg, self.key_prefix
-        records, source = read_records(
+        records, source = read_role_records(
             {"prompt": (f"{p}.prompt_field", c.prompt_field),
              "response": (f"{p}.response_field", c.response_field)},
             path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p)
