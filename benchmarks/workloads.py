@@ -24,6 +24,7 @@ from ppo_lightning.tiny import (
     EOS_TOKEN,
     PAD_TOKEN,
     gpt2_config,
+    save_random_model,
     save_tiny_causal_lm,
     save_tiny_reward_model,
 )
@@ -145,24 +146,10 @@ def build_models(w: Workload, root: str | Path) -> tuple[Path, Path]:
 
 def _save_word_model(path: Path, w: Workload, n_positions: int, reward: bool, seed: int) -> Path:
     """A random GPT-2 causal LM (or one-label sequence classifier) over the word vocabulary, with
-    its tokenizer, dropout off; written atomically like ``ppo_lightning.tiny``'s models."""
-    import torch
-    from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
-
-    from ppo_lightning.tiny import _atomic_build
-
+    its tokenizer, dropout off (``ppo_lightning.tiny.save_random_model``, as the tiny models)."""
     tokenizer = build_word_tokenizer(w.vocab_size)
     config = gpt2_config(w.n_layer, w.n_head, w.n_embd, n_positions, num_labels=1 if reward else None)
     config.vocab_size = w.vocab_size
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
-
-    def build(tmp: Path) -> None:
-        torch.manual_seed(seed)
-        model = (GPT2ForSequenceClassification if reward else GPT2LMHeadModel)(config)
-        if not reward:
-            model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-    return _atomic_build(path, build)
+    return save_random_model(path, config, tokenizer, seed, classifier=reward)

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from ppo_lightning.choices import TINY_ARCHITECTURES as ARCHITECTURES
@@ -113,24 +114,33 @@ def causal_lm_config(arch: str, n_layer: int, n_head: int, n_embd: int, n_positi
     raise ValueError(f"arch={arch!r}: choose one of {ARCHITECTURES}")
 
 
-def save_tiny_causal_lm(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,
-                        n_embd: int = 64, n_positions: int = 256, seed: int = 0, arch: str = "gpt2") -> Path:
-    """Write a randomly initialised causal LM (``arch``, see ``causal_lm_config``) + byte tokenizer
-    to ``path``.
-
-    The write is atomic (a temp dir renamed into place), so concurrent builders (DDP ranks, pytest
-    workers) never see a half-written directory.
-    """
-    from transformers import AutoModelForCausalLM
+def save_random_model(path: str | os.PathLike, config, tokenizer, seed: int = 0,
+                      classifier: bool = False) -> Path:
+    """Write a model of ``config`` initialised from ``seed`` (a causal LM, or with ``classifier`` a
+    sequence classifier: ``config.num_labels`` outputs) and ``tokenizer`` to ``path``, atomically
+    (``atomic_build``); a ``path`` that already holds a model is kept as it is. Every randomly
+    initialised model here goes through it: ``model=tiny``'s, the tests', the benchmarks', the
+    recipes' base models."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     def build(tmp: Path) -> None:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(causal_lm_config(arch, n_layer, n_head, n_embd, n_positions))
-        model.generation_config.pad_token_id = 257
+        model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
+        if not classifier:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(tmp)
-        build_byte_tokenizer().save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
 
-    return _atomic_build(Path(path), build)
+    return atomic_build(Path(path), build)
+
+
+def save_tiny_causal_lm(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,
+                        n_embd: int = 64, n_positions: int = 256, seed: int = 0, arch: str = "gpt2") -> Path:
+    """Write a randomly initialised causal LM (``arch``, see ``causal_lm_config``) + byte tokenizer
+    to ``path`` (``save_random_model``: atomically, so concurrent builders, DDP ranks or pytest
+    workers, never see a half-written directory)."""
+    return save_random_model(path, causal_lm_config(arch, n_layer, n_head, n_embd, n_positions),
+                             build_byte_tokenizer(), seed)
 
 
 def ensure_tiny_model(model_cfg, cache_dir: str | os.PathLike | None) -> Path | None:
@@ -162,30 +172,38 @@ def _field(cfg, key: str, default=None):
 def save_tiny_reward_model(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,
                            n_embd: int = 64, n_positions: int = 256, seed: int = 1) -> Path:
     """Write a randomly initialised GPT-2 sequence classifier (1 label) + byte tokenizer."""
-    from transformers import GPT2ForSequenceClassification
-
-    def build(tmp: Path) -> None:
-        torch.manual_seed(seed)
-        model = GPT2ForSequenceClassification(
-            gpt2_config(n_layer, n_head, n_embd, n_positions, num_labels=1))
-        model.save_pretrained(tmp)
-        build_byte_tokenizer().save_pretrained(tmp)
-
-    return _atomic_build(Path(path), build)
+    return save_random_model(path, gpt2_config(n_layer, n_head, n_embd, n_positions, num_labels=1),
+                             build_byte_tokenizer(), seed, classifier=True)
 
 
-def _atomic_build(path: Path, build) -> Path:
-    if (path / "config.json").exists():
+def atomic_build(path: Path, build: Callable[[Path], None], done: str = "config.json",
+                 replace_unfinished: bool = False) -> Path:
+    """Run ``build(tmp)`` in a temporary sibling of ``path`` and rename it into place, once: a
+    ``path`` holding the file ``done`` is finished and kept as it is.
+
+    A killed build leaves no half-made ``path`` (the next call builds again), and concurrent
+    builders (DDP ranks, pytest workers) never see one: the first rename wins, the others drop
+    their copies. A ``path`` without ``done`` (an unfinished directory of an older build) is
+    replaced when ``replace_unfinished`` says so (a cache of our own), else refused: it may be a
+    user's directory.
+    """
+    if (path / done).exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
     try:
         build(tmp)
+        if not (tmp / done).exists():
+            raise RuntimeError(f"building {path} wrote no {done}")
         try:
             os.replace(tmp, path)
-        except OSError:  # another process won the race; theirs is identical
-            if not (path / "config.json").exists():
+        except OSError:
+            if (path / done).exists():  # another process won the race; theirs is identical
+                return path
+            if not replace_unfinished:
                 raise
+            shutil.rmtree(path)
+            os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -529,6 +529,37 @@ def test_other_build_errors(tiny_lm_dir, monkeypatch):
         build_reward_model(model, None, None, RewardModelConfig(hf_dataset="org/prefs"))
 
 
+def _files(directory) -> dict[str, bytes]:
+    return {str(f.relative_to(directory)): f.read_bytes() if f.is_file() else b"<dir>"
+            for f in sorted(directory.rglob("*"))}
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward_model"])
+def test_model_tiny_never_writes_into_a_users_model_directory(tmp_path, cache_dir, tiny_lm_dir, stage):
+    """``task=<stage> model=tiny model.name_or_path=<a model directory of the user's, outside
+    paths.cache_dir>``: the job loads that model, trains and saves to ``task.save_dir``; the
+    user's directory (and the one around it, where a build would put its temporary copy) keeps
+    every file, byte for byte, and gains none."""
+    import shutil
+
+    from ppo_lightning.jobs import run_task
+    from tests.conftest import compose_cfg
+
+    user = tmp_path / "home" / "my_model"
+    shutil.copytree(tiny_lm_dir, user)
+    assert not user.resolve().is_relative_to(cache_dir.resolve())
+    before = _files(user.parent)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "response": "b", "chosen": "c", "rejected": "d"}] * 8)
+    cfg = compose_cfg([f"task={stage}", "model=tiny", f"model.name_or_path={user}", f"task.path={data}",
+                       "task.val_fraction=0", "trainer.max_steps=2", "trainer.limit_val_batches=0",
+                       "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+                       "callbacks=none", "logger=none"], tmp_path / "out", cache_dir)
+    assert cfg.model.build_tiny is not None  # model=tiny: it would build, were the directory in the cache
+    run_task(cfg)
+    assert _files(user.parent) == before
+    assert (tmp_path / "out" / ("sft_model" if stage == "sft" else "reward_model") / "config.json").is_file()
+
+
 def test_builds_the_tiny_model_seeds_the_score_head_and_fits_max_length(tmp_path):
     """``model.build_tiny`` builds the offline model first; the new score head's init follows
     ``seed`` and leaves the global RNG alone."""

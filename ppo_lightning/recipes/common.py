@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -19,45 +16,34 @@ from ppo_lightning.data import PadCollator
 from ppo_lightning.policy import position_ids_from_mask
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs
+from ppo_lightning.tiny import atomic_build, save_random_model
 
 log = logging.getLogger(__name__)
 
 
 def build_cached(root: Path, build: Callable[[Path], None]) -> Path:
-    """Run ``build(tmp)`` into a temporary sibling of ``root`` and rename it into place, once.
+    """Run ``build(tmp)`` into a temporary sibling of ``root`` and rename it into place, once
+    (``tiny.atomic_build``, finished when it holds ``DONE``).
 
     A killed build leaves no half-made cache: the next run starts it again.
     """
-    if (root / "DONE").exists():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".tmp-", dir=root.parent))
-    try:
+    def build_and_mark(tmp: Path) -> None:
         build(tmp)
         (tmp / "DONE").write_text("ok\n")
-        if root.exists():  # an earlier, unfinished build
-            shutil.rmtree(root)
-        os.replace(tmp, root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
+
+    return atomic_build(root, build_and_mark, done="DONE", replace_unfinished=True)
 
 
 def save_base_model(directory: Path, tokenizer, n_layer: int, n_head: int, n_embd: int,
                     n_positions: int, seed: int = 0) -> Path:
     """A random GPT-2 sized to ``tokenizer`` (the starting point of SFT and the reward model)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config
 
-    torch.manual_seed(seed)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=n_positions, n_embd=n_embd,
                         n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
-    model = GPT2LMHeadModel(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_random_model(directory, config, tokenizer, seed)
 
 
 def fit_stage(stage: str, base_dir: Path, out_dir: Path, records: list[dict], *, steps: int,
