@@ -22,16 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-
-def _model_class(lm: nn.Module) -> type:
-    """``lm``'s class; for a module FSDP2 has sharded, the class it was (``fully_shard`` swaps
-    in a subclass ``FSDP<Name>(FSDPModule, <Name>)`` that adds hooks and no computation)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(lm)
-    if isinstance(lm, FSDPModule) and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
-        return cls.__bases__[-1]
-    return cls
+from ppo_lightning.policy import model_class, underlying
 
 
 def supports_fast_decode(lm: nn.Module) -> bool:
@@ -41,8 +32,8 @@ def supports_fast_decode(lm: nn.Module) -> bool:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover - transformers is a dependency
         return False
-    if _model_class(lm) is not GPT2LMHeadModel:
-        return False
+    if underlying(lm) is not lm or model_class(lm) is not GPT2LMHeadModel:
+        return False  # a view of another LM (LoRA's adapters-off reference), or not GPT-2
     config = lm.config
     if config.add_cross_attention or getattr(config, "reorder_and_upcast_attn", False):
         return False

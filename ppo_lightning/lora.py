@@ -104,12 +104,6 @@ class DisabledAdapters(nn.Module):
                 lm.train()
 
 
-def model_class(lm: nn.Module) -> type:
-    """The class whose ``forward`` a call to ``lm`` runs (its signature says which keyword
-    arguments the model takes): the LM's own for a ``DisabledAdapters`` view."""
-    return type(lm.lm) if isinstance(lm, DisabledAdapters) else type(lm)
-
-
 def merged_state_dict(lm: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """``lm``'s state dict with every adapter merged into its base weight, W + (B·A)·alpha/r
     (transposed for GPT-2's ``Conv1D``, which stores W as [in, out]: peft's ``get_delta_weight``

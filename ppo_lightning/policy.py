@@ -309,6 +309,31 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+# ----------------------------------------------------------------------------- what a module really is
+def underlying(lm: nn.Module) -> nn.Module:
+    """The module a call to ``lm`` runs: for a ``lora.DisabledAdapters`` view (the LoRA policy's
+    own LM with its adapters off, the reference under LoRA) that LM, else ``lm`` itself. The
+    one place that sees through the wrappers this project makes; peft's own wrapper is unwrapped
+    once, when the view is made (``get_base_model``)."""
+    from ppo_lightning.lora import DisabledAdapters
+
+    return lm.lm if isinstance(lm, DisabledAdapters) else lm
+
+
+def model_class(lm: nn.Module) -> type:
+    """The class whose ``forward`` a call to ``lm`` runs (its signature says which keyword
+    arguments the model takes; ``fast_decode`` accepts exact GPT-2s only): ``underlying(lm)``'s,
+    and for a module FSDP2 has sharded the class it was (``fully_shard`` swaps in a subclass
+    ``FSDP<Name>(FSDPModule, <Name>)`` that adds hooks and no computation)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    lm = underlying(lm)
+    cls = type(lm)
+    if isinstance(lm, FSDPModule) and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
+        return cls.__bases__[-1]
+    return cls
+
+
 # ----------------------------------------------------------------------------- save / load
 def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.PathLike, write: bool = True) -> Path:
     """An HF directory (safetensors + tokenizer + generation config) that plain

@@ -162,9 +162,12 @@ def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
 
 
 def is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 has sharded ``module`` or a part of it (of a view, its LM: ``policy.underlying``)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in module.modules())
+    from ppo_lightning.policy import underlying
+
+    return any(isinstance(m, FSDPModule) for m in underlying(module).modules())
 
 
 def shard_lm(lm: nn.Module, mesh, root: nn.Module | None = None) -> None:

@@ -4,13 +4,15 @@ to that forward for every model it does not cover."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
 from transformers import DynamicCache, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
-from ppo_lightning.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
+from ppo_lightning.lora import DisabledAdapters
+from ppo_lightning.policy import load_causal_lm, load_tokenizer, model_class, position_ids_from_mask, underlying
 from ppo_lightning.generation.hf import generate
 from tests.helpers import greedy_by_full_forward
 
@@ -104,7 +106,7 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ppo_lightning.sharding import shard_lm, unsharded_for_rollout
+    from ppo_lightning.sharding import is_sharded, shard_lm, unsharded_for_rollout
 
     lm, tok = lm_and_tok
     sharded = copy.deepcopy(lm)
@@ -120,6 +122,10 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         shard_lm(sharded, init_device_mesh("cpu", (1,)))
+        # what it really is: the class FSDP2 swapped out, sharded also behind LoRA's adapters-off view
+        assert type(sharded) is not GPT2LMHeadModel and model_class(sharded) is GPT2LMHeadModel
+        view = DisabledAdapters(types.SimpleNamespace(get_base_model=lambda: sharded))
+        assert is_sharded(sharded) and is_sharded(view) and not is_sharded(lm)
         assert not supports_fast_decode(sharded)
         with torch.no_grad():
             sharded(enc.input_ids[:, :2])  # FSDP initialises at the first forward
@@ -130,3 +136,26 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
     finally:
         dist.destroy_process_group()
     assert torch.equal(got, want)
+
+
+def test_lora_s_adapters_off_view_is_seen_through_but_not_fast_decoded(lm_and_tok):
+    """``policy.underlying`` / ``model_class`` see through ``DisabledAdapters`` (the reference under
+    LoRA): the sampler passes the LM's own keyword arguments, and declines the lean step, which
+    would read the adapted layers' weights directly. The view samples what the base LM samples."""
+    peft = pytest.importorskip("peft")
+    lm, tok = lm_and_tok
+    adapted = peft.get_peft_model(copy.deepcopy(lm), peft.LoraConfig(r=4, target_modules=["c_attn"],
+                                                                     fan_in_fan_out=True))
+    with torch.no_grad():
+        for name, w in adapted.named_parameters():
+            if "lora_B" in name:  # adapters that change the output (peft starts them at zero)
+                w.normal_(generator=torch.Generator().manual_seed(0))
+    view = DisabledAdapters(adapted)
+    assert underlying(view) is adapted.get_base_model() and underlying(lm) is lm
+    assert model_class(view) is GPT2LMHeadModel and not supports_fast_decode(view)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True,
+              stop_at_eos=False)
+    base = generate(lm, enc.input_ids, enc.attention_mask, **kw)[0]
+    assert torch.equal(generate(view, enc.input_ids, enc.attention_mask, **kw)[0], base)
+    assert not torch.equal(generate(adapted, enc.input_ids, enc.attention_mask, **kw)[0], base)

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
 from ppo_lightning.generation.params import SamplingParams, StopSequences
-from ppo_lightning.lora import model_class
-from ppo_lightning.policy import position_ids_from_mask
+from ppo_lightning.policy import model_class, position_ids_from_mask
+from ppo_lightning.sharding import is_sharded
 
 
 class HFBackend:
@@ -128,7 +128,7 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
     lm.eval()                   # turns the KV cache off: sample in eval mode (dropout is 0 anyway)
     try:
         fast = fast_decode and supports_fast_decode(lm)
-        with torch.no_grad() if _is_fsdp(lm) else torch.inference_mode():
+        with torch.no_grad() if is_sharded(lm) else torch.inference_mode():
             parts = [_sample_loop(lm, input_ids[s:s + chunk_size], attention_mask[s:s + chunk_size],
                                   max_new_tokens, eos_token_id, pad_token_id, temperature, top_k, top_p,
                                   stop_at_eos, greedy, generator, fast, stop_sequences)
@@ -142,12 +142,6 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
     responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad_token_id) for r, _ in parts])
     response_mask = torch.cat([F.pad(m, (0, R - m.shape[1]), value=0.0) for _, m in parts])
     return responses, response_mask  # torch.cat made ordinary tensors
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
 
 
 def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
