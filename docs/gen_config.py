@@ -242,6 +242,8 @@ def key_table(cls: type, prefix: str, sets: dict[str, list[str]], title: str) ->
     rows = ["| Key | Type | Default | Check | Set by | Meaning |", "|---|---|---|---|---|---|"]
     nested = []
     for f in dataclasses.fields(cls):
+        if C.is_placeholder(f):  # a moved or removed key: listed in its own section
+            continue
         key = f"{prefix}.{f.name}" if prefix else f.name
         default = default_of(f)
         if dataclasses.is_dataclass(default):  # a section of its own (model.lora)
@@ -300,6 +302,14 @@ def run_level_table(sets: dict[str, list[str]]) -> str:
             + "\n".join(rows) + "\n")
 
 
+def moved_section() -> str:
+    rows = ["| Old key | Now |", "|---|---|"]
+    rows += [f"| `{old}` | `{new}` |" for old, new in C.MOVED_KEYS.items()]
+    rows += [f"| `{old}` | removed: {md(why)} |" for old, why in C.REMOVED_KEYS.items()]
+    return ("## Moved and removed keys\n\nSetting one of these fails before anything loads, with one line "
+            "that names its new home (or why it went).\n\n" + "\n".join(rows) + "\n")
+
+
 def dict_groups_section() -> str:
     parts = ["## `logger` and `callbacks`\n\nDicts of named Lightning objects, each a mapping with a "
              "`_target_` (instantiated with the other keys as arguments; `null` entries are skipped; "
@@ -313,7 +323,7 @@ def dict_groups_section() -> str:
 
 
 def render() -> str:
-    return "\n".join([INTRO, groups_table(), keys_section(), dict_groups_section(),
+    return "\n".join([INTRO, groups_table(), keys_section(), moved_section(), dict_groups_section(),
                       "## Implementation details\n\nEach detail that decides whether PPO works, with its "
                       "source and the code that implements it: [implementation.md](implementation.md).\n"])
 

@@ -190,7 +190,7 @@ class PPO:
         low, high = c.clip_low or c.clip, c.clip_high or c.clip
         pg_loss, pg_clipfrac = ppo.ppo_policy_loss(
             new_logp, part.logprobs, part.advantages, mask, low, n_tokens, clip_high=high, dual_clip=c.dual_clip,
-            agg=c.loss_agg, seq_count=seq_count, norm_length=c.max_new_tokens)
+            agg=c.loss_agg, seq_count=seq_count, norm_length=self.sampling.max_new_tokens)
         with torch.no_grad():
             clip_lo, clip_hi = ppo.clip_fractions(new_logp, part.logprobs, part.advantages, mask, low, high, n_tokens)
         with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
@@ -206,7 +206,7 @@ class PPO:
             loss = pg_loss - c.ent_coef * entropy
         if c.kl_in == "loss":  # GRPO: beta * KL(policy, reference), masked before the estimator
             kl_loss = ppo.aggregate(ppo.kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask), mask,
-                                    c.loss_agg, n_tokens, seq_count, c.max_new_tokens)
+                                    c.loss_agg, n_tokens, seq_count, self.sampling.max_new_tokens)
             loss = loss + self.kl_ctl.value * kl_loss
             stats["loss/kl_avg"] = kl_loss.detach()
         return loss, stats, new_logp

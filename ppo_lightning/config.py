@@ -91,9 +91,13 @@ class TinyModelConfig:
     n_embd: int = param(64, ge=1)
     """Hidden size."""
     n_positions: int = param(256, ge=1)
-    """Context length (bounds ``data.max_prompt_length + ppo.max_new_tokens``)."""
+    """Context length (bounds ``data.max_prompt_length + sampling.max_new_tokens``)."""
     seed: int = 0
     """Init seed of the random weights."""
+
+
+LORA_DROPOUT_REMOVED = ("PPO needs logprobs that are a deterministic function of the weights (dropout would "
+                        "make the first update's ratio differ from 1); the adapters train without dropout")
 
 
 @dataclass
@@ -107,9 +111,7 @@ class LoRAConfig:
     """Adapter rank; 0 = off (full fine-tuning). 8 to 64 are usual."""
     alpha: float = param(32.0, gt=0)
     """Scale of the adapters' update: ``W + (alpha / r) B A``."""
-    dropout: float = 0.0
-    """Dropout on the adapters' input; must be 0: PPO needs logprobs that are a deterministic
-    function of the weights, or the ratio is not 1 at the start of an update."""
+    dropout: Optional[Any] = field(default=None, metadata={"removed": LORA_DROPOUT_REMOVED})
     target_modules: Optional[List[str]] = None
     """Names of the layers to adapt (e.g. ``[q_proj,v_proj]``); null = every linear layer but
     the output head, per architecture (GPT-2: c_attn, c_proj, c_fc; Llama and Qwen2: q/k/v/o_proj,
@@ -126,7 +128,7 @@ class ModelConfig:
     anything loads: a directory is used as is, a path-like string that is not a directory fails,
     a hub id must be in the HF cache or the hub must answer within ~3 s. A path a recipe builds
     (``${recipe_dir:<name>}``) is checked after the job's recipe has built it.
-    ``data.max_prompt_length + ppo.max_new_tokens`` must fit the model's context."""
+    ``data.max_prompt_length + sampling.max_new_tokens`` must fit the model's context."""
     tokenizer_name_or_path: Optional[str] = None
     """Tokenizer source when it differs from ``name_or_path``. It pads on the left and must define
     EOS; a ``<|pad|>`` token is added (embeddings resized) when it has no pad or pad == EOS."""
@@ -249,9 +251,83 @@ class OptimizerConfig:
     over all parameters). Same math either way."""
 
 
+MOVED_KEYS = {
+    "ppo.max_new_tokens": "sampling.max_new_tokens", "ppo.temperature": "sampling.temperature",
+    "ppo.top_k": "sampling.top_k", "ppo.top_p": "sampling.top_p", "ppo.stop_at_eos": "sampling.stop_at_eos",
+    "ppo.stop_token_ids": "sampling.stop_token_ids", "ppo.stop_strings": "sampling.stop_strings",
+    "ppo.rollout_generate_batch_size": "sampling.chunk_size", "ppo.fast_decode": "generation.fast_decode",
+}
+"""Keys that moved, and their new homes. Each old key stays in its schema as a null placeholder,
+so that setting it (on the command line or in a YAML file) composes and then fails validation
+with one line naming the new key, instead of Hydra's "not in the schema"."""
+
+
+REMOVED_KEYS = {"model.lora.dropout": LORA_DROPOUT_REMOVED}
+"""Keys that were removed, and why; placeholders like the moved ones."""
+
+
+def is_placeholder(f: dataclasses.Field) -> bool:
+    """Whether a schema field only holds the place of a moved or removed key."""
+    return "moved_to" in f.metadata or "removed" in f.metadata
+
+
+def moved(new_home: str):
+    """A placeholder for a key that moved to ``new_home`` (see ``MOVED_KEYS``); not documented."""
+    return field(default=None, metadata={"moved_to": new_home})
+
+
 @dataclass
-class PPOConfig:
-    """PPO's hyperparameters; names follow the seed tutorial."""
+class _MovedPPOKeys:
+    """The sampling keys that were ``ppo.*`` (``MOVED_KEYS``)."""
+
+    max_new_tokens: Optional[Any] = moved("sampling.max_new_tokens")
+    temperature: Optional[Any] = moved("sampling.temperature")
+    top_k: Optional[Any] = moved("sampling.top_k")
+    top_p: Optional[Any] = moved("sampling.top_p")
+    stop_at_eos: Optional[Any] = moved("sampling.stop_at_eos")
+    stop_token_ids: Optional[Any] = moved("sampling.stop_token_ids")
+    stop_strings: Optional[Any] = moved("sampling.stop_strings")
+    rollout_generate_batch_size: Optional[Any] = moved("sampling.chunk_size")
+    fast_decode: Optional[Any] = moved("generation.fast_decode")
+
+
+@dataclass
+class SamplingConfig:
+    """How responses are sampled: by the rollout, by reward normalisation's reference samples and
+    by the recipes' evaluations alike (``generation.SamplingParams``, built once per run). Which
+    engine samples is the ``generation`` group."""
+
+    max_new_tokens: int = param(32, ge=1)
+    """Response length limit; sampling stops early once every row has stopped. Also the constant
+    ``ppo.loss_agg=seq_mean_token_sum_norm`` divides by."""
+    temperature: float = param(1.0, gt=0, hint="logprobs divide by it")
+    """Sampling temperature. Every log-probability (policy, reference, update ratio, entropy) is
+    taken from logits / temperature; top-k/top-p truncation is not applied to them (as in TRL
+    and OpenAI's RLHF code)."""
+    top_k: int = param(0, ge=0, hint="0 turns it off")
+    """Sample from the k most likely tokens (0 = off)."""
+    top_p: float = param(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1.0 = off); at least one token is always kept."""
+    stop_at_eos: bool = True
+    """Stop a response at its first EOS (or stop token / string). False runs every response to
+    ``max_new_tokens``, EOS an ordinary token, ``ppo.missing_eos_penalty`` ignored (benchmarks)."""
+    stop_token_ids: List[int] = field(default_factory=list)
+    """More token ids that end a response, as EOS does (kept, the last token of the response)."""
+    stop_strings: List[str] = field(default_factory=list)
+    """Strings that end a response: each is tokenised with the policy's tokenizer, and a response
+    stops when its last tokens are that sequence (the string tokenised differently, e.g. merged
+    with the token before it, does not stop it: prefer strings that start a token, like "\n\n").
+    A response that stops on one counts as ended for ``ppo.missing_eos_penalty``."""
+    chunk_size: Optional[int] = param(None, ge=1)
+    """Rows sampled at a time (null = the whole batch): bounds the KV cache,
+    which grows with rows x (prompt + response) x layers x width. Greedy decoding gives the same
+    tokens either way (test); a seeded sampling run draws different tokens with a different value."""
+
+
+@dataclass
+class PPOConfig(_MovedPPOKeys):
+    """PPO's hyperparameters; names follow the tutorial the project started from
+    (FareedKhan-dev/train-llm-from-scratch, ``src/post_training/ppo.py``)."""
 
     advantage: str = param("gae", choices=choices.ESTIMATORS)
     """How advantages are estimated. ``gae``: PPO's generalised advantage estimation with the
@@ -292,7 +368,7 @@ class PPOConfig:
     and entropy then use the global count too); ``seq_mean_token_mean``, each response's token
     mean, averaged over responses (GRPO's original, DeepSeekMath eq. 3);
     ``seq_mean_token_sum``, each response's token sum, averaged; ``seq_mean_token_sum_norm``,
-    that divided by the constant ``max_new_tokens`` (Dr. GRPO, TRL's ``dr_grpo``: no length bias,
+    that divided by the constant ``sampling.max_new_tokens`` (Dr. GRPO, TRL's ``dr_grpo``: no length bias,
     and gradients at a token mean's scale, so ``max_grad_norm`` keeps its meaning). Exact under
     micro-batches. The value loss is a token mean."""
     kl_in: str = param("reward", choices=choices.KL_PLACEMENTS)
@@ -355,40 +431,10 @@ class PPOConfig:
     taken before it."""
     missing_eos_penalty: Optional[float] = None
     """Subtracted from the score of responses without EOS (only with ``stop_at_eos``)."""
-    max_new_tokens: int = param(32, ge=1)
-    """Response length limit; sampling stops early once every row has emitted EOS."""
-    temperature: float = param(1.0, gt=0, hint="logprobs divide by it")
-    """Sampling temperature. Every log-probability (policy, reference, update ratio, entropy) is
-    taken from logits / temperature; top-k/top-p truncation is not applied to them (as in TRL
-    and OpenAI's RLHF code)."""
-    top_k: int = param(0, ge=0, hint="0 turns it off")
-    """Sample from the k most likely tokens (0 = off)."""
-    top_p: float = param(1.0, gt=0, le=1)
-    """Nucleus sampling mass (1.0 = off); at least one token is always kept."""
-    stop_at_eos: bool = True
-    """Stop a response at its first EOS (or stop token / string). False runs every response to
-    ``max_new_tokens``, EOS an ordinary token, ``missing_eos_penalty`` ignored (benchmarks)."""
-    stop_token_ids: List[int] = field(default_factory=list)
-    """More token ids that end a response, as EOS does (kept, the last token of the response)."""
-    stop_strings: List[str] = field(default_factory=list)
-    """Strings that end a response: each is tokenised with the policy's tokenizer, and a response
-    stops when its last tokens are that sequence (the string tokenised differently, e.g. merged
-    with the token before it, does not stop it: prefer strings that start a token, like "\n\n").
-    A response that stops on one counts as ended for ``missing_eos_penalty``."""
-    fast_decode: bool = True
-    """Sample an exact ``GPT2LMHeadModel`` policy (no cross-attention, no upcast attention, whole
-    unsharded weights) with a lean per-token step (``fast_decode.py``): the same ops on the same
-    weights, logits bitwise equal to the model's forward, about half the per-token overhead. The
-    prefill and every logprob PPO learns from still go through the model's forward. Other models
-    always decode through their forward."""
     max_nonfinite_iterations: int = param(3, ge=1)
     """Stop the run (``NonFiniteError``, exit 1) after this many PPO iterations in a row with a
     skipped update (non-finite reward, rollout, loss or gradient; weights untouched, counted in
     ``health/skipped_updates``)."""
-    rollout_generate_batch_size: Optional[int] = param(None, ge=1)
-    """Rows sampled at a time during the rollout (null = the whole batch): bounds the KV cache,
-    which grows with rows x (prompt + response) x layers x width. Greedy decoding gives the same
-    tokens either way (test); a seeded sampling run draws different tokens with a different value."""
     rollout_forward_batch_size: Optional[int] = param(None, ge=1)
     """Rows per policy / reference scoring forward during the rollout (bounds memory; null = the
     whole batch). The reward model uses ``reward.batch_size``."""
@@ -498,7 +544,7 @@ class PathsConfig:
     """Recipe builds (``${recipe_dir:<name>}``), built tiny models and other reusable artefacts."""
 
 
-GENERATION_HF = {"_target_": "ppo_lightning.generation.hf.HFBackend", "_partial_": True}  # conf/generation/hf.yaml
+GENERATION_HF = {"_target_": "ppo_lightning.generation.hf.HFBackend", "_partial_": True, "fast_decode": True}  # conf/generation/hf.yaml
 
 
 @dataclass
@@ -518,7 +564,9 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer and lr schedule (``OptimizerConfig``)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    """PPO (``PPOConfig``)."""
+    """The algorithm (``PPOConfig``)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """How responses are sampled (``SamplingConfig``)."""
     data: DataConfig = field(default_factory=DataConfig)
     """The prompts (``DataConfig``)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -527,8 +575,12 @@ class TrainConfig:
     """The generation backend every sampler goes through (``conf/generation/*.yaml``): a
     ``_target_`` class instantiated as a partial (``_partial_: true``) and called with the LM to
     sample and its tokenizer, plus any options of its own. ``hf``: the live module with a KV
-    cache (``ppo_lightning/generation/hf.py``). How it samples is ``ppo.*``'s
-    (``SamplingParams.from_config``)."""
+    cache (``ppo_lightning/generation/hf.py``); its option ``generation.fast_decode`` (default
+    true) samples an exact ``GPT2LMHeadModel`` (no cross-attention, no upcast attention, whole
+    unsharded weights) with a lean per-token step (``fast_decode.py``): the same ops on the same
+    weights, logits bitwise equal to the model's forward, about half the per-token overhead; the
+    prefill and every logprob PPO learns from still go through the model's forward, and other
+    models always decode through it. How every backend samples is ``sampling.*``."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     """Output and cache directories (``PathsConfig``)."""
     logger: Dict[str, Any] = field(default_factory=dict)
@@ -556,15 +608,16 @@ class TrainConfig:
     unknown name or a non-finite value returns None."""
 
 
-# ============================================================================= the stage tasks
+# ============================================================================= the stages (task=sft, task=reward_model)
 
 
 @dataclass
 class SFTConfig:
-    """Keys of the SFT stage. Batch size, shuffling and loader workers come from ``data.*``."""
+    """Keys of the SFT stage, its batches included (``data.*`` is PPO's prompts)."""
 
     path: Optional[str] = None
-    """Local ``.jsonl`` of (prompt, response) pairs, one JSON object a line."""
+    """Local ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) of (prompt,
+    response) pairs."""
     hf_dataset: Optional[str] = None
     """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
     hf_split: str = "train"
@@ -587,19 +640,25 @@ class SFTConfig:
     least one record must remain for training."""
     seed: int = 0
     """Seed of the train / validation split and of the training order."""
+    batch_size: int = param(16, ge=1)
+    """Examples per training batch per rank."""
+    shuffle: bool = True
+    """Reshuffle the training examples every epoch (in an order fixed by ``seed``)."""
+    num_workers: int = param(0, ge=0)
+    """DataLoader workers."""
     val_batch_size: Optional[int] = param(None, ge=1)
-    """Examples per validation batch (null: ``data.batch_size``)."""
+    """Examples per validation batch (null: ``batch_size``)."""
     max_grad_norm: Optional[float] = param(1.0, ge=0)
     """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
 
 
 @dataclass
 class RewardModelConfig:
-    """Keys of the reward-model stage. Batch size (pairs), shuffling and loader workers come from
-    ``data.*``."""
+    """Keys of the reward-model stage, its batches included (``data.*`` is PPO's prompts)."""
 
     path: Optional[str] = None
-    """Local ``.jsonl`` of preference pairs, one JSON object a line."""
+    """Local ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) of preference
+    pairs."""
     hf_dataset: Optional[str] = None
     """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
     hf_split: str = "train"
@@ -617,8 +676,14 @@ class RewardModelConfig:
     """Fraction of pairs held out for validation (at least one; 0 turns validation off)."""
     seed: int = 0
     """Seed of the split, of the training order and of the new score head's init."""
+    batch_size: int = param(16, ge=1)
+    """Pairs per training batch per rank (a forward scores both texts of each: twice the rows)."""
+    shuffle: bool = True
+    """Reshuffle the training pairs every epoch (in an order fixed by ``seed``)."""
+    num_workers: int = param(0, ge=0)
+    """DataLoader workers."""
     val_batch_size: Optional[int] = param(None, ge=1)
-    """Pairs per validation batch (null: ``data.batch_size``)."""
+    """Pairs per validation batch (null: ``batch_size``)."""
     max_grad_norm: Optional[float] = param(1.0, ge=0)
     """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
     center_rewards_coef: float = param(0.0, ge=0)
@@ -636,7 +701,7 @@ class SFTTask(SFTConfig):
     at composition."""
 
     name: str = "sft"
-    """The job (``train.py:run_task``)."""
+    """The job (``jobs.py:run_task``)."""
     save_dir: str = "${paths.output_dir}/sft_model"
     """Output HF directory (safetensors, tokenizer, generation config), written on rank 0: a PPO
     policy (``model.name_or_path=<save_dir>``). Must be non-empty."""
@@ -650,7 +715,7 @@ class RewardModelTask(RewardModelConfig):
     texts tokenised as ``reward=model`` scores them in PPO. Uses the same groups as ``task=sft``."""
 
     name: str = "reward_model"
-    """The job (``train.py:run_task``)."""
+    """The job (``jobs.py:run_task``)."""
     save_dir: str = "${paths.output_dir}/reward_model"
     """Output HF directory (safetensors, tokenizer), written on rank 0, for
     ``reward=model reward.name_or_path=<save_dir>``. Must be non-empty."""
@@ -681,14 +746,15 @@ register_configs()
 # ============================================================================= validation
 FP16_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine-float16")  # refused by validate
 SECTIONS = {"model": ModelConfig, "model.lora": LoRAConfig, "model.build_tiny": TinyModelConfig,
-            "ref": RefConfig, "reward": RewardConfig,
-            "optimizer": OptimizerConfig, "ppo": PPOConfig, "data": DataConfig, "trainer": TrainerConfig}
+            "ref": RefConfig, "reward": RewardConfig, "optimizer": OptimizerConfig, "ppo": PPOConfig,
+            "sampling": SamplingConfig, "data": DataConfig, "trainer": TrainerConfig}
 
 
 def validate(cfg) -> None:
     """Every field's own check (``param``), then the constraints across fields that no single
     field can express; raises ``ConfigError`` naming the key. Files and imports are checked by
     ``factory.check_inputs``, which calls this first."""
+    check_moved_keys(cfg)
     for prefix, cls in SECTIONS.items():
         node = OmegaConf.select(cfg, prefix)
         if node is not None:
@@ -726,9 +792,6 @@ def validate(cfg) -> None:
                           f"{p.minibatch_size}; choose a divisor, e.g. ppo.micro_batch_size="
                           f"{_largest_divisor(p.minibatch_size, p.micro_batch_size)}")
     lora = cfg.model.lora
-    if lora.dropout != 0:
-        raise ConfigError(f"model.lora.dropout={lora.dropout!r}: must be 0 (PPO needs logprobs that are a "
-                          "deterministic function of the weights, or the ratio is not 1 at the start of an update)")
     if lora.r > 0 and (cfg.ref.name_or_path is not None or cfg.ref.dtype is not None):
         key = "ref.name_or_path" if cfg.ref.name_or_path is not None else "ref.dtype"
         raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} with model.lora.r={lora.r}: with LoRA the "
@@ -740,6 +803,19 @@ def validate(cfg) -> None:
                           "use trainer=fsdp (FSDP2, ppo_lightning.sharding.FSDP2Strategy) or trainer=fsdp_cpu")
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
+
+
+def check_moved_keys(cfg) -> None:
+    """A moved key that is set fails with one line: its new home, with the value to write there;
+    a removed one says why it went."""
+    for old, why in REMOVED_KEYS.items():
+        if OmegaConf.select(cfg, old) is not None:
+            raise ConfigError(f"{old} was removed: {why}; unset it")
+    for old, new in MOVED_KEYS.items():
+        value = OmegaConf.select(cfg, old)
+        if value is not None:
+            shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            raise ConfigError(f"{old} moved to {new}: write {new}={shown!r} instead")
 
 
 def _check_estimator_options(p) -> None:

@@ -133,15 +133,15 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
 
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
     ctx = context_length(lm.config)
-    need = cfg.data.max_prompt_length + cfg.ppo.max_new_tokens
+    need = cfg.data.max_prompt_length + cfg.sampling.max_new_tokens
     if ctx is not None and need > ctx:
-        raise ConfigError(f"data.max_prompt_length + ppo.max_new_tokens = {need} exceeds the model's "
-                          f"context of {ctx} tokens; lower data.max_prompt_length or ppo.max_new_tokens")
+        raise ConfigError(f"data.max_prompt_length + sampling.max_new_tokens = {need} exceeds the model's "
+                          f"context of {ctx} tokens; lower data.max_prompt_length or sampling.max_new_tokens")
     ref_lm = build_reference(cfg, lm, tokenizer)  # before LoRA: a copy, if any, of the plain LM
     peft_model = None
     if cfg.model.lora.r > 0:
         lora = cfg.model.lora
-        peft_model = apply_lora(lm, lora.r, lora.alpha, lora.dropout,
+        peft_model = apply_lora(lm, lora.r, lora.alpha,
                                 OmegaConf.to_object(lora.target_modules) if lora.target_modules else None)
         ref_lm = DisabledAdapters(peft_model)
     policy = PolicyWithValueHead(lm, peft_model, value_head=cfg.ppo.advantage == "gae")  # the critic-free: none
@@ -160,7 +160,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
     module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed,
-                       sampling=SamplingParams.from_config(ppo_cfg, tokenizer),
+                       sampling=SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
                        reward_norm=reward_norm, normalize_reward_samples=cfg.reward.normalize_samples,
                        value_head_from_reward=cfg.model.value_head_init == "reward_model",
                        backend=build_backend(cfg.get("generation")))

@@ -13,7 +13,7 @@ from comes from the model's own forward over the finished sequences.
 
 Scope: exactly ``GPT2LMHeadModel`` (a subclass may change the forward) without cross-attention,
 with ``reorder_and_upcast_attn`` off, no active dropout and whole (unsharded) weights. Everything else decodes through the
-model's forward (``supports_fast_decode`` says which); ``ppo.fast_decode=false`` forces that.
+model's forward (``supports_fast_decode`` says which); ``generation.fast_decode=false`` forces that.
 """
 
 from __future__ import annotations

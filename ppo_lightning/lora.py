@@ -36,7 +36,7 @@ def _peft():
     return peft
 
 
-def apply_lora(lm: nn.Module, r: int, alpha: float, dropout: float, target_modules: list[str] | None):
+def apply_lora(lm: nn.Module, r: int, alpha: float, target_modules: list[str] | None):
     """Inject LoRA adapters into ``lm`` in place (its base weights frozen); returns the peft model
     that wraps it (for ``disable_adapter`` and ``save_pretrained``).
 
@@ -44,13 +44,14 @@ def apply_lora(lm: nn.Module, r: int, alpha: float, dropout: float, target_modul
     model except the output head, found per architecture (GPT-2: c_attn, c_proj, c_fc; Llama and
     Qwen2: q/k/v/o_proj, gate/up/down_proj; GPT-NeoX: query_key_value, dense, dense_h_to_4h,
     dense_4h_to_h). Adapting every linear layer is what matches full fine-tuning best (QLoRA).
+    No dropout on the adapters: PPO's logprobs must be a deterministic function of the weights.
     """
     peft = _peft()
     from transformers.pytorch_utils import Conv1D
 
     targets = list(target_modules) if target_modules else ALL_LINEAR
     conv1d = any(isinstance(m, Conv1D) for m in lm.modules())  # GPT-2 stores W as [in, out]
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
                              fan_in_fan_out=conv1d, bias="none", task_type="CAUSAL_LM")
     try:
         with warnings.catch_warnings():  # peft asks transformers by a name it deprecates

@@ -47,7 +47,8 @@ class PPOModule(L.LightningModule):
 
     ``policy``: trained; ``ref_lm``: the frozen reference (KL anchor); ``reward_fn``: ``(prompts,
     responses) -> raw scores``; ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` / ``OptimizerConfig``.
-    ``sampling``: how every caller samples (null: built from ``ppo_cfg``). ``backend``: the
+    ``sampling``: how every caller samples (the ``sampling.*`` node; null: ``SamplingParams``'
+    defaults, 32 new tokens). ``backend``: the
     generation backend's factory (the ``generation`` config group; ``hf`` by default), called
     once for the policy (``sampler``) and once for the reference (``ref_sampler``).
     ``reward_norm``: the ``(gain, bias)`` every raw score goes through, or None to fit it on
@@ -64,10 +65,9 @@ class PPOModule(L.LightningModule):
         self.strict_loading = False  # frozen weights are not checkpointed (see checkpointed)
         self.policy, self.ref_lm, self.reward_fn = policy, ref_lm, reward_fn  # submodules, when modules
         self.tokenizer, self.ppo_cfg, self.optim_cfg, self.seed = tokenizer, ppo_cfg, optim_cfg, seed
-        self.sampling = sampling or SamplingParams.from_config(ppo_cfg, tokenizer)
+        self.sampling = sampling or SamplingParams(max_new_tokens=32)
         make = backend or default_backend()
-        self.sampler = make(policy.lm, tokenizer, fast_decode=ppo_cfg.fast_decode)
-        self.ref_sampler = make(ref_lm, tokenizer, fast_decode=ppo_cfg.fast_decode)
+        self.sampler, self.ref_sampler = make(policy.lm, tokenizer), make(ref_lm, tokenizer)
         self.runtime = Runtime(self)
         kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
         self.ppo = PPO(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, kl_ctl,

@@ -154,7 +154,7 @@ def aggregate(x: Tensor, mask: Tensor, mode: str = "token_mean", token_count: Te
     - ``seq_mean_token_sum``: the mean over responses of each response's token sum (no division
       by its length);
     - ``seq_mean_token_sum_norm``: that, divided by the constant ``norm_length``
-      (``ppo.max_new_tokens``): Dr. GRPO's loss (Liu et al. 2025; TRL's ``dr_grpo``, verl's
+      (``sampling.max_new_tokens``): Dr. GRPO's loss (Liu et al. 2025; TRL's ``dr_grpo``, verl's
       ``seq-mean-token-sum-norm``), free of the per-response length bias, at the scale of a
       token mean (a gradient ``norm_length`` times smaller than ``seq_mean_token_sum``'s, so
       ``ppo.max_grad_norm`` and ``ppo.ent_coef`` keep their meaning).

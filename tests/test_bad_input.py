@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-SMALL = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=1", "ppo.max_new_tokens=4",
+SMALL = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=1", "sampling.max_new_tokens=4",
          "trainer.max_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
          "callbacks=none", "export_dir=null"]
 
@@ -55,7 +55,7 @@ CASES = {
     "gamma below zero": (["ppo.gamma=-0.1"], ["ppo.gamma=-0.1: must be in [0, 1]"]),
     "minibatch does not divide": (["ppo.minibatch_size=3"], ["ppo.minibatch_size=3: must divide data.batch_size=8"]),
     "missing model dir": (["model.name_or_path=/no/such/model"], ["model.name_or_path='/no/such/model': no such directory"]),
-    "context too long": (["data.max_prompt_length=250", "ppo.max_new_tokens=16"], ["exceeds the model's context of 256"]),
+    "context too long": (["data.max_prompt_length=250", "sampling.max_new_tokens=16"], ["exceeds the model's context of 256"]),
     "reward import": (["reward=function", "reward.fn=no_such_pkg.score"], ["reward.fn='no_such_pkg.score'", "cannot import"]),
     "reward wrong length": (["reward=function", "reward.fn=tests.helpers.wrong_length"], ["tests.helpers.wrong_length returned 7 scores for 8 responses"]),
     "reward not numbers": (["reward=function", "reward.fn=tests.helpers.not_numbers"], ["returned 'good'", "for prompt 0"]),

@@ -11,7 +11,7 @@ from tests.helpers import run_train
 
 pytestmark = pytest.mark.slow  # every test runs train.py in a subprocess
 
-TINY_RUN = ["experiment=tiny_char", "trainer.max_steps=2", "ppo.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
+TINY_RUN = ["experiment=tiny_char", "trainer.max_steps=2", "sampling.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
             "ppo.ppo_epochs=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 

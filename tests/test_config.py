@@ -47,7 +47,7 @@ def test_every_group_file_sets_only_its_own_package():
 def test_the_default_job_is_the_reviews_task(tmp_path, cache_dir):
     cfg = compose(tmp_path, cache_dir)
     assert cfg.recipe == "reviews"
-    assert (cfg.ppo.kl_coef, cfg.ppo.max_new_tokens, cfg.optimizer.lr) == (0.2, 20, 5.0e-5)
+    assert (cfg.ppo.kl_coef, cfg.sampling.max_new_tokens, cfg.optimizer.lr) == (0.2, 20, 5.0e-5)
     root = recipe_root(cache_dir, "reviews")
     assert cfg.model.name_or_path == str(root / "sft") and cfg.data.path == str(root / "prompts_train.txt")
     assert cfg.reward.name_or_path == str(root / "reward_model") and cfg.reward.normalize
@@ -71,16 +71,16 @@ def test_the_headline_command_runs_gpt2_on_the_reviews_task(tmp_path, cache_dir)
     learning rate. tests/test_recipes.py runs it offline with a local stand-in for the weights."""
     cfg = compose(tmp_path, cache_dir, "model=gpt2", "ppo.clip=0.2")
     assert (cfg.model.name_or_path, cfg.ppo.clip, cfg.optimizer.lr) == ("gpt2", 0.2, 1.0e-5)
-    assert (cfg.recipe, cfg.reward.kind, cfg.ppo.kl_coef, cfg.ppo.max_new_tokens) == ("reviews", "model", 0.2, 20)
+    assert (cfg.recipe, cfg.reward.kind, cfg.ppo.kl_coef, cfg.sampling.max_new_tokens) == ("reviews", "model", 0.2, 20)
     assert cfg.data.path == str(recipe_root(cache_dir, "reviews") / "prompts_train.txt")
 
 
 def test_a_preset_needs_both_its_reward_and_its_prompts(tmp_path, cache_dir):
     for overrides in (["data=file", "data.path=p.txt"], ["reward=function", "reward.fn=m.f"]):
         cfg = compose(tmp_path, cache_dir, *overrides)
-        assert cfg.recipe is None and cfg.ppo.kl_coef == 0.05 and cfg.ppo.max_new_tokens == 32, overrides
+        assert cfg.recipe is None and cfg.ppo.kl_coef == 0.05 and cfg.sampling.max_new_tokens == 32, overrides
     cfg = compose(tmp_path, cache_dir, "experiment=arithmetic")
-    assert (cfg.recipe, cfg.ppo.max_new_tokens, cfg.ppo.kl_coef, cfg.optimizer.lr) == ("arithmetic", 4, 0.02, 1.0e-4)
+    assert (cfg.recipe, cfg.sampling.max_new_tokens, cfg.ppo.kl_coef, cfg.optimizer.lr) == ("arithmetic", 4, 0.02, 1.0e-4)
 
 
 @pytest.mark.parametrize("name, advantage, generations, prompts", [
@@ -91,7 +91,7 @@ def test_the_estimator_experiments_are_the_arithmetic_job_with_their_estimator(t
     same 32 episodes per iteration (prompts x generations); GRPO takes the KL as a loss term."""
     cfg = compose(tmp_path, cache_dir, f"experiment=arithmetic_{name}")
     C.validate(cfg)
-    assert (cfg.recipe, cfg.ppo.max_new_tokens, cfg.ppo.kl_coef) == ("arithmetic", 4, 0.02)
+    assert (cfg.recipe, cfg.sampling.max_new_tokens, cfg.ppo.kl_coef) == ("arithmetic", 4, 0.02)
     assert (cfg.ppo.advantage, cfg.ppo.num_generations, cfg.data.batch_size) == (advantage, generations, prompts)
     assert prompts * generations == 32 and cfg.ppo.kl_in == ("loss" if name == "grpo" else "reward")
 
@@ -99,7 +99,7 @@ def test_the_estimator_experiments_are_the_arithmetic_job_with_their_estimator(t
 def _checked_fields():
     for prefix, cls in {**C.SECTIONS, "": C.TrainConfig}.items():
         for f in dataclasses.fields(cls):
-            if f.metadata:
+            if f.metadata and not C.is_placeholder(f):
                 yield prefix, f
 
 

@@ -171,7 +171,7 @@ def test_reward_whitening_is_refused_without_a_critic(advantage):
 # ----------------------------------------------------------------------------- in training
 RUN = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "optimizer.lr=1e-3",
        "ppo.kl_coef=0.01", "data.batch_size=4", "ppo.num_generations=4", "ppo.minibatch_size=8",
-       "ppo.max_new_tokens=16"]
+       "sampling.max_new_tokens=16"]
 
 
 @pytest.mark.slow  # 40 iterations each

@@ -9,7 +9,7 @@ from ppo_lightning.generation import SamplingParams
 from tests.conftest import compose_cfg
 
 RUN = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none", "export_dir=null",
-       "logger=csv", "data.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1", "ppo.max_new_tokens=8",
+       "logger=csv", "data.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1", "sampling.max_new_tokens=8",
        "trainer.max_steps=2"]
 
 
@@ -24,8 +24,8 @@ def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(
 
     RecordingBackend.calls.clear()
     RecordingBackend.syncs.clear()
-    cfg = compose_cfg([*RUN, "generation._target_=tests.helpers.RecordingBackend", "ppo.top_k=5",
-                       "ppo.stop_strings=['xy']", "reward.normalize=true", "reward.normalize_samples=8"],
+    cfg = compose_cfg([*RUN, "generation._target_=tests.helpers.RecordingBackend", "sampling.top_k=5",
+                       "sampling.stop_strings=['xy']", "reward.normalize=true", "reward.normalize_samples=8"],
                       tmp_path, cache_dir)
     module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule)
@@ -38,15 +38,31 @@ def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(
     assert RecordingBackend.syncs == [len(list(module.policy.lm.parameters()))] * 2
 
 
-def test_sampling_params_come_from_the_ppo_keys(tmp_path, cache_dir):
-    cfg = compose_cfg(["ppo.temperature=0.7", "ppo.top_p=0.9", "ppo.rollout_generate_batch_size=4",
-                       "ppo.stop_at_eos=false"], tmp_path, cache_dir)
+def test_sampling_params_come_from_the_sampling_node(tmp_path, cache_dir):
+    cfg = compose_cfg(["sampling.temperature=0.7", "sampling.top_p=0.9", "sampling.chunk_size=4",
+                       "sampling.stop_at_eos=false", "sampling.stop_token_ids=[5]"], tmp_path, cache_dir)
     from omegaconf import OmegaConf
 
-    params = SamplingParams.from_config(OmegaConf.to_object(cfg.ppo), ((5,),))
-    assert params == SamplingParams(max_new_tokens=cfg.ppo.max_new_tokens, temperature=0.7, top_p=0.9,
-                                    stop_at_eos=False, stop_sequences=((5,),), chunk_size=4)
+    from ppo_lightning.factory import build_module
+
+    module, _ = build_module(cfg)
+    params = SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), module.tokenizer)
+    assert params == module.sampling == SamplingParams(
+        max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.7, top_p=0.9, stop_at_eos=False,
+        stop_sequences=((5,),), chunk_size=4)
     assert params.replace(greedy=True).greedy and not params.greedy
+
+
+@pytest.mark.parametrize("old, new, value", [("ppo.temperature", "sampling.temperature", "0.7"),
+                                             ("ppo.rollout_generate_batch_size", "sampling.chunk_size", "4"),
+                                             ("ppo.fast_decode", "generation.fast_decode", "false")])
+def test_a_moved_sampling_key_fails_with_one_line_naming_its_new_home(tmp_path, cache_dir, old, new, value):
+    from ppo_lightning.config import validate
+    from ppo_lightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^{old} moved to {new}: write {new}=") as err:
+        validate(compose_cfg([f"{old}={value}"], tmp_path, cache_dir))
+    assert "\n" not in str(err.value)
 
 
 def test_a_generation_node_without_a_target_names_the_key(tmp_path, cache_dir):

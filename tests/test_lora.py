@@ -83,7 +83,7 @@ def test_lora_run_checkpoint_and_merged_export(tmp_path, cache_dir, arch):
     from transformers import AutoModelForCausalLM
 
     cfg = compose_cfg(_overrides(arch, "trainer.max_steps=2", "ppo.ppo_epochs=1", "data.batch_size=8",
-                                 "ppo.minibatch_size=8", "ppo.max_new_tokens=8",
+                                 "ppo.minibatch_size=8", "sampling.max_new_tokens=8",
                                  "callbacks.model_checkpoint.every_n_train_steps=2"), tmp_path, cache_dir)
     train(cfg)
     rows = read_metrics(tmp_path / "metrics.csv")
@@ -122,7 +122,7 @@ def test_lora_run_checkpoint_and_merged_export(tmp_path, cache_dir, arch):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["model.lora.dropout=0.05"], r"^model.lora.dropout=0.05: must be 0"),
+    (["model.lora.dropout=0.05"], r"^model.lora.dropout was removed: PPO needs logprobs that are a deterministic"),
     (["ref.dtype=bfloat16"], r"^ref.dtype='bfloat16' with model.lora.r=4: with LoRA the reference is the policy"),
     (["ref.name_or_path=/tmp"], r"^ref.name_or_path='/tmp' with model.lora.r=4"),
 ])

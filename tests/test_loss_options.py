@@ -15,7 +15,7 @@ B, R = 4, 6
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]],
                     dtype=torch.float32)
 X = torch.randn(B, R)
-MAX_NEW_TOKENS = 10  # the constant seq_mean_token_sum_norm divides by (ppo.max_new_tokens >= R)
+MAX_NEW_TOKENS = 10  # the constant seq_mean_token_sum_norm divides by (sampling.max_new_tokens >= R)
 
 
 def _naive_aggregate(x, mask, mode):
@@ -99,7 +99,7 @@ def test_asymmetric_and_dual_clip_follow_the_per_token_formula():
 
 # ----------------------------------------------------------------------------- in a run
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none",
-         "export_dir=null", "logger=csv", "data.batch_size=8", "ppo.max_new_tokens=8"]
+         "export_dir=null", "logger=csv", "data.batch_size=8", "sampling.max_new_tokens=8"]
 
 
 def _run(tmp_path, cache_dir, *overrides):
@@ -150,12 +150,12 @@ def test_target_kl_stops_at_the_first_minibatch_past_it(tmp_path, cache_dir, tar
 
 
 def test_dr_grpo_loss_divides_by_the_constant_max_new_tokens(tmp_path, cache_dir):
-    """``seq_mean_token_sum_norm`` is ``seq_mean_token_sum`` / ``ppo.max_new_tokens`` (not the
+    """``seq_mean_token_sum_norm`` is ``seq_mean_token_sum`` / ``sampling.max_new_tokens`` (not the
     rollout's longest response): one update on the same first rollout shows it."""
     one = ("ppo.minibatch_size=8", "ppo.ppo_epochs=1", "trainer.max_steps=1")
     total = _run(tmp_path / "sum", cache_dir, *one, "ppo.loss_agg=seq_mean_token_sum")[0]["loss/policy_avg"]
     normed = _run(tmp_path / "norm", cache_dir, *one, "ppo.loss_agg=seq_mean_token_sum_norm")[0]["loss/policy_avg"]
-    assert total != 0 and normed == pytest.approx(total / 8, rel=1e-5)  # QUIET: ppo.max_new_tokens=8
+    assert total != 0 and normed == pytest.approx(total / 8, rel=1e-5)  # QUIET: sampling.max_new_tokens=8
 
 
 def test_clip_fractions_split_the_clipped_tokens_by_side():

@@ -68,7 +68,7 @@ def test_gradient_checkpointing_leaves_the_run_unchanged(tmp_path, cache_dir, mi
     runs, weights = {}, {}
     for ckpt in (False, True):
         out = tmp_path / str(ckpt)
-        cfg = compose_cfg([*QUIET, "trainer.max_steps=3", "ppo.max_new_tokens=12", f"ppo.minibatch_size={minibatch}",
+        cfg = compose_cfg([*QUIET, "trainer.max_steps=3", "sampling.max_new_tokens=12", f"ppo.minibatch_size={minibatch}",
                            f"model.gradient_checkpointing={ckpt}", f"export_dir={out / 'policy'}"], out, cache_dir)
         train(cfg)
         runs[ckpt] = read_metrics(out / "metrics.csv")
@@ -87,7 +87,7 @@ def _run(tmp_path, cache_dir, name, overrides):
     from safetensors.torch import load_file
 
     out = tmp_path / name
-    cfg = compose_cfg([*QUIET, "trainer.max_steps=2", "ppo.max_new_tokens=12", f"export_dir={out / 'policy'}",
+    cfg = compose_cfg([*QUIET, "trainer.max_steps=2", "sampling.max_new_tokens=12", f"export_dir={out / 'policy'}",
                        *overrides], out, cache_dir)
     train(cfg)
     return read_metrics(out / "metrics.csv"), load_file(str(out / "policy" / "model.safetensors"))
@@ -120,7 +120,7 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
                                                                                      monkeypatch):
     """ppo.rollout_forward_batch_size: the reference and old-policy forwards in chunks of 5 rows (of
     16, two minibatches so the old-policy forward is not fused) give the same run. And
-    ppo.rollout_generate_batch_size reaches the sampler: 16 prompts sampled 6, 6 and 4 at a time."""
+    sampling.chunk_size reaches the sampler: 16 prompts sampled 6, 6 and 4 at a time."""
     from ppo_lightning.generation import hf
 
     common = ["ppo.minibatch_size=8"]
@@ -136,7 +136,7 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
     sampled_rows = []
     loop = hf._sample_loop
     monkeypatch.setattr(hf, "_sample_loop", lambda lm, ids, *a: sampled_rows.append(len(ids)) or loop(lm, ids, *a))
-    _run(tmp_path, cache_dir, "chunked_generation", [*common, "ppo.rollout_generate_batch_size=6",
+    _run(tmp_path, cache_dir, "chunked_generation", [*common, "sampling.chunk_size=6",
                                                       "reward.normalize=false"])
     assert sampled_rows == [6, 6, 4] * 2  # two iterations
 

@@ -34,7 +34,7 @@ def test_the_first_update_sees_exactly_the_rollout_numerics(tmp_path, cache_dir,
     reproduces the old logprobs (fused: it is the rollout's forward; unfused: a new one in the same
     precision context), and the reference agrees with the untrained policy (KL 0)."""
     cfg = compose_cfg([*QUIET, f"trainer.precision={precision}", "trainer.max_steps=1", "ppo.ppo_epochs=1",
-                       "data.batch_size=8", "ppo.minibatch_size=8", "ppo.max_new_tokens=12",
+                       "data.batch_size=8", "ppo.minibatch_size=8", "sampling.max_new_tokens=12",
                        f"ppo.fuse_rollout_forward={fused}"],
                       tmp_path, cache_dir)
     train(cfg)
@@ -48,7 +48,7 @@ def test_rollout_tensors_are_float32_in_bf16_true(tmp_path, cache_dir):
     from ppo_lightning.factory import build
 
     cfg = compose_cfg([*QUIET, "trainer.precision=bf16-true", "trainer.max_steps=1", "ppo.ppo_epochs=1",
-                       "data.batch_size=8", "ppo.minibatch_size=4", "ppo.max_new_tokens=8"], tmp_path, cache_dir)
+                       "data.batch_size=8", "ppo.minibatch_size=4", "sampling.max_new_tokens=8"], tmp_path, cache_dir)
     module, datamodule, trainer = build(cfg)
     cb = RolloutDtypes()
     trainer.callbacks.append(cb)
@@ -85,7 +85,7 @@ def test_float16_is_refused_with_a_pointer_to_bf16(tmp_path, cache_dir, precisio
 
 
 def test_bf16_mixed_training_raises_the_reward(tmp_path, cache_dir):
-    cfg = compose_cfg([*QUIET, "trainer.precision=bf16-mixed", "trainer.max_steps=30", "ppo.max_new_tokens=16"],
+    cfg = compose_cfg([*QUIET, "trainer.precision=bf16-mixed", "trainer.max_steps=30", "sampling.max_new_tokens=16"],
                       tmp_path, cache_dir)
     train(cfg)
     scores = [r["objective/raw_scores"] for r in read_metrics(tmp_path / "metrics.csv")]

@@ -12,7 +12,7 @@ from tests.conftest import compose_cfg, read_metrics
 from tests.helpers import run_train
 
 FAST = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=2",
-        "ppo.max_new_tokens=8", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+        "sampling.max_new_tokens=8", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
 

@@ -59,7 +59,7 @@ def test_kv_cache_generation_matches_full_forward_greedy(tiny_lm_dir):
 
 
 def test_chunked_generation_gives_the_whole_batch_tokens(tiny_lm_dir):
-    """``chunk_size`` rows at a time (ppo.rollout_generate_batch_size): greedy tokens and masks
+    """``chunk_size`` rows at a time (sampling.chunk_size): greedy tokens and masks
     equal the whole batch's, chunks that stop early padded to the longest, on the fast decode path
     and the model's forward."""
     tok, lm, _, _ = _setup(tiny_lm_dir)

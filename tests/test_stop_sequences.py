@@ -1,4 +1,4 @@
-"""Stopping on more than EOS (``ppo.stop_token_ids``, ``ppo.stop_strings``): the mask ends at the
+"""Stopping on more than EOS (``sampling.stop_token_ids``, ``sampling.stop_strings``): the mask ends at the
 first stop, sampling ends the row there, and both decode paths agree."""
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def test_stop_strings_become_token_sequences_and_bad_ones_name_the_key(tmp_path,
     from ppo_lightning.factory import build_module
     from tests.conftest import compose_cfg
 
-    module, _ = build_module(compose_cfg(["ppo.stop_strings=['ab',' c']", "ppo.stop_token_ids=[5]"],
+    module, _ = build_module(compose_cfg(["sampling.stop_strings=['ab',' c']", "sampling.stop_token_ids=[5]"],
                                          tmp_path, cache_dir))
     tok = module.tokenizer
     assert module.sampling.stop_sequences == ((5,), tuple(tok.encode("ab", add_special_tokens=False)),
                                               tuple(tok.encode(" c", add_special_tokens=False)))
-    with pytest.raises(ConfigError, match=r"^ppo.stop_token_ids: \[99999\] outside"):
-        build_module(compose_cfg(["ppo.stop_token_ids=[99999]"], tmp_path, cache_dir))
-    with pytest.raises(ConfigError, match=r"^ppo.stop_strings: '' is no token"):
-        build_module(compose_cfg(["ppo.stop_strings=['']"], tmp_path, cache_dir))
+    with pytest.raises(ConfigError, match=r"^sampling.stop_token_ids: \[99999\] outside"):
+        build_module(compose_cfg(["sampling.stop_token_ids=[99999]"], tmp_path, cache_dir))
+    with pytest.raises(ConfigError, match=r"^sampling.stop_strings: '' is no token"):
+        build_module(compose_cfg(["sampling.stop_strings=['']"], tmp_path, cache_dir))

@@ -14,7 +14,7 @@ from tests.helpers import run_train
 pytestmark = pytest.mark.slow  # Hydra sweeps in subprocesses
 
 # Two PPO iterations on the tiny model; metrics.csv only (no W&B run, no checkpoints, no export).
-TINY_RUN = ["trainer.max_steps=2", "ppo.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
+TINY_RUN = ["trainer.max_steps=2", "sampling.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
             "ppo.ppo_epochs=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
             "callbacks=none", "trainer.enable_checkpointing=false", "logger=csv", "export_dir=null"]
 

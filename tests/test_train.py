@@ -10,7 +10,7 @@ from ppo_lightning.jobs import train
 from tests.conftest import compose_cfg, read_metrics
 
 FAST = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-        "ppo.max_new_tokens=16"]
+        "sampling.max_new_tokens=16"]
 
 
 def test_ratio_is_exactly_one_on_first_minibatch(tmp_path, cache_dir):

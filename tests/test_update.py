@@ -79,9 +79,9 @@ def test_one_training_step_equals_a_hand_written_update(tmp_path, cache_dir, fus
     clipping active. With ``fuse_rollout_forward`` the first update reuses the rollout's forward;
     without, it runs its own: both must be the hand-written steps."""
     cfg = compose_cfg(["trainer.max_steps=1", "ppo.ppo_epochs=2", "data.batch_size=8", "ppo.minibatch_size=8",
-                       "ppo.max_new_tokens=12", f"ppo.clip={CLIP}", f"ppo.vf_clip={VF_CLIP}",
+                       "sampling.max_new_tokens=12", f"ppo.clip={CLIP}", f"ppo.vf_clip={VF_CLIP}",
                        f"ppo.vf_coef={VF_COEF}", f"ppo.max_grad_norm={MAX_NORM}", f"optimizer.lr={LR}",
-                       "ppo.temperature=0.9", f"ppo.fuse_rollout_forward={fused}", "callbacks=none",
+                       "sampling.temperature=0.9", f"ppo.fuse_rollout_forward={fused}", "callbacks=none",
                        "logger=none", "export_dir=null", "trainer.enable_checkpointing=false",
                        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"],
                       tmp_path, cache_dir)

@@ -28,7 +28,7 @@ from ppo_lightning.sharding import is_sharded
 class HFBackend:
     """Samples ``lm`` (a live ``transformers`` causal LM, LoRA-wrapped or FSDP-sharded alike) with
     the tokenizer's EOS and pad ids. ``fast_decode``: an exact GPT-2 decodes with the lean step
-    (``ppo.fast_decode``; the same logits, about half the per-token overhead)."""
+    (``generation.fast_decode``; the same logits, about half the per-token overhead)."""
 
     def __init__(self, lm: nn.Module, tokenizer, fast_decode: bool = True):
         self.lm, self.fast_decode = lm, fast_decode
@@ -103,7 +103,7 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
     Returns ``responses [B, R]`` (pad after the first stop, ``R <= max_new_tokens``: the loop
     stops once every row has stopped) and ``response_mask [B, R]`` (1 up to and including the
     stop). A row stops at EOS or at the last token of any of ``stop_sequences`` (token-id
-    sequences: ``ppo.stop_token_ids`` and the tokenised ``ppo.stop_strings``). With
+    sequences: ``sampling.stop_token_ids`` and the tokenised ``sampling.stop_strings``). With
     ``stop_at_eos=False`` every row runs to ``max_new_tokens`` and neither stops it (benchmarks
     use this for a fixed workload).
 

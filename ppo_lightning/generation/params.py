@@ -27,7 +27,7 @@ class SamplingParams:
     stop_at_eos: bool = True
     """Stop a row at its first EOS or stop sequence; False runs every row to ``max_new_tokens``."""
     stop_sequences: StopSequences = ()
-    """Token-id sequences that end a response as EOS does (``ppo.stop_token_ids``, ``ppo.stop_strings``)."""
+    """Token-id sequences that end a response as EOS does (``sampling.stop_token_ids``, ``sampling.stop_strings``)."""
     greedy: bool = False
     """Argmax instead of a draw (evaluations)."""
     chunk_size: int | None = None
@@ -35,30 +35,28 @@ class SamplingParams:
     other tokens with another value (the random stream is consumed in another order)."""
 
     @classmethod
-    def from_config(cls, ppo_cfg, tokenizer) -> "SamplingParams":
-        """The run's sampling (``ppo.max_new_tokens``, ``temperature``, ``top_k``, ``top_p``,
-        ``stop_at_eos``, ``rollout_generate_batch_size``) and its stop sequences, tokenised
-        (``stop_sequences``)."""
-        return cls(max_new_tokens=ppo_cfg.max_new_tokens, temperature=ppo_cfg.temperature, top_k=ppo_cfg.top_k,
-                   top_p=ppo_cfg.top_p, stop_at_eos=ppo_cfg.stop_at_eos,
-                   stop_sequences=stop_sequences(tokenizer, ppo_cfg.stop_token_ids, ppo_cfg.stop_strings),
-                   chunk_size=ppo_cfg.rollout_generate_batch_size)
+    def from_config(cls, cfg, tokenizer) -> "SamplingParams":
+        """The run's sampling: the ``sampling.*`` node (``config.SamplingConfig``), its stop
+        token ids and strings tokenised (``stop_sequences``)."""
+        return cls(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                   stop_at_eos=cfg.stop_at_eos, chunk_size=cfg.chunk_size,
+                   stop_sequences=stop_sequences(tokenizer, cfg.stop_token_ids, cfg.stop_strings))
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
 
 def stop_sequences(tokenizer, token_ids, strings) -> StopSequences:
-    """``ppo.stop_token_ids`` (one token each) and ``ppo.stop_strings`` tokenised without special
+    """``sampling.stop_token_ids`` (one token each) and ``sampling.stop_strings`` tokenised without special
     tokens, as the token-id sequences the samplers stop on (``SamplingParams.stop_sequences``)."""
     seqs = [(int(i),) for i in token_ids]
     for text in strings:
         ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         if not ids:
-            raise ConfigError(f"ppo.stop_strings: {text!r} is no token in the policy's tokenizer; remove it")
+            raise ConfigError(f"sampling.stop_strings: {text!r} is no token in the policy's tokenizer; remove it")
         seqs.append(ids)
     vocab = len(tokenizer)
     bad = [i for i in token_ids if not 0 <= int(i) < vocab]
     if bad:
-        raise ConfigError(f"ppo.stop_token_ids: {bad} outside the tokenizer's {vocab} ids")
+        raise ConfigError(f"sampling.stop_token_ids: {bad} outside the tokenizer's {vocab} ids")
     return tuple(seqs)

@@ -144,7 +144,7 @@ def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int, i
         "model=reviews", f"model.name_or_path={tmp / 'sft'}",
         "reward=model", f"reward.name_or_path={reward_dir}", "reward.max_length=32", "reward.normalize=true",
         "data=file", f"data.path={tmp / 'prompts_train.txt'}", "data.batch_size=32", "data.max_prompt_length=8",
-        "ppo.max_new_tokens=20", "ppo.kl_coef=0.02", f"trainer.max_steps={iterations}",
+        "sampling.max_new_tokens=20", "ppo.kl_coef=0.02", f"trainer.max_steps={iterations}",
         "trainer.enable_checkpointing=false", "trainer.enable_model_summary=false",
         f"paths.output_dir={tmp / 'red_team'}", f"paths.cache_dir={tmp}"])
     module, datamodule, trainer = build(cfg)
