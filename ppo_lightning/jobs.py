@@ -121,6 +121,21 @@ def run_task(cfg: DictConfig) -> dict[str, Any]:
         return train(cfg)
 
 
+def _refuse_ppo_batch_keys(stage: str) -> None:
+    """A stage's batches are ``task.batch_size`` / ``shuffle`` / ``num_workers``; the same
+    ``data.*`` keys on the command line would set PPO's prompt loader, which a stage never builds
+    (they once set the stages' batches too): refused, naming the key to use."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    for key in ("batch_size", "shuffle", "num_workers"):
+        if f"data.{key}" in given:
+            raise ConfigError(f"data.{key} is PPO's prompt loader's; task={stage} batches by task.{key}: "
+                              f"set task.{key}=... instead")
+
+
 def train_stage(cfg: DictConfig) -> dict[str, Any]:
     """``task=sft`` / ``task=reward_model``: the stages before PPO, through the same ``model``,
     ``optimizer``, ``trainer`` and ``logger`` groups; the result is saved as an HF directory at
@@ -135,9 +150,9 @@ def train_stage(cfg: DictConfig) -> dict[str, Any]:
                   if k not in ("name", "save_dir")}
     if not cfg.task.get("save_dir"):
         raise ConfigError(f"task.save_dir is empty: set where task={name} writes its model")
+    _refuse_ppo_batch_keys(name)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module, datamodule = build_fn(cfg.model, cfg.data, cfg.optimizer, stage_keys,
-                                  cache_dir=cfg.paths.cache_dir)
+    module, datamodule = build_fn(cfg.model, cfg.optimizer, stage_keys, cache_dir=cfg.paths.cache_dir)
     trainer = build_trainer(cfg)
     try:
         if cfg.ckpt_path is None and trainer.limit_val_batches:

@@ -34,7 +34,7 @@ def review_files(tmp_path_factory):
 def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path, cache_dir):
     d = review_files
     common = [*QUIET, "logger=csv", f"model.name_or_path={d / 'base'}", "optimizer.lr=3e-3",
-              "data.batch_size=64", "task.max_length=32", "task.val_fraction=0.1"]
+              "task.batch_size=64", "task.max_length=32", "task.val_fraction=0.1"]
     sft = run_train(["task=sft", f"task.path={d / 'sft.jsonl'}", "task.max_prompt_length=8", "trainer.max_steps=150", "trainer.val_check_interval=50",
                *common, f"hydra.run.dir={tmp_path / 'sft'}"], cache_dir)
     assert sft.returncode == 0, sft.stderr[-3000:]
@@ -42,7 +42,7 @@ def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path,
     assert len(val) >= 3 and val[-1] < val[0] - 1.0, val  # validation loss fell
 
     rm = run_train(["task=reward_model", f"task.path={d / 'prefs.jsonl'}", "trainer.max_steps=200",
-              "trainer.val_check_interval=100", *common, "optimizer.lr=1e-3", "data.batch_size=32",
+              "trainer.val_check_interval=100", *common, "optimizer.lr=1e-3", "task.batch_size=32",
               f"hydra.run.dir={tmp_path / 'rm'}"], cache_dir)
     assert rm.returncode == 0, rm.stderr[-3000:]
     acc = [r["val/accuracy"] for r in read_metrics(tmp_path / "rm" / "metrics.csv") if "val/accuracy" in r]

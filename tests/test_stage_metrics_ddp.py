@@ -29,9 +29,9 @@ from ppo_lightning.stages import build_sft
 torch.set_num_threads(1)
 model_dir, devices, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 records = [{"prompt": f"{c}*{n}=", "response": c * n} for c in "abcdefghij" for n in range(1, 9)]
-stage = {"val_fraction": 0.26, "val_batch_size": 3, "max_length": 32, "max_prompt_length": 8, "seed": 0}
-module, dm = build_sft({"name_or_path": model_dir}, {"batch_size": 4, "num_workers": 0}, None, stage,
-                       records=records)
+stage = {"val_fraction": 0.26, "val_batch_size": 3, "max_length": 32, "max_prompt_length": 8, "seed": 0,
+         "batch_size": 4, "num_workers": 0}
+module, dm = build_sft({"name_or_path": model_dir}, None, stage, records=records)
 trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False)

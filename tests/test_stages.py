@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ppo_lightning.config import DataConfig, ModelConfig, OptimizerConfig
+from ppo_lightning.config import ModelConfig, OptimizerConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.rewards import RewardModel
 from ppo_lightning.stages import (IGNORE_INDEX, STAGES, PairCollator, RewardModelConfig, SFTCollator,
@@ -131,7 +131,7 @@ def test_sft_truncation_rule(tok, caplog):
 def test_sft_loss_is_padding_invariant_and_token_averaged(tiny_lm_dir, tok):
     """Left and right padding give the same loss (position ids from the mask), equal to the
     per-example unpadded loss summed over response tokens."""
-    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), None, OptimizerConfig(),
+    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), OptimizerConfig(),
                            SFTConfig(val_fraction=0.0, max_length=64, max_prompt_length=32),
                            records=[{"prompt": "a" * k, "response": "bc" * k} for k in (1, 4, 9)])
     module.eval()
@@ -157,7 +157,7 @@ def test_split_is_deterministic_disjoint_and_optional(tok):
     cfg = dict(val_fraction=0.25, seed=3, max_length=32, max_prompt_length=8)
 
     def split(**kw):
-        dm = SFTDataModule(SFTConfig(**{**cfg, **kw}), tok, batch_size=4, records=records)
+        dm = SFTDataModule(SFTConfig(**{**cfg, **kw}, batch_size=4), tok, records=records)
         dm.load()
         return ([tuple(e["input_ids"]) for e in dm.train_examples], [tuple(e["input_ids"]) for e in dm.val_examples])
 
@@ -182,9 +182,9 @@ def test_sft_learns_and_saves_a_policy(tiny_lm_dir, tmp_path):
     records = repeat_records()
     path = write_jsonl(tmp_path / "sft.jsonl", records)
     L.seed_everything(0, verbose=False)
-    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), DataConfig(batch_size=16),
+    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)),
                            OptimizerConfig(lr=3e-3, scheduler="linear", warmup_steps=10),
-                           SFTConfig(path=path, val_fraction=0.2, max_length=32, max_prompt_length=8))
+                           SFTConfig(path=path, val_fraction=0.2, max_length=32, max_prompt_length=8, batch_size=16))
     t = trainer(max_steps=100)
     before = t.validate(module, datamodule=dm, verbose=False)[0]
     t.fit(module, datamodule=dm)
@@ -255,7 +255,7 @@ def test_reward_tokenizer_gets_a_pad_distinct_from_eos(tiny_rm_dir, tok):
 
     t = copy.deepcopy(tok)
     t.pad_token = t.eos_token
-    module, _ = build_reward_model(ModelConfig(name_or_path=str(tiny_rm_dir)), None, None,
+    module, _ = build_reward_model(ModelConfig(name_or_path=str(tiny_rm_dir)), None,
                                    {"val_fraction": 0.0, "max_length": 16},
                                    tokenizer=t, records=preference_records(4, seed=0))
     assert t.pad_token_id == EOS and t.padding_side == "left"  # the caller's tokenizer is untouched
@@ -269,8 +269,8 @@ def test_reward_model_learns_and_saves(tiny_lm_dir, tmp_path):
     """From the tiny causal LM (new score head): >= 90% val accuracy; the saved directory loads in
     RewardModel, ranks chosen above rejected on new pairs and scores exactly as in training."""
     L.seed_everything(0, verbose=False)
-    module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)), DataConfig(batch_size=16),
-                                    OptimizerConfig(lr=1e-3), RewardModelConfig(val_fraction=0.2, max_length=32),
+    module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)), OptimizerConfig(lr=1e-3),
+                                    RewardModelConfig(val_fraction=0.2, max_length=32, batch_size=16),
                                     records=preference_records(300, seed=0))
     assert len(dm.val_pairs) == 60
     t = trainer(max_steps=100)
@@ -310,9 +310,9 @@ def test_sft_val_loss_is_token_weighted_over_unequal_batches(tiny_lm_dir, recwar
     """val/loss over batches of 5, 5 and 4 examples of unequal token counts is the mean over all
     response tokens (computed here example by example, unpadded) and equals the old hand sums of
     the same batches; the mean of batch means differs."""
-    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), DataConfig(batch_size=4),
+    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)),
                            OptimizerConfig(), SFTConfig(val_fraction=0.25, val_batch_size=5, max_length=32,
-                                                        max_prompt_length=8),
+                                                        max_prompt_length=8, batch_size=4),
                            records=repeat_records("abcdefg"))
     assert len(dm.val_examples) == 14
     out = trainer(max_steps=1).validate(module, datamodule=dm, verbose=False)[0]
@@ -354,7 +354,7 @@ def test_validation_without_a_split_logs_nothing(tiny_lm_dir, tiny_rm_dir):
     for stage, model_dir, records in [("sft", tiny_lm_dir, repeat_records("ab")),
                                       ("reward_model", tiny_rm_dir, preference_records(6, seed=0))]:
         cfg_cls, build, _ = STAGES[stage]
-        module, dm = build(ModelConfig(name_or_path=str(model_dir)), None, None,
+        module, dm = build(ModelConfig(name_or_path=str(model_dir)), None,
                            cfg_cls(val_fraction=0.0), records=records)
         t = trainer(max_steps=1)
         assert t.validate(module, datamodule=dm, verbose=False) == []
@@ -365,9 +365,9 @@ def test_validation_without_a_split_logs_nothing(tiny_lm_dir, tiny_rm_dir):
 def test_reward_model_val_metrics_are_per_pair_over_unequal_batches(tiny_lm_dir, recwarn):
     """val/loss, val/accuracy, val/margin over batches of 4, 4 and 1 pairs are the means over all
     pairs (each pair scored alone here), equal to the old hand sums of the same batches."""
-    module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)), DataConfig(batch_size=4),
+    module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)),
                                     OptimizerConfig(), RewardModelConfig(val_fraction=0.4, val_batch_size=4,
-                                                                         max_length=32),
+                                                                         max_length=32, batch_size=4),
                                     records=preference_records(23, seed=1))
     assert len(dm.val_pairs) == 9
     out = trainer(max_steps=1).validate(module, datamodule=dm, verbose=False)[0]
@@ -436,7 +436,7 @@ def test_malformed_jsonl_names_the_line(tmp_path, tiny_lm_dir, stage):
     f = tmp_path / "bad.jsonl"
     f.write_text(json.dumps(good) + "\n\n" + json.dumps(good) + "\n" + '{"prompt": "p", \n')
     with pytest.raises(ConfigError) as e:
-        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, cfg_cls(path=str(f)))
+        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, cfg_cls(path=str(f)))
     msg = str(e.value)
     assert "bad.jsonl" in msg and "line 4" in msg and "not valid JSON" in msg and "task.path" in msg
 
@@ -452,12 +452,12 @@ def test_missing_fields_are_named(tmp_path, tiny_lm_dir, stage, row, missing):
     full = {"prompt": "p", "response": "r", "chosen": "c", "rejected": "x"}
     f = write_jsonl(tmp_path / "m.jsonl", [full, full, row])
     with pytest.raises(ConfigError) as e:
-        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, cfg_cls(path=f))
+        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, cfg_cls(path=f))
     msg = str(e.value)
     assert "line 3" in msg and "missing field" in msg and all(m in msg for m in missing), msg
     # the same check on an in-memory list names the record
     with pytest.raises(ConfigError, match=r"records\[2\]: missing field"):
-        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, cfg_cls(), records=[full, full, row])
+        build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, cfg_cls(), records=[full, full, row])
 
 
 def test_the_stages_read_json_and_hf_datasets_as_they_read_jsonl(tmp_path, tok, monkeypatch):
@@ -482,6 +482,45 @@ def test_the_stages_read_json_and_hf_datasets_as_they_read_jsonl(tmp_path, tok, 
     with pytest.raises(ConfigError, match=r"task.hf_dataset='org/sft' row 0: missing field\(s\) 'prompt', "
                                           r"'response' .*; it has \['question'\]"):
         SFTDataModule(SFTConfig(hf_dataset="org/sft"), tok).load()
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward_model"])
+def test_the_stages_batch_by_their_own_task_keys(tmp_path, cache_dir, tiny_lm_dir, stage):
+    """``task.batch_size`` / ``task.shuffle`` / ``task.num_workers`` (the defaults ``data.*`` has)
+    make a stage's training loader; ``data.*`` is PPO's and no longer reaches a stage."""
+    from omegaconf import OmegaConf
+
+    from ppo_lightning.config import DataConfig
+    from tests.conftest import compose_cfg
+
+    cfg_cls, build, _ = STAGES[stage]
+    d, c = DataConfig(), cfg_cls()
+    assert (c.batch_size, c.shuffle, c.num_workers) == (d.batch_size, d.shuffle, d.num_workers)
+    cfg = compose_cfg([f"task={stage}", "task.batch_size=3", "task.shuffle=false", "data.batch_size=5"],
+                      tmp_path, cache_dir)
+    keys = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k not in ("name", "save_dir")}
+    assert (keys["batch_size"], keys["shuffle"], keys["num_workers"]) == (3, False, 0)
+    records = repeat_records("ab") if stage == "sft" else preference_records(16, seed=0)
+    _, dm = build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, {**keys, "val_fraction": 0, "path": None},
+                  records=records)
+    loader = dm.train_dataloader()
+    assert loader.batch_size == 3 and type(loader.sampler).__name__ == "SequentialSampler"
+    rows = [len(b["input_ids"]) for b in loader]  # a reward-model batch holds 2 rows a pair
+    assert rows == [3 * (1 if stage == "sft" else 2)] * 5 + [1 * (1 if stage == "sft" else 2)]
+    _, dm = build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, {"val_fraction": 0}, records=records)
+    assert dm.train_dataloader().batch_size == 16 and type(dm.train_dataloader().sampler).__name__ == "RandomSampler"
+
+
+def test_data_batch_keys_for_a_stage_are_refused_naming_the_task_key(tmp_path, cache_dir):
+    """``data.batch_size`` (and ``shuffle``, ``num_workers``) once set the stages' batches; given
+    to ``task=sft`` on the command line now, they are refused, naming ``task.batch_size``."""
+    from tests.helpers import run_train
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "response": "b"}] * 4)
+    p = run_train(["experiment=tiny_char", "task=sft", f"task.path={data}", "data.batch_size=8",
+                   f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={cache_dir}"], cache_dir)
+    assert p.returncode == 1 and "data.batch_size is PPO's prompt loader's; task=sft batches by " \
+        "task.batch_size: set task.batch_size=... instead" in p.stderr, p.stderr[-2000:]
 
 
 def test_custom_field_names_and_type_errors(tmp_path, tok):
@@ -510,23 +549,23 @@ def test_sft_config_and_source_errors(tmp_path, tiny_lm_dir, kwargs, match):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     kwargs = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in kwargs.items()}
     with pytest.raises(ConfigError, match=match):
-        build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), None, None, SFTConfig(**kwargs))
+        build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), None, SFTConfig(**kwargs))
 
 
 def test_other_build_errors(tiny_lm_dir, monkeypatch):
     model = ModelConfig(name_or_path=str(tiny_lm_dir))
     with pytest.raises(ConfigError, match=r"task.max_lenght: unknown key"):
-        build_sft(model, None, None, {"max_lenght": 5})
+        build_sft(model, None, {"max_lenght": 5})
     with pytest.raises(ConfigError, match=r"optimizer.scheduler='step'"):
-        build_sft(model, None, OptimizerConfig(scheduler="step"), SFTConfig(), records=repeat_records())
+        build_sft(model, OptimizerConfig(scheduler="step"), SFTConfig(), records=repeat_records())
     with pytest.raises(ConfigError, match=r"task.max_length=1000 exceeds the model's context of 256"):
-        build_reward_model(model, None, None, RewardModelConfig(max_length=1000),
+        build_reward_model(model, None, RewardModelConfig(max_length=1000),
                            records=preference_records(10, seed=0))
     with pytest.raises(ConfigError, match=r"too few for task.val_fraction"):
-        build_sft(model, None, None, SFTConfig(val_fraction=0.5), records=repeat_records("a", [1]))
+        build_sft(model, None, SFTConfig(val_fraction=0.5), records=repeat_records("a", [1]))
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ConfigError, match=r"task.hf_dataset='org/prefs' needs the 'datasets' package"):
-        build_reward_model(model, None, None, RewardModelConfig(hf_dataset="org/prefs"))
+        build_reward_model(model, None, RewardModelConfig(hf_dataset="org/prefs"))
 
 
 def _files(directory) -> dict[str, bytes]:
@@ -567,15 +606,15 @@ def test_builds_the_tiny_model_seeds_the_score_head_and_fits_max_length(tmp_path
 
     model_cfg = ModelConfig(name_or_path=str(tmp_path / "tiny"), build_tiny=TinyModelConfig())
     records = preference_records(6, seed=0)
-    a, dm = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=5), records=records, cache_dir=tmp_path)
+    a, dm = build_reward_model(model_cfg, None, RewardModelConfig(seed=5), records=records, cache_dir=tmp_path)
     state = torch.random.get_rng_state()
-    b, _ = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=5), records=records, cache_dir=tmp_path)
+    b, _ = build_reward_model(model_cfg, None, RewardModelConfig(seed=5), records=records, cache_dir=tmp_path)
     assert torch.equal(torch.random.get_rng_state(), state)
-    c, _ = build_reward_model(model_cfg, None, None, RewardModelConfig(seed=6), records=records, cache_dir=tmp_path)
+    c, _ = build_reward_model(model_cfg, None, RewardModelConfig(seed=6), records=records, cache_dir=tmp_path)
     assert (tmp_path / "tiny" / "config.json").is_file()
     wa, wb, wc = (m.model.score.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     # max_length null: the model's context (256 here), at most 512
     assert dm.cfg.max_length == 256
-    _, dm = build_sft(model_cfg, None, None, SFTConfig(), records=repeat_records())
+    _, dm = build_sft(model_cfg, None, SFTConfig(), records=repeat_records())
     assert dm.cfg.max_length == 256 and dm.cfg.max_prompt_length == 128

@@ -54,11 +54,11 @@ def fit_stage(stage: str, base_dir: Path, out_dir: Path, records: list[dict], *,
 
     _, build_fn, save_fn = STAGES[stage]
     model_cfg = {"name_or_path": str(base_dir)}
-    data_cfg = {"batch_size": batch_size, "shuffle": True, "num_workers": 0}
     optim_cfg = OptimizerConfig(lr=lr, scheduler="cosine", warmup_steps=max(1, steps // 20), min_lr_ratio=0.1)
-    stage_cfg = {"max_length": max_length, "val_fraction": 0.1, "seed": seed, **(extra or {})}
+    stage_cfg = {"max_length": max_length, "val_fraction": 0.1, "seed": seed, "batch_size": batch_size,
+                 "shuffle": True, "num_workers": 0, **(extra or {})}
     L.seed_everything(seed, verbose=False)
-    module, datamodule = build_fn(model_cfg, data_cfg, optim_cfg, stage_cfg, records=records)
+    module, datamodule = build_fn(model_cfg, optim_cfg, stage_cfg, records=records)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=True,
                         limit_val_batches=1.0, val_check_interval=None, check_val_every_n_epoch=None,

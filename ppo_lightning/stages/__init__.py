@@ -2,15 +2,16 @@
 
 Each stage has the same shape, so one entry point can run any of them::
 
-    module, datamodule = build_sft(cfg.model, cfg.data, cfg.optimizer, cfg.task)
+    module, datamodule = build_sft(cfg.model, cfg.optimizer, cfg.task)
     trainer.fit(module, datamodule=datamodule)
     save_sft(module, out_dir)            # -> PPO: model.name_or_path=<out_dir>
 
-    module, datamodule = build_reward_model(cfg.model, cfg.data, cfg.optimizer, cfg.task)
+    module, datamodule = build_reward_model(cfg.model, cfg.optimizer, cfg.task)
     trainer.fit(module, datamodule=datamodule)
     save_reward_model(module, out_dir)   # -> PPO: reward=model reward.name_or_path=<out_dir>
 
-``STAGES`` maps a stage name to ``(config class, build, save)``.
+A stage's data and batches are its own ``task.*`` keys (``task.path``, ``task.batch_size``, ...);
+``data.*`` is PPO's prompts. ``STAGES`` maps a stage name to ``(config class, build, save)``.
 """
 
 from ppo_lightning.stages.reward_model import (PairCollator, PreferenceDataModule, RewardModelConfig,

@@ -106,15 +106,14 @@ class PairCollator(PadCollator):
 
 class PreferenceDataModule(L.LightningDataModule):
     """(prompt, chosen, rejected) records from ``stage_cfg.path`` / ``stage_cfg.hf_dataset`` or
-    ``records`` (an in-memory list of dicts), tokenised once, split by seed."""
+    ``records`` (an in-memory list of dicts), tokenised once, split by seed, in batches of
+    ``stage_cfg.batch_size`` pairs (``shuffle``, ``num_workers``)."""
 
-    def __init__(self, stage_cfg: RewardModelConfig, tokenizer, batch_size: int = 8, shuffle: bool = True,
-                 num_workers: int = 0, records: Optional[Sequence[Mapping[str, Any]]] = None,
-                 key_prefix: str = "task"):
+    def __init__(self, stage_cfg: RewardModelConfig, tokenizer,
+                 records: Optional[Sequence[Mapping[str, Any]]] = None, key_prefix: str = "task"):
         super().__init__()
         self.cfg = as_config(stage_cfg, RewardModelConfig, key_prefix)
         self.tokenizer = tokenizer
-        self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
         self.records = records
         self.key_prefix = key_prefix
         self.train_records: list[dict[str, str]] = []
@@ -144,16 +143,17 @@ class PreferenceDataModule(L.LightningDataModule):
         self.load()
 
     def train_dataloader(self):
-        return make_loader(ListDataset(self.train_pairs), self.batch_size, PairCollator(self.tokenizer.pad_token_id),
-                           train=True, shuffle=self.shuffle, seed=self.cfg.seed, num_workers=self.num_workers,
-                           trainer=self.trainer)
+        c = self.cfg
+        return make_loader(ListDataset(self.train_pairs), c.batch_size, PairCollator(self.tokenizer.pad_token_id),
+                           train=True, shuffle=c.shuffle, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
 
     def val_dataloader(self):
         if not self.val_pairs:
             return []
-        return make_loader(ListDataset(self.val_pairs), self.cfg.val_batch_size or self.batch_size,
+        c = self.cfg
+        return make_loader(ListDataset(self.val_pairs), c.val_batch_size or c.batch_size,
                            PairCollator(self.tokenizer.pad_token_id), train=False, shuffle=False,
-                           seed=self.cfg.seed, num_workers=self.num_workers, trainer=self.trainer)
+                           seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -281,7 +281,7 @@ def load_sequence_classifier(name_or_path: str, tokenizer, dtype: str = "float32
     return model
 
 
-def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
+def build_reward_model(model_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
                        records: Optional[Sequence[Mapping[str, Any]]] = None,
                        key_prefix: str = "task",
                        cache_dir: str | None = None) -> tuple[RewardModelModule, PreferenceDataModule]:
@@ -289,9 +289,8 @@ def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None
 
     ``model_cfg``: ``model.*`` (name_or_path: a classifier or causal-LM directory / hub id,
     tokenizer_name_or_path, dtype, trust_remote_code, gradient_checkpointing, build_tiny);
-    ``data_cfg``: ``data.*`` (batch_size in pairs, shuffle, num_workers; may be None);
     ``optim_cfg``: ``optimizer.*``; ``stage_cfg``: a ``RewardModelConfig`` (or dict / DictConfig /
-    None). ``tokenizer``: reuse one (a copy is set up with ``prepare_reward_tokenizer``).
+    None), the batches' keys included (``batch_size`` in pairs). ``tokenizer``: reuse one (a copy is set up with ``prepare_reward_tokenizer``).
     ``records``: in-memory ``{prompt, chosen, rejected}`` dicts instead of a file. The data is read
     and checked before the model loads; errors are ``ConfigError``s naming ``<key_prefix>.<key>``.
     ``cache_dir``: ``paths.cache_dir``, the only place ``model.build_tiny`` builds a model.
@@ -311,10 +310,7 @@ def build_reward_model(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None
         tokenizer = load_reward_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust)
     else:
         tokenizer = prepare_reward_tokenizer(tokenizer)
-    datamodule = PreferenceDataModule(cfg, tokenizer, batch_size=get(data_cfg, "batch_size", 8),
-                                      shuffle=get(data_cfg, "shuffle", True),
-                                      num_workers=get(data_cfg, "num_workers", 0), records=records,
-                                      key_prefix=key_prefix)
+    datamodule = PreferenceDataModule(cfg, tokenizer, records=records, key_prefix=key_prefix)
     datamodule.load()
 
     model = load_sequence_classifier(name, tokenizer, get(model_cfg, "dtype", "float32"), trust, seed=cfg.seed)

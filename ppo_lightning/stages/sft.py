@@ -113,15 +113,14 @@ class SFTCollator(PadCollator):
 
 class SFTDataModule(L.LightningDataModule):
     """(prompt, response) records from ``stage_cfg.path`` / ``stage_cfg.hf_dataset`` or ``records``
-    (an in-memory list of dicts with the configured fields), tokenised once, split by seed."""
+    (an in-memory list of dicts with the configured fields), tokenised once, split by seed, in
+    batches of ``stage_cfg.batch_size`` (``shuffle``, ``num_workers``)."""
 
-    def __init__(self, stage_cfg: SFTConfig, tokenizer, batch_size: int = 8, shuffle: bool = True,
-                 num_workers: int = 0, records: Optional[Sequence[Mapping[str, Any]]] = None,
+    def __init__(self, stage_cfg: SFTConfig, tokenizer, records: Optional[Sequence[Mapping[str, Any]]] = None,
                  key_prefix: str = "task"):
         super().__init__()
         self.cfg = as_config(stage_cfg, SFTConfig, key_prefix)
         self.tokenizer = tokenizer
-        self.batch_size, self.shuffle, self.num_workers = batch_size, shuffle, num_workers
         self.records = records
         self.key_prefix = key_prefix
         self.train_examples: list[dict[str, list[int]]] | None = None
@@ -150,16 +149,16 @@ class SFTDataModule(L.LightningDataModule):
         return SFTCollator(self.tokenizer.pad_token_id, "right")
 
     def train_dataloader(self):
-        return make_loader(ListDataset(self.train_examples), self.batch_size, self.collator(), train=True,
-                           shuffle=self.shuffle, seed=self.cfg.seed, num_workers=self.num_workers,
-                           trainer=self.trainer)
+        c = self.cfg
+        return make_loader(ListDataset(self.train_examples), c.batch_size, self.collator(), train=True,
+                           shuffle=c.shuffle, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
 
     def val_dataloader(self):
         if not self.val_examples:
             return []
-        return make_loader(ListDataset(self.val_examples), self.cfg.val_batch_size or self.batch_size,
-                           self.collator(), train=False, shuffle=False, seed=self.cfg.seed,
-                           num_workers=self.num_workers, trainer=self.trainer)
+        c = self.cfg
+        return make_loader(ListDataset(self.val_examples), c.val_batch_size or c.batch_size, self.collator(),
+                           train=False, shuffle=False, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -254,15 +253,14 @@ class SFTModule(StageOptimization, L.LightningModule):
 
 
 # ----------------------------------------------------------------------------- build / save
-def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
+def build_sft(model_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
               records: Optional[Sequence[Mapping[str, Any]]] = None,
               key_prefix: str = "task", cache_dir: str | None = None) -> tuple[SFTModule, SFTDataModule]:
     """The SFT module and datamodule that the configs describe.
 
     ``model_cfg``: ``model.*`` (name_or_path, tokenizer_name_or_path, dtype, trust_remote_code,
-    gradient_checkpointing, build_tiny); ``data_cfg``: ``data.*`` (batch_size, shuffle,
-    num_workers; may be None); ``optim_cfg``: ``optimizer.*``; ``stage_cfg``: an ``SFTConfig``
-    (or dict / DictConfig / None). ``tokenizer``: reuse one (else ``load_tokenizer``: left
+    gradient_checkpointing, build_tiny); ``optim_cfg``: ``optimizer.*``; ``stage_cfg``: an
+    ``SFTConfig`` (or dict / DictConfig / None), the batches' keys included. ``tokenizer``: reuse one (else ``load_tokenizer``: left
     padding, a pad distinct from EOS). ``records``: in-memory ``{prompt, response}`` dicts instead
     of a file. The data is read and checked before the model loads; errors are ``ConfigError``s
     naming ``<key_prefix>.<key>``. ``cache_dir``: ``paths.cache_dir``, the only place
@@ -286,10 +284,7 @@ def build_sft(model_cfg, data_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     elif tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ConfigError("the tokenizer passed to build_sft needs an EOS and a pad token "
                           "(ppo_lightning.policy.load_tokenizer adds a pad)")
-    datamodule = SFTDataModule(cfg, tokenizer, batch_size=get(data_cfg, "batch_size", 8),
-                               shuffle=get(data_cfg, "shuffle", True),
-                               num_workers=get(data_cfg, "num_workers", 0), records=records,
-                               key_prefix=key_prefix)
+    datamodule = SFTDataModule(cfg, tokenizer, records=records, key_prefix=key_prefix)
     datamodule.load()
 
     model = load_causal_lm(name, tokenizer, get(model_cfg, "dtype", "float32"), trust)
