@@ -302,6 +302,15 @@ def run_level_table(sets: dict[str, list[str]]) -> str:
             + "\n".join(rows) + "\n")
 
 
+def ignored_unless_section() -> str:
+    rows = ["| Key | Ignored unless |", "|---|---|"]
+    rows += [f"| `{r.key}` | {md(r.mode)} |" for r in C.IGNORED_UNLESS]
+    return ("## Keys that are ignored unless...\n\nSome keys do nothing in some modes. Set away from its "
+            "default in such a mode, a key gets one warning at startup, naming it and the mode that reads it "
+            "(`config.IGNORED_UNLESS`). Combinations that would do something other than their docs say are "
+            "refused instead, with an error naming both keys.\n\n" + "\n".join(rows) + "\n")
+
+
 def moved_section() -> str:
     rows = ["| Old key | Now |", "|---|---|"]
     rows += [f"| `{old}` | `{new}` |" for old, new in C.MOVED_KEYS.items()]
@@ -323,7 +332,7 @@ def dict_groups_section() -> str:
 
 
 def render() -> str:
-    return "\n".join([INTRO, groups_table(), keys_section(), moved_section(), dict_groups_section(),
+    return "\n".join([INTRO, groups_table(), keys_section(), ignored_unless_section(), moved_section(), dict_groups_section(),
                       "## Implementation details\n\nEach detail that decides whether PPO works, with its "
                       "source and the code that implements it: [implementation.md](implementation.md).\n"])
 

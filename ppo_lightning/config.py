@@ -15,6 +15,7 @@ anything is loaded. ``validate(cfg)`` then checks ranges and cross-group constra
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -26,6 +27,7 @@ from ppo_lightning import choices, recipes
 from ppo_lightning.errors import ConfigError
 
 ASSETS = Path(__file__).parent / "assets"
+log = logging.getLogger(__name__)
 
 
 def param(default: Any = MISSING, *, factory=None, choices=None, gt=None, ge=None, lt=None, le=None,
@@ -743,6 +745,72 @@ def _recipe_dir(name: str, *, _root_) -> str:
 register_configs()
 
 
+# ============================================================================= ignored-unless rules
+@dataclass(frozen=True)
+class IgnoredUnless:
+    """Key ``key`` is read only when ``mode`` holds (``active(cfg)``); set to anything but its
+    schema default in another mode, it does nothing, and ``validate`` warns."""
+
+    key: str
+    mode: str
+    active: Any  # (cfg) -> bool
+
+
+_PPO = lambda cfg: cfg.task.name == "ppo"  # noqa: E731
+_CRITIC = lambda cfg: cfg.ppo.advantage == "gae"  # noqa: E731
+_FUNCTION = lambda cfg: cfg.reward.kind == "function"  # noqa: E731
+_MODEL = lambda cfg: cfg.reward.kind == "model"  # noqa: E731
+_STOPS = lambda cfg: cfg.sampling.stop_at_eos  # noqa: E731
+IGNORED_UNLESS = (
+    IgnoredUnless("ppo.vf_coef", "ppo.advantage=gae (the only estimator with a critic)", _CRITIC),
+    IgnoredUnless("ppo.vf_clip", "ppo.advantage=gae (the only estimator with a critic)", _CRITIC),
+    IgnoredUnless("ppo.lam", "ppo.advantage=gae (GAE's lambda)", _CRITIC),
+    IgnoredUnless("ppo.clip", "ppo.clip_low or ppo.clip_high is null (each side defaults to ppo.clip)",
+                  lambda cfg: cfg.ppo.clip_low is None or cfg.ppo.clip_high is None),
+    IgnoredUnless("ppo.kl_target", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
+    IgnoredUnless("ppo.kl_horizon", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
+    IgnoredUnless("ppo.missing_eos_penalty", "sampling.stop_at_eos=true", _STOPS),
+    IgnoredUnless("sampling.stop_token_ids", "sampling.stop_at_eos=true", _STOPS),
+    IgnoredUnless("sampling.stop_strings", "sampling.stop_at_eos=true", _STOPS),
+    IgnoredUnless("reward.gain", "reward.normalize=false (normalisation fits gain and bias)",
+                  lambda cfg: not cfg.reward.normalize),
+    IgnoredUnless("reward.bias", "reward.normalize=false (normalisation fits gain and bias)",
+                  lambda cfg: not cfg.reward.normalize),
+    IgnoredUnless("reward.normalize_samples", "reward.normalize=true", lambda cfg: cfg.reward.normalize),
+    IgnoredUnless("reward.fn", "reward.kind=function", _FUNCTION),
+    IgnoredUnless("reward.kwargs", "reward.kind=function", _FUNCTION),
+    *(IgnoredUnless(f"reward.{k}", "reward.kind=model", _MODEL)
+      for k in ("name_or_path", "batch_size", "max_length", "dtype", "input", "label_index", "trust_remote_code")),
+    IgnoredUnless("data.hf_split", "data.hf_dataset is read (data.path is null)", lambda cfg: cfg.data.path is None),
+    *(IgnoredUnless(f"trainer.{k}", "task=sft or task=reward_model (a PPO run has no validation loop)",
+                    lambda cfg: not _PPO(cfg))
+      for k in ("limit_val_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps")),
+)
+"""Keys that do nothing in some modes; ``validate`` warns when one is set there, and
+``docs/config.md`` renders this table. (Combinations that would do something other than their docs
+say are refused instead: ``_check_estimator_options``.)"""
+
+
+def ignored_keys(cfg) -> list[str]:
+    """``"<key>=<value> is ignored unless <mode>"`` for each key set away from its schema default
+    in a mode that does not read it (the PPO job's keys; the stages read their own)."""
+    out = []
+    for rule in IGNORED_UNLESS if cfg.task.name == "ppo" else ():
+        if rule.active(cfg):
+            continue
+        section, name = rule.key.rsplit(".", 1)
+        schema = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+        value = OmegaConf.select(cfg, rule.key)
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if value != _schema_default(schema):
+            out.append(f"{rule.key}={value!r} is ignored unless {rule.mode}")
+    return out
+
+
+def _schema_default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 # ============================================================================= validation
 FP16_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine-float16")  # refused by validate
 SECTIONS = {"model": ModelConfig, "model.lora": LoRAConfig, "model.build_tiny": TinyModelConfig,
@@ -760,6 +828,8 @@ def validate(cfg) -> None:
         if node is not None:
             check_fields(node, cls, prefix)
     check_fields(cfg, TrainConfig)  # the run-level keys
+    for line in ignored_keys(cfg):
+        log.warning(line)
     p, d = cfg.ppo, cfg.data
     rows = d.batch_size * p.num_generations
     if rows % p.minibatch_size:

@@ -220,3 +220,30 @@ def test_every_choice_list_is_what_its_code_implements():
     for est in choices.ESTIMATORS[1:]:
         estimators.critic_free_advantages(est, torch.zeros(2), torch.zeros(2, 3), mask, group_size=2, gamma=1.0,
                                           scale_by_std=True)
+
+
+def test_keys_a_mode_ignores_get_one_warning_naming_the_key_and_the_mode(tmp_path, cache_dir, caplog):
+    """``config.IGNORED_UNLESS``: a key set where it does nothing warns; the shipped jobs set none."""
+    import logging
+
+    for experiment in (None, "tiny_char", "arithmetic", "arithmetic_grpo", "arithmetic_rloo",
+                       "arithmetic_reinforce_pp"):
+        assert C.ignored_keys(compose_cfg([], tmp_path, cache_dir, experiment=experiment)) == [], experiment
+    cfg = compose_cfg(["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.minibatch_size=4", "ppo.vf_coef=0.5",
+                       "reward.gain=2.0", "reward.normalize=true", "sampling.stop_at_eos=false",
+                       "sampling.stop_strings=[x]", "trainer.val_check_interval=5"], tmp_path, cache_dir)
+    with caplog.at_level(logging.WARNING, logger="ppo_lightning.config"):
+        C.validate(cfg)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ppo.vf_coef=0.5 is ignored unless ppo.advantage=gae (the only estimator with a critic)",
+        "sampling.stop_strings=['x'] is ignored unless sampling.stop_at_eos=true",
+        "reward.gain=2.0 is ignored unless reward.normalize=false (normalisation fits gain and bias)",
+        "trainer.val_check_interval=5 is ignored unless task=sft or task=reward_model (a PPO run has no "
+        "validation loop)"]
+
+
+def test_the_trainer_groups_describe_hardware_only(tmp_path, cache_dir):
+    """Choosing hardware does not change the run's length (and with it the lr schedule)."""
+    for name in sorted(p.stem for p in (CONF / "trainer").glob("*.yaml")):
+        assert "max_steps" not in yaml.safe_load((CONF / "trainer" / f"{name}.yaml").read_text()), name
+        assert compose_cfg([f"trainer={name}"], tmp_path, cache_dir, experiment=None).trainer.max_steps == 100
