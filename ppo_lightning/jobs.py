@@ -121,10 +121,11 @@ def run_task(cfg: DictConfig) -> dict[str, Any]:
         return train(cfg)
 
 
-def _refuse_ppo_batch_keys(stage: str) -> None:
-    """A stage's batches are ``task.batch_size`` / ``shuffle`` / ``num_workers``; the same
-    ``data.*`` keys on the command line would set PPO's prompt loader, which a stage never builds
-    (they once set the stages' batches too): refused, naming the key to use."""
+def _warn_of_ppo_batch_keys(cfg: DictConfig) -> None:
+    """A stage's batches are ``task.batch_size`` / ``shuffle`` / ``num_workers``. The same
+    ``data.*`` keys on the command line set PPO's prompt loader, which a stage never builds (they
+    once set the stages' batches too): one warning each, naming the key that does. A warning, not
+    a refusal: override lists shared by several jobs (scripts, sweeps) set ``data.*`` for PPO."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -132,8 +133,8 @@ def _refuse_ppo_batch_keys(stage: str) -> None:
     given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
     for key in ("batch_size", "shuffle", "num_workers"):
         if f"data.{key}" in given:
-            raise ConfigError(f"data.{key} is PPO's prompt loader's; task={stage} batches by task.{key}: "
-                              f"set task.{key}=... instead")
+            log.warning("data.%s is PPO's prompt loader's and does nothing for task=%s, which batches by "
+                        "task.%s (%s here)", key, cfg.task.name, key, cfg.task.get(key))
 
 
 def train_stage(cfg: DictConfig) -> dict[str, Any]:
@@ -150,7 +151,7 @@ def train_stage(cfg: DictConfig) -> dict[str, Any]:
                   if k not in ("name", "save_dir")}
     if not cfg.task.get("save_dir"):
         raise ConfigError(f"task.save_dir is empty: set where task={name} writes its model")
-    _refuse_ppo_batch_keys(name)
+    _warn_of_ppo_batch_keys(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module, datamodule = build_fn(cfg.model, cfg.optimizer, stage_keys, cache_dir=cfg.paths.cache_dir)
     trainer = build_trainer(cfg)

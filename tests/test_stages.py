@@ -511,16 +511,19 @@ def test_the_stages_batch_by_their_own_task_keys(tmp_path, cache_dir, tiny_lm_di
     assert dm.train_dataloader().batch_size == 16 and type(dm.train_dataloader().sampler).__name__ == "RandomSampler"
 
 
-def test_data_batch_keys_for_a_stage_are_refused_naming_the_task_key(tmp_path, cache_dir):
+def test_data_batch_keys_for_a_stage_are_named_as_doing_nothing(tmp_path, cache_dir):
     """``data.batch_size`` (and ``shuffle``, ``num_workers``) once set the stages' batches; given
-    to ``task=sft`` on the command line now, they are refused, naming ``task.batch_size``."""
+    to ``task=sft`` on the command line now, a warning says so and names ``task.batch_size``
+    (before any data or model loads: here the missing file then stops the job)."""
     from tests.helpers import run_train
 
-    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "response": "b"}] * 4)
-    p = run_train(["experiment=tiny_char", "task=sft", f"task.path={data}", "data.batch_size=8",
-                   f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={cache_dir}"], cache_dir)
-    assert p.returncode == 1 and "data.batch_size is PPO's prompt loader's; task=sft batches by " \
-        "task.batch_size: set task.batch_size=... instead" in p.stderr, p.stderr[-2000:]
+    p = run_train(["experiment=tiny_char", "task=sft", f"task.path={tmp_path / 'none.jsonl'}", "data.batch_size=8",
+                   "task.batch_size=4", f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={cache_dir}"],
+                  cache_dir)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "none.jsonl': no such file" in out, out[-2000:]
+    assert ("data.batch_size is PPO's prompt loader's and does nothing for task=sft, which batches by "
+            "task.batch_size (4 here)") in out, out[-2000:]
 
 
 def test_custom_field_names_and_type_errors(tmp_path, tok):
