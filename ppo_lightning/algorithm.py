@@ -1,8 +1,8 @@
 """One PPO iteration, top to bottom: ``collect`` a rollout, then ``learn`` from it.
 
-    rollout = ppo.collect(batch)      # sample, score, old logprobs and values, advantages
-    learned = ppo.learn(rollout, opt)  # ppo_epochs x minibatches of clipped updates
-    ppo.end_iteration(kl, rows)        # KL controller; an engine with its own weights gets the new ones
+    rollout = algo.collect(batch)      # sample, score, old logprobs and values, advantages
+    learned = algo.learn(rollout, opt)  # ppo_epochs x minibatches of clipped updates
+    algo.end_iteration(kl, rows)        # KL controller; an engine with its own weights gets the new ones
 
 The math is in ``ppo.py`` (losses, GAE, whitening, KL estimators), ``estimators.py`` (critic-free
 advantages) and ``rollout.py`` (sampling and scoring, ``finish_rollout``). Every concern of
@@ -14,7 +14,6 @@ to Lightning's hooks: ``collect`` in ``on_train_batch_start``, ``learn`` in ``tr
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from collections import defaultdict
@@ -27,11 +26,7 @@ from ppo_lightning import ppo
 from ppo_lightning.config import PPOConfig
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.policy import PolicyWithValueHead
-from ppo_lightning.rewards import fit_normalization
-from ppo_lightning.rollout import PolicyOutput, Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score, \
-    score_responses
-
-log = logging.getLogger(__name__)
+from ppo_lightning.rollout import PolicyOutput, Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score
 
 
 @dataclasses.dataclass
@@ -111,7 +106,7 @@ class PPO:
         per_epoch = max(1, r.batch_size // c.minibatch_size)
         if not self.runtime.all_ranks(bool(r.is_finite())):  # every update would be NaN
             r.first_forward = None
-            return Learned(stats, c.ppo_epochs * per_epoch, _describe_nonfinite(r, self.tokenizer))
+            return Learned(stats, c.ppo_epochs * per_epoch, r.describe_nonfinite(self.tokenizer))
         done = skipped = 0
         nonfinite = ""
         for mb in (mb for _ in range(c.ppo_epochs) for mb in self._minibatches(r)):
@@ -218,34 +213,3 @@ class PPO:
         if math.isfinite(kl):
             self.kl_ctl.update(kl, rows)
         self.sampler.sync_weights(self.policy.lm.named_parameters())
-
-    @torch.no_grad()
-    def fit_reward_normalization(self, batches, ref_sampler: GenerationBackend, generator: torch.Generator,
-                                 value_head_from_reward: bool) -> None:
-        """Score reference-policy samples of ``batches`` (this rank's share of the run's prompts)
-        and fix ``reward_norm`` from them ([N+]; ``rewards.fit_normalization``). Samples with its
-        own seeded ``generator``, so the training run's stream does not move. With
-        ``value_head_from_reward`` (a head copied from the reward model's raw one) the head is
-        mapped onto the new scale too."""
-        raw, device = [], self.runtime.module.device
-        with self.runtime.rollout_context(self.ref_lm):  # in the rollouts' numerics and scoring path
-            for batch in batches:
-                ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-                resp, mask = ref_sampler.generate(ids, am, self.sampling, generator)
-                raw.append(score_responses(self.reward_fn, self.tokenizer, ids, am, resp, mask))
-        gain, bias = fit_normalization(torch.cat(raw), self.runtime.reduce_sum if self.runtime.world_size > 1 else None,
-                                       source=getattr(self.reward_fn, "name", "the reward"))
-        self.reward_norm = (gain, bias)
-        if value_head_from_reward:
-            self.policy.v_head.weight.mul_(gain)
-            self.policy.v_head.bias.mul_(gain).add_(bias)
-        log.info("reward normalisation from %d reference samples: gain %.4g, bias %.4g", sum(map(len, raw)), gain, bias)
-
-
-def _describe_nonfinite(r: Rollout, tokenizer) -> str:
-    bad = (~torch.isfinite(r.scores)).nonzero().flatten()
-    if bad.numel():
-        i = int(bad[0])
-        prompt = tokenizer.decode(r.query_responses[i, :r.context_length], skip_special_tokens=True)
-        return f"reward {r.scores[i].item()} for prompt {prompt[:60]!r}"
-    return "logprobs, values or advantages in the rollout"

@@ -1,7 +1,7 @@
 """``PPOModule``: the Lightning adapter of the PPO loop (``algorithm.PPO``), one iteration per batch.
 
-1. ``on_train_batch_start``: ``ppo.collect(batch)``, this iteration's ``Rollout``.
-2. ``training_step``: ``ppo.learn(rollout, optimizer)`` (manual optimisation), then the end of the
+1. ``on_train_batch_start``: ``algo.collect(batch)``, this iteration's ``Rollout``.
+2. ``training_step``: ``algo.learn(rollout, optimizer)`` (manual optimisation), then the end of the
    iteration: Lightning's step counter and the scheduler, the KL controller, the run's counters,
    and the iteration's metrics (``metrics.py``).
 
@@ -31,8 +31,8 @@ from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.lightning_compat import count_iteration
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
-from ppo_lightning.rewards import normalized
-from ppo_lightning.rollout import Rollout
+from ppo_lightning.rewards import fit_normalization, normalized
+from ppo_lightning.rollout import Rollout, reference_scores
 from ppo_lightning.sharding import FSDP2Strategy, initialize_root, is_sharded, shard_module, tied_aliases
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class PPOModule(L.LightningModule):
         self.sampler, self.ref_sampler = make(policy.lm, tokenizer), make(ref_lm, tokenizer)
         self.runtime = Runtime(self)
         kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
-        self.ppo = PPO(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, kl_ctl,
+        self.algo = PPO(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, kl_ctl,
                        self.runtime, reward_norm)
         self.normalize_reward_samples = normalize_reward_samples
         self.value_head_from_reward = value_head_from_reward
@@ -84,7 +84,7 @@ class PPOModule(L.LightningModule):
 
     @property
     def reward_norm(self) -> tuple[float, float] | None:
-        return self.ppo.reward_norm
+        return self.algo.reward_norm
 
     @torch.no_grad()
     def score(self, prompts: list[str], responses: list[str]) -> Tensor:
@@ -104,8 +104,8 @@ class PPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         # A resumed run restored every rank's generator from the checkpoint (before this hook, or
         # after it under sharded strategies, which then replace this one).
-        if self.ppo.generator is None:
-            self.ppo.generator = self.runtime.new_generator(self.seed)
+        if self.algo.generator is None:
+            self.algo.generator = self.runtime.new_generator(self.seed)
         self.ref_lm.eval()
         if is_sharded(self.policy):
             initialize_root(self.policy, self.device)
@@ -117,25 +117,37 @@ class PPOModule(L.LightningModule):
         if self.reward_norm is None:  # once per run: a resumed run restored it from the checkpoint
             # (here, not in on_fit_start: sharded strategies restore checkpoints after on_fit_start)
             self._fit_reward_normalization()
-        self.rollout = self.ppo.collect(batch)
+        self.rollout = self.algo.collect(batch)
 
+    @torch.no_grad()
     def _fit_reward_normalization(self) -> None:
-        """``ppo.fit_reward_normalization`` on this rank's share of ``normalize_reward_samples``
-        prompts of the run, with a generator of its own (the training stream does not move)."""
-        world = self.trainer.world_size
+        """Fix ``reward_norm`` from the raw scores of reference samples on this rank's share of
+        ``normalize_reward_samples`` of the run's prompts ([N+]; ``rewards.fit_normalization``),
+        sampled in the rollouts' numerics with a generator of their own (the training stream does
+        not move). A value head copied from the reward model's raw head is mapped onto the new
+        scale too."""
+        world, rt = self.trainer.world_size, self.runtime
         need = self.normalize_reward_samples // max(1, world)
         if need < 1:  # config.validate refuses it when the process count is known before launch
             raise ConfigError(f"reward.normalize_samples={self.normalize_reward_samples} is split over {world} ranks "
                               f"and leaves none for some; set it to at least {2 * world}")
-        self.ppo.fit_reward_normalization(self.trainer.datamodule.normalization_batches(need), self.ref_sampler,
-                                          self.runtime.new_generator(self.seed + 7919, stride=1),
-                                          self.value_head_from_reward)
+        with rt.rollout_context(self.ref_lm):
+            raw = reference_scores(self.ref_sampler, self.reward_fn, self.tokenizer, self.sampling,
+                                   self.trainer.datamodule.normalization_batches(need),
+                                   rt.new_generator(self.seed + 7919, stride=1), self.device)
+        gain, bias = fit_normalization(raw, rt.reduce_sum if world > 1 else None,
+                                       source=getattr(self.reward_fn, "name", "the reward"))
+        self.algo.reward_norm = (gain, bias)
+        if self.value_head_from_reward:
+            self.policy.v_head.weight.mul_(gain)
+            self.policy.v_head.bias.mul_(gain).add_(bias)
+        log.info("reward normalisation from %d reference samples: gain %.4g, bias %.4g", len(raw), gain, bias)
 
     # ------------------------------------------------------------------------- part 2: learn
     def training_step(self, batch: dict, batch_idx: int) -> None:
         r, t0 = self.rollout, time.perf_counter()
-        lr, kl_coef = self.lr_schedulers().get_last_lr()[0], self.ppo.kl_ctl.value  # what this iteration uses
-        learned = self.ppo.learn(r, self.optimizers())
+        lr, kl_coef = self.lr_schedulers().get_last_lr()[0], self.algo.kl_ctl.value  # what this iteration uses
+        learned = self.algo.learn(r, self.optimizers())
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # count queued kernels in the timers
         m = metrics.iteration_metrics(r, learned.stats, num_generations=self.ppo_cfg.num_generations,
@@ -144,7 +156,7 @@ class PPOModule(L.LightningModule):
         count_iteration(self.optimizers())
         self.lr_schedulers().step()
         rows = r.batch_size * self.trainer.world_size
-        self.ppo.end_iteration(m["objective/kl"], rows)
+        self.algo.end_iteration(m["objective/kl"], rows)
         self.episode += rows
         self.skipped_updates += learned.skipped
         self.nonfinite_streak = self.nonfinite_streak + 1 if learned.skipped else 0
@@ -181,26 +193,26 @@ class PPOModule(L.LightningModule):
         for k in [k for k in sd if not self.checkpointed(k)]:
             del sd[k]
         checkpoint["ppo_state"] = {
-            "kl_ctl": self.ppo.kl_ctl.state_dict(),
+            "kl_ctl": self.algo.kl_ctl.state_dict(),
             "episode": self.episode,
             "skipped_updates": self.skipped_updates,
             "nonfinite_streak": self.nonfinite_streak,
             "reward_norm": list(self.reward_norm) if self.reward_norm is not None else None,
-            "generators": self.runtime.generator_states(self.ppo.generator),  # a collective
+            "generators": self.runtime.generator_states(self.algo.generator),  # a collective
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("ppo_state", {})
         if "kl_ctl" in state:
-            self.ppo.kl_ctl.load_state_dict(state["kl_ctl"])
+            self.algo.kl_ctl.load_state_dict(state["kl_ctl"])
         self.episode = int(state.get("episode", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         if state.get("reward_norm") is not None:
-            self.ppo.reward_norm = tuple(state["reward_norm"])
+            self.algo.reward_norm = tuple(state["reward_norm"])
         states = state.get("generators") or ([state["generator"]] if state.get("generator") is not None else None)
         if states:
-            self.ppo.generator, resumed = self.runtime.restore_generator(states, self.seed,
+            self.algo.generator, resumed = self.runtime.restore_generator(states, self.seed,
                                                                          int(checkpoint.get("global_step", 0)))
             if not resumed and self.global_rank == 0:
                 log.warning("the checkpoint holds the sampling streams of %d rank(s); this run has %d, so each rank "

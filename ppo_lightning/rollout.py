@@ -76,6 +76,15 @@ class Rollout(_Sequences):
         return torch.stack([torch.isfinite(t).all() for t in (
             self.scores, self.logprobs, self.ref_logprobs, self.values, self.advantages, self.returns)]).all()
 
+    def describe_nonfinite(self, tokenizer) -> str:
+        """What is not finite, for the warning: the first bad score with its prompt, or the rest."""
+        bad = (~torch.isfinite(self.scores)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            prompt = tokenizer.decode(self.query_responses[i, :self.context_length], skip_special_tokens=True)
+            return f"reward {self.scores[i].item()} for prompt {prompt[:60]!r}"
+        return "logprobs, values or advantages in the rollout"
+
     def index(self, idx: Tensor | slice) -> "Rollout":
         """The rows ``idx`` of every tensor: a minibatch, or a micro-batch of one."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "first_forward"}
@@ -152,6 +161,19 @@ def score_responses(reward_fn: Callable, tokenizer, input_ids: Tensor, attention
     prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
     scores = reward_fn(prompt_texts, texts)
     return torch.as_tensor(scores, dtype=torch.float32).to(input_ids.device)
+
+
+@torch.no_grad()
+def reference_scores(ref_sampler: GenerationBackend, reward_fn: Callable, tokenizer, params: SamplingParams,
+                     batches, generator: torch.Generator, device) -> Tensor:
+    """The raw scores of the reference's responses to ``batches`` of prompts, sampled and scored
+    as the rollouts are (what reward normalisation is fitted on)."""
+    raw = []
+    for batch in batches:
+        ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        resp, mask = ref_sampler.generate(ids, am, params, generator)
+        raw.append(score_responses(reward_fn, tokenizer, ids, am, resp, mask))
+    return torch.cat(raw)
 
 
 # ----------------------------------------------------------------------------- the whole step
