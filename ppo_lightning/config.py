@@ -102,6 +102,10 @@ LORA_DROPOUT_REMOVED = ("PPO needs logprobs that are a deterministic function of
                         "make the first update's ratio differ from 1); the adapters train without dropout")
 
 
+DATA_WORKERS_REMOVED = ("the PPO prompt loader runs in the main process (its prompts are tokenised once, before "
+                        "any model loads); a stage's loader workers are task.num_workers")
+
+
 @dataclass
 class LoRAConfig:
     """Low-rank adapters through ``peft`` (``pip install -e ".[lora]"``): the base weights stay
@@ -264,7 +268,7 @@ so that setting it (on the command line or in a YAML file) composes and then fai
 with one line naming the new key, instead of Hydra's "not in the schema"."""
 
 
-REMOVED_KEYS = {"model.lora.dropout": LORA_DROPOUT_REMOVED}
+REMOVED_KEYS = {"model.lora.dropout": LORA_DROPOUT_REMOVED, "data.num_workers": DATA_WORKERS_REMOVED}
 """Keys that were removed, and why; placeholders like the moved ones."""
 
 
@@ -442,7 +446,7 @@ class PPOConfig(_MovedPPOKeys):
     whole batch). The reward model uses ``reward.batch_size``."""
     fuse_rollout_forward: bool = True
     """When one minibatch is the whole batch, the rollout's old-policy forward runs with gradients
-    and the first update reuses it (``PPOModule._old_logprobs_and_values``): the same numbers
+    and the first update reuses it (``algorithm.PPO._old_logprobs_and_values``): the same numbers
     (the weights have not moved), one policy forward fewer per iteration. False always runs a
     separate no-grad forward."""
 
@@ -453,11 +457,11 @@ class DataConfig:
     refused by ``truncation``, left-padded in batches. Under DDP every rank draws the same
     permutation (seeded by ``seed`` and the epoch) and takes every world-size-th prompt; the
     position in an epoch follows ``global_step``, so a resumed run continues with the next unseen
-    batch. The stages read only ``batch_size``, ``shuffle`` and ``num_workers``."""
+    batch. The stages read none of these keys (their records and batches are ``task.*``)."""
 
     path: Optional[str] = None
-    """Local prompt file: ``.txt`` or no extension (one prompt per non-empty line) or ``.jsonl``
-    (one object a line with a string ``prompt_field``). Must exist, hold prompts and parse, checked
+    """Local prompt file: ``.txt`` or no extension (one prompt per non-empty line), ``.jsonl`` (one
+    object a line with a string ``prompt_field``) or ``.json`` (a list of such objects). Must exist, hold prompts and parse, checked
     before any model loads. Relative paths resolve against the launch directory."""
     hf_dataset: Optional[str] = None
     """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``);
@@ -468,16 +472,14 @@ class DataConfig:
     """JSONL field or dataset column holding the prompt."""
     batch_size: int = param(16, ge=1)
     """Prompts per PPO iteration per rank (the rollout batch; globally ``batch_size * world``).
-    Incomplete batches are dropped; the prompt set must fill one batch on every rank. Stages:
-    examples (pairs) per batch per rank."""
+    Incomplete batches are dropped; the prompt set must fill one batch on every rank."""
     max_prompt_length: int = param(128, ge=1)
     """Prompt tokens kept; longer prompts follow ``truncation``."""
     truncation: str = param("left", choices=choices.PROMPT_TRUNCATION)
     """left: keep the last ``max_prompt_length`` tokens (one warning); error: refuse long prompts."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch."""
-    num_workers: int = param(0, ge=0)
-    """Stages only: DataLoader workers. The PPO prompt loader runs in the main process."""
+    num_workers: Optional[Any] = field(default=None, metadata={"removed": DATA_WORKERS_REMOVED})
 
 
 @dataclass
@@ -614,18 +616,41 @@ class TrainConfig:
 
 
 @dataclass
-class SFTConfig:
-    """Keys of the SFT stage, its batches included (``data.*`` is PPO's prompts)."""
+class StageConfig:
+    """What both stages read the same way: their records, the validation split and the batches
+    (``data.*`` is PPO's prompts; a stage reads none of it)."""
 
     path: Optional[str] = None
-    """Local ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) of (prompt,
-    response) pairs."""
+    """Local ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) of records:
+    (prompt, response) pairs for SFT, (prompt, chosen, rejected) for the reward model."""
     hf_dataset: Optional[str] = None
     """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
     hf_split: str = "train"
     """Split of ``hf_dataset`` to read; the validation split is carved out of it."""
     prompt_field: str = "prompt"
     """JSON field / dataset column holding the prompt."""
+    val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
+    """Fraction of records held out for validation (at least one; 0 turns validation off); at
+    least one record must remain for training."""
+    seed: int = 0
+    """Seed of the train / validation split and of the training order (and of a new score
+    head's init)."""
+    batch_size: int = param(16, ge=1)
+    """Records per training batch per rank (a reward-model pair is two rows of its forward)."""
+    shuffle: bool = True
+    """Reshuffle the training records every epoch (in an order fixed by ``seed``)."""
+    num_workers: int = param(0, ge=0)
+    """DataLoader workers."""
+    val_batch_size: Optional[int] = param(None, ge=1)
+    """Records per validation batch (null: ``batch_size``)."""
+    max_grad_norm: Optional[float] = param(1.0, ge=0)
+    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
+
+
+@dataclass
+class SFTConfig(StageConfig):
+    """Keys of the SFT stage (with ``StageConfig``'s)."""
+
     response_field: str = "response"
     """JSON field / dataset column holding the target response."""
     max_length: Optional[int] = param(None, ge=2)
@@ -637,36 +662,12 @@ class SFTConfig:
     truncation: str = param("truncate", choices=choices.SFT_TRUNCATION)
     """Examples over a limit. truncate: cut the prompt from the left, then the response's end
     (losing its EOS); drop: skip them (one warning); error: refuse them."""
-    val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
-    """Fraction of records held out for validation (at least one; 0 turns validation off); at
-    least one record must remain for training."""
-    seed: int = 0
-    """Seed of the train / validation split and of the training order."""
-    batch_size: int = param(16, ge=1)
-    """Examples per training batch per rank."""
-    shuffle: bool = True
-    """Reshuffle the training examples every epoch (in an order fixed by ``seed``)."""
-    num_workers: int = param(0, ge=0)
-    """DataLoader workers."""
-    val_batch_size: Optional[int] = param(None, ge=1)
-    """Examples per validation batch (null: ``batch_size``)."""
-    max_grad_norm: Optional[float] = param(1.0, ge=0)
-    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
 
 
 @dataclass
-class RewardModelConfig:
-    """Keys of the reward-model stage, its batches included (``data.*`` is PPO's prompts)."""
+class RewardModelConfig(StageConfig):
+    """Keys of the reward-model stage (with ``StageConfig``'s)."""
 
-    path: Optional[str] = None
-    """Local ``.jsonl`` (one JSON object a line) or ``.json`` (a list of objects) of preference
-    pairs."""
-    hf_dataset: Optional[str] = None
-    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``)."""
-    hf_split: str = "train"
-    """Split of ``hf_dataset`` to read; the validation split is carved out of it."""
-    prompt_field: str = "prompt"
-    """JSON field / dataset column holding the prompt."""
     chosen_field: str = "chosen"
     """JSON field / dataset column holding the preferred response."""
     rejected_field: str = "rejected"
@@ -674,20 +675,6 @@ class RewardModelConfig:
     max_length: Optional[int] = param(None, ge=1)
     """Tokens per scored text, cut from the left (null: the model's context, at most 512). Give
     PPO's ``reward.max_length`` (default 512) the same value."""
-    val_fraction: float = param(0.05, ge=0, lt=1, hint="0 turns validation off")
-    """Fraction of pairs held out for validation (at least one; 0 turns validation off)."""
-    seed: int = 0
-    """Seed of the split, of the training order and of the new score head's init."""
-    batch_size: int = param(16, ge=1)
-    """Pairs per training batch per rank (a forward scores both texts of each: twice the rows)."""
-    shuffle: bool = True
-    """Reshuffle the training pairs every epoch (in an order fixed by ``seed``)."""
-    num_workers: int = param(0, ge=0)
-    """DataLoader workers."""
-    val_batch_size: Optional[int] = param(None, ge=1)
-    """Pairs per validation batch (null: ``batch_size``)."""
-    max_grad_norm: Optional[float] = param(1.0, ge=0)
-    """Gradient norm clip (0 or null: off; ``trainer.gradient_clip_val`` wins when set)."""
     center_rewards_coef: float = param(0.0, ge=0)
     """Weight of mean((r_chosen + r_rejected)^2) in the loss: keeps rewards centred on 0
     (Eisenstein et al. 2023; TRL's ``center_rewards_coefficient``). 0 = off."""
@@ -698,9 +685,8 @@ class SFTTask(SFTConfig):
     """``task=sft`` (``stages/sft.py``): supervised fine-tuning with prompt-masked cross-entropy
     (prompt tokenised alone without special tokens, response alone plus EOS, loss on the response
     tokens and EOS). Uses ``model.*``, ``optimizer.*`` (schedule per optimizer step),
-    ``trainer.*`` (``max_steps`` = optimizer steps), ``logger``, ``callbacks`` and, of ``data.*``,
-    ``batch_size``, ``shuffle`` and ``num_workers``. Unknown ``task.*`` keys and wrong types fail
-    at composition."""
+    ``trainer.*`` (``max_steps`` = optimizer steps), ``logger`` and ``callbacks``; its records and
+    batches are ``task.*``'s. Unknown ``task.*`` keys and wrong types fail at composition."""
 
     name: str = "sft"
     """The job (``jobs.py:run_task``)."""

@@ -272,7 +272,7 @@ def test_reward_model_learns_and_saves(tiny_lm_dir, tmp_path):
     module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)), OptimizerConfig(lr=1e-3),
                                     RewardModelConfig(val_fraction=0.2, max_length=32, batch_size=16),
                                     records=preference_records(300, seed=0))
-    assert len(dm.val_pairs) == 60
+    assert len(dm.val_examples) == 60
     t = trainer(max_steps=100)
     before = t.validate(module, datamodule=dm, verbose=False)[0]
     t.fit(module, datamodule=dm)
@@ -369,14 +369,14 @@ def test_reward_model_val_metrics_are_per_pair_over_unequal_batches(tiny_lm_dir,
                                     OptimizerConfig(), RewardModelConfig(val_fraction=0.4, val_batch_size=4,
                                                                          max_length=32, batch_size=4),
                                     records=preference_records(23, seed=1))
-    assert len(dm.val_pairs) == 9
+    assert len(dm.val_examples) == 9
     out = trainer(max_steps=1).validate(module, datamodule=dm, verbose=False)[0]
     assert set(out) == {"val/loss", "val/accuracy", "val/margin"}
 
     module.eval()
     with torch.no_grad():
         diffs = []
-        for p in dm.val_pairs:
+        for p in dm.val_examples:
             rc, rr = (module(torch.tensor([p[s]]), torch.ones(1, len(p[s]), dtype=torch.long))
                       for s in ("chosen", "rejected"))
             diffs.append((rc - rr).item())
@@ -486,8 +486,9 @@ def test_the_stages_read_json_and_hf_datasets_as_they_read_jsonl(tmp_path, tok, 
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model"])
 def test_the_stages_batch_by_their_own_task_keys(tmp_path, cache_dir, tiny_lm_dir, stage):
-    """``task.batch_size`` / ``task.shuffle`` / ``task.num_workers`` (the defaults ``data.*`` has)
-    make a stage's training loader; ``data.*`` is PPO's and no longer reaches a stage."""
+    """``task.batch_size`` / ``task.shuffle`` / ``task.num_workers`` (the defaults ``data.*`` has;
+    ``data.num_workers`` is gone) make a stage's training loader; ``data.*`` is PPO's and no longer
+    reaches a stage."""
     from omegaconf import OmegaConf
 
     from ppo_lightning.config import DataConfig
@@ -495,7 +496,7 @@ def test_the_stages_batch_by_their_own_task_keys(tmp_path, cache_dir, tiny_lm_di
 
     cfg_cls, build, _ = STAGES[stage]
     d, c = DataConfig(), cfg_cls()
-    assert (c.batch_size, c.shuffle, c.num_workers) == (d.batch_size, d.shuffle, d.num_workers)
+    assert (c.batch_size, c.shuffle, c.num_workers) == (d.batch_size, d.shuffle, 0)
     cfg = compose_cfg([f"task={stage}", "task.batch_size=3", "task.shuffle=false", "data.batch_size=5"],
                       tmp_path, cache_dir)
     keys = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k not in ("name", "save_dir")}

@@ -16,12 +16,13 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import Metric
 
 from ppo_lightning.config import OptimizerConfig, check_fields
-from ppo_lightning.data import read_records, records_source
+from ppo_lightning.data import ListDataset, read_records, records_source
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import context_length
@@ -181,6 +182,79 @@ def make_loader(dataset: Dataset, batch_size: int, collate, *, train: bool, shuf
 
 # ----------------------------------------------------------------------------- models
 DEFAULT_MAX_LENGTH = 512
+
+
+class StageDataModule(L.LightningDataModule):
+    """A stage's records from ``stage_cfg.path`` / ``stage_cfg.hf_dataset`` or ``records`` (an
+    in-memory list of dicts with the configured fields), read and tokenised once (``load``, before
+    any model loads, so bad data fails early), split by ``seed``, in batches of ``batch_size``
+    (``val_batch_size``; ``shuffle``, ``num_workers``). A stage says which fields a record has
+    (``roles``), how records become token ids (``tokenize``) and how those are padded
+    (``collator``)."""
+
+    config_class: type  # the stage's config dataclass
+
+    def __init__(self, stage_cfg, tokenizer, records: Sequence[Mapping[str, Any]] | None = None,
+                 key_prefix: str = "task"):
+        super().__init__()
+        self.cfg = as_config(stage_cfg, self.config_class, key_prefix)
+        self.tokenizer, self.records, self.key_prefix = tokenizer, records, key_prefix
+        self.train_examples: list[dict[str, list[int]]] | None = None
+        self.val_examples: list[dict[str, list[int]]] = []
+
+    def roles(self) -> dict[str, tuple[str, str]]:
+        """Each role of a record -> (its config key, the field that holds it)."""
+        raise NotImplementedError
+
+    def tokenize(self, records: list[dict[str, str]], source: str) -> list[dict[str, list[int]]]:
+        raise NotImplementedError
+
+    def collator(self):
+        raise NotImplementedError
+
+    def load(self) -> None:
+        """Read, check, tokenise and split; called before any model loads so bad data fails early."""
+        if self.train_examples is not None:
+            return
+        c, p = self.cfg, self.key_prefix
+        records, source = read_role_records(self.roles(), path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split,
+                                            records=self.records, key_prefix=p)
+        train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
+        self.train_examples = self.tokenize([records[i] for i in train_idx], source)
+        self.val_examples = self.tokenize([records[i] for i in val_idx], source) if val_idx else []
+
+    def setup(self, stage: str | None = None) -> None:
+        self.load()
+
+    def train_dataloader(self):
+        c = self.cfg
+        return make_loader(ListDataset(self.train_examples), c.batch_size, self.collator(), train=True,
+                           shuffle=c.shuffle, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
+
+    def val_dataloader(self):
+        if not self.val_examples:
+            return []
+        c = self.cfg
+        return make_loader(ListDataset(self.val_examples), c.val_batch_size or c.batch_size, self.collator(),
+                           train=False, shuffle=False, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
+
+
+
+def stage_model(model_cfg, cfg, cache_dir, key_prefix: str = "task"):
+    """The model a stage trains, checked before its data is read: ``(name, trust_remote_code,
+    cfg with max_length resolved)``. ``model=tiny`` builds its random model first, in
+    ``paths.cache_dir`` only (``tiny.ensure_tiny_model``); a directory must hold a model."""
+    from ppo_lightning.policy import resolve_source
+    from ppo_lightning.tiny import ensure_tiny_model
+
+    name = get(model_cfg, "name_or_path", None)
+    if not name:
+        raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
+    trust = bool(get(model_cfg, "trust_remote_code", False))
+    ensure_tiny_model(model_cfg, cache_dir)
+    source = resolve_source(name, "model.name_or_path")
+    max_length = resolve_max_length(cfg.max_length, source, trust, f"{key_prefix}.max_length")
+    return name, trust, dataclasses.replace(cfg, max_length=max_length)
 
 
 def resolve_max_length(max_length: int | None, source: str, trust_remote_code: bool, key: str) -> int:

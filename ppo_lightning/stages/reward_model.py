@@ -20,7 +20,6 @@ score the last non-pad token, which must not be confused with an EOS in the text
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -32,15 +31,14 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from ppo_lightning.config import RewardModelConfig
-from ppo_lightning.data import ListDataset, PadCollator
+from ppo_lightning.data import PadCollator
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import enable_activation_checkpointing, DEFAULT_PAD_TOKEN, TORCH_DTYPES, disable_dropout, fuse_activations, resolve_source
-from ppo_lightning.tiny import ensure_tiny_model
-from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, as_config, check_common,
+from ppo_lightning.stages.common import (StageDataModule, stage_model, DEFAULT_MAX_LENGTH, as_config, check_common,
                                          StageOptimization, check_optimizer, get,
-                                         make_loader, read_role_records, reset_val_metrics,
-                                         resolve_max_length, split_indices, synced_value)
+                                         reset_val_metrics,
+                                         synced_value)
 
 log = logging.getLogger(__name__)
 
@@ -104,56 +102,23 @@ class PairCollator(PadCollator):
         return super().__call__([x["chosen"] for x in batch] + [x["rejected"] for x in batch])
 
 
-class PreferenceDataModule(L.LightningDataModule):
-    """(prompt, chosen, rejected) records from ``stage_cfg.path`` / ``stage_cfg.hf_dataset`` or
-    ``records`` (an in-memory list of dicts), tokenised once, split by seed, in batches of
-    ``stage_cfg.batch_size`` pairs (``shuffle``, ``num_workers``)."""
+class PreferenceDataModule(StageDataModule):
+    """(prompt, chosen, rejected) records (``StageDataModule``), tokenised by ``tokenize_pairs``;
+    batches count pairs."""
 
-    def __init__(self, stage_cfg: RewardModelConfig, tokenizer,
-                 records: Optional[Sequence[Mapping[str, Any]]] = None, key_prefix: str = "task"):
-        super().__init__()
-        self.cfg = as_config(stage_cfg, RewardModelConfig, key_prefix)
-        self.tokenizer = tokenizer
-        self.records = records
-        self.key_prefix = key_prefix
-        self.train_records: list[dict[str, str]] = []
-        self.val_records: list[dict[str, str]] = []
-        self.train_pairs: list[dict[str, list[int]]] | None = None
-        self.val_pairs: list[dict[str, list[int]]] = []
+    config_class = RewardModelConfig
 
-    def load(self) -> None:
-        """Read, check, tokenise and split; called before any model loads so bad data fails early."""
-        if self.train_pairs is not None:
-            return
-        c, p = self.cfg, self.key_prefix
-        records, source = read_role_records(
-            {"prompt": (f"{p}.prompt_field", c.prompt_field),
-             "chosen": (f"{p}.chosen_field", c.chosen_field),
-             "rejected": (f"{p}.rejected_field", c.rejected_field)},
-            path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p)
-        train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
-        max_length = DEFAULT_MAX_LENGTH if c.max_length is None else c.max_length
-        self.train_records = [records[i] for i in train_idx]
-        self.val_records = [records[i] for i in val_idx]
-        self.train_pairs = tokenize_pairs(self.train_records, self.tokenizer, max_length, source, p)
-        self.val_pairs = (tokenize_pairs(self.val_records, self.tokenizer, max_length, source, p)
-                          if self.val_records else [])
+    def roles(self) -> dict[str, tuple[str, str]]:
+        p, c = self.key_prefix, self.cfg
+        return {"prompt": (f"{p}.prompt_field", c.prompt_field), "chosen": (f"{p}.chosen_field", c.chosen_field),
+                "rejected": (f"{p}.rejected_field", c.rejected_field)}
 
-    def setup(self, stage: str | None = None) -> None:
-        self.load()
+    def tokenize(self, records: list[dict[str, str]], source: str) -> list[dict[str, list[int]]]:
+        max_length = DEFAULT_MAX_LENGTH if self.cfg.max_length is None else self.cfg.max_length
+        return tokenize_pairs(records, self.tokenizer, max_length, source, self.key_prefix)
 
-    def train_dataloader(self):
-        c = self.cfg
-        return make_loader(ListDataset(self.train_pairs), c.batch_size, PairCollator(self.tokenizer.pad_token_id),
-                           train=True, shuffle=c.shuffle, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
-
-    def val_dataloader(self):
-        if not self.val_pairs:
-            return []
-        c = self.cfg
-        return make_loader(ListDataset(self.val_pairs), c.val_batch_size or c.batch_size,
-                           PairCollator(self.tokenizer.pad_token_id), train=False, shuffle=False,
-                           seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
+    def collator(self) -> PairCollator:
+        return PairCollator(self.tokenizer.pad_token_id)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -298,14 +263,7 @@ def build_reward_model(model_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     cfg = as_config(stage_cfg, RewardModelConfig, key_prefix)
     check_reward_model_config(cfg, key_prefix)
     check_optimizer(optim_cfg)
-    name = get(model_cfg, "name_or_path", None)
-    if not name:
-        raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
-    trust = bool(get(model_cfg, "trust_remote_code", False))
-    ensure_tiny_model(model_cfg, cache_dir)  # model=tiny: built in paths.cache_dir only
-    source = resolve_source(name, "model.name_or_path")
-    cfg = dataclasses.replace(cfg, max_length=resolve_max_length(cfg.max_length, source, trust,
-                                                                 f"{key_prefix}.max_length"))
+    name, trust, cfg = stage_model(model_cfg, cfg, cache_dir, key_prefix)
     if tokenizer is None:
         tokenizer = load_reward_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust)
     else:

@@ -18,7 +18,6 @@ stop where the text was cut. ``drop`` skips such examples, ``error`` refuses the
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -31,15 +30,14 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import SumMetric
 
 from ppo_lightning.config import SFTConfig
-from ppo_lightning.data import ListDataset, PadCollator, pad_rows
+from ppo_lightning.data import PadCollator, pad_rows
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.lightning_compat import attached_trainer
-from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask, resolve_source
-from ppo_lightning.tiny import ensure_tiny_model
-from ppo_lightning.stages.common import (DEFAULT_MAX_LENGTH, as_config, check, check_common,
+from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask
+from ppo_lightning.stages.common import (StageDataModule, stage_model, DEFAULT_MAX_LENGTH, as_config, check, check_common,
                                          StageOptimization, check_optimizer, get,
-                                         make_loader, read_role_records, reset_val_metrics,
-                                         resolve_max_length, split_indices, synced_value)
+                                         reset_val_metrics,
+                                         synced_value)
 
 log = logging.getLogger(__name__)
 
@@ -111,54 +109,22 @@ class SFTCollator(PadCollator):
         return out
 
 
-class SFTDataModule(L.LightningDataModule):
-    """(prompt, response) records from ``stage_cfg.path`` / ``stage_cfg.hf_dataset`` or ``records``
-    (an in-memory list of dicts with the configured fields), tokenised once, split by seed, in
-    batches of ``stage_cfg.batch_size`` (``shuffle``, ``num_workers``)."""
+class SFTDataModule(StageDataModule):
+    """(prompt, response) records (``StageDataModule``), tokenised by ``tokenize_sft``."""
 
-    def __init__(self, stage_cfg: SFTConfig, tokenizer, records: Optional[Sequence[Mapping[str, Any]]] = None,
-                 key_prefix: str = "task"):
-        super().__init__()
-        self.cfg = as_config(stage_cfg, SFTConfig, key_prefix)
-        self.tokenizer = tokenizer
-        self.records = records
-        self.key_prefix = key_prefix
-        self.train_examples: list[dict[str, list[int]]] | None = None
-        self.val_examples: list[dict[str, list[int]]] = []
+    config_class = SFTConfig
 
-    def load(self) -> None:
-        """Read, check, tokenise and split; called before any model loads so bad data fails early."""
-        if self.train_examples is not None:
-            return
-        c, p = self.cfg, self.key_prefix
-        records, source = read_role_records(
-            {"prompt": (f"{p}.prompt_field", c.prompt_field),
-             "response": (f"{p}.response_field", c.response_field)},
-            path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p)
-        train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
-        max_length = DEFAULT_MAX_LENGTH if c.max_length is None else c.max_length
-        kw = dict(tokenizer=self.tokenizer, max_length=max_length, max_prompt_length=c.max_prompt_length,
-                  truncation=c.truncation, key_prefix=p)
-        self.train_examples = tokenize_sft([records[i] for i in train_idx], source=source, **kw)
-        self.val_examples = tokenize_sft([records[i] for i in val_idx], source=source, **kw) if val_idx else []
+    def roles(self) -> dict[str, tuple[str, str]]:
+        p, c = self.key_prefix, self.cfg
+        return {"prompt": (f"{p}.prompt_field", c.prompt_field), "response": (f"{p}.response_field", c.response_field)}
 
-    def setup(self, stage: str | None = None) -> None:
-        self.load()
+    def tokenize(self, records: list[dict[str, str]], source: str) -> list[dict[str, list[int]]]:
+        c = self.cfg
+        return tokenize_sft(records, self.tokenizer, DEFAULT_MAX_LENGTH if c.max_length is None else c.max_length,
+                            c.max_prompt_length, c.truncation, source=source, key_prefix=self.key_prefix)
 
     def collator(self) -> SFTCollator:
         return SFTCollator(self.tokenizer.pad_token_id, "right")
-
-    def train_dataloader(self):
-        c = self.cfg
-        return make_loader(ListDataset(self.train_examples), c.batch_size, self.collator(), train=True,
-                           shuffle=c.shuffle, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
-
-    def val_dataloader(self):
-        if not self.val_examples:
-            return []
-        c = self.cfg
-        return make_loader(ListDataset(self.val_examples), c.val_batch_size or c.batch_size, self.collator(),
-                           train=False, shuffle=False, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -269,14 +235,7 @@ def build_sft(model_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     cfg = as_config(stage_cfg, SFTConfig, key_prefix)
     check_sft_config(cfg, key_prefix)
     check_optimizer(optim_cfg)
-    name = get(model_cfg, "name_or_path", None)
-    if not name:
-        raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
-    trust = bool(get(model_cfg, "trust_remote_code", False))
-    ensure_tiny_model(model_cfg, cache_dir)  # model=tiny: built in paths.cache_dir only
-    source = resolve_source(name, "model.name_or_path")
-    cfg = dataclasses.replace(cfg, max_length=resolve_max_length(cfg.max_length, source, trust,
-                                                                 f"{key_prefix}.max_length"))
+    name, trust, cfg = stage_model(model_cfg, cfg, cache_dir, key_prefix)
     check_sft_config(cfg, key_prefix)
     if tokenizer is None:
         tokenizer = load_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name,
