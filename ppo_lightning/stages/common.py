@@ -297,9 +297,34 @@ def synced_value(metric: Metric) -> torch.Tensor:
 
 
 class StageOptimization:
-    """The optimizer and gradient clipping both stage modules use (mixed into a LightningModule
-    with ``model``, ``optim_cfg`` and ``max_grad_norm``): ``optimizer.*`` with its schedule, and
-    ``task.max_grad_norm`` unless ``trainer.gradient_clip_val`` is set."""
+    """What both stage modules do alike (mixed into a LightningModule that defines
+    ``_val_metrics()`` and ``compute_val_metrics()``): the model and tokenizer it trains, the
+    optimizer (``optimizer.*`` with its schedule), gradient clipping (``task.max_grad_norm``
+    unless ``trainer.gradient_clip_val`` is set), the validation metrics' reset and logging, and
+    ``last_metrics``."""
+
+    def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: float | None = 1.0):
+        super().__init__()
+        self.model, self.tokenizer, self.optim_cfg, self.max_grad_norm = model, tokenizer, optim_cfg, max_grad_norm
+        self.model.train()  # from_pretrained leaves eval mode, which Lightning would keep for fit
+
+    def on_validation_epoch_start(self) -> None:
+        reset_val_metrics(*self._val_metrics())
+
+    def on_validation_epoch_end(self) -> None:
+        metrics = self.compute_val_metrics()
+        reset_val_metrics(*self._val_metrics())
+        if metrics:
+            self.log_dict(metrics, prog_bar=True)
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The trainer's latest value of every logged metric."""
+        from ppo_lightning.lightning_compat import attached_trainer
+
+        if attached_trainer(self) is None:
+            return {}
+        return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
 
     def configure_optimizers(self):
         return configure_optimizers(self, [p for p in self.model.parameters() if p.requires_grad],

@@ -33,7 +33,6 @@ from torchmetrics.aggregation import MeanMetric, SumMetric
 from ppo_lightning.config import RewardModelConfig
 from ppo_lightning.data import PadCollator
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import enable_activation_checkpointing, DEFAULT_PAD_TOKEN, TORCH_DTYPES, disable_dropout, fuse_activations, resolve_source
 from ppo_lightning.stages.common import (StageDataModule, stage_model, DEFAULT_MAX_LENGTH, as_config, check_common,
                                          StageOptimization, check_optimizer, get,
@@ -145,12 +144,7 @@ class RewardModelModule(StageOptimization, L.LightningModule):
 
     def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0,
                  center_rewards_coef: float = 0.0):
-        super().__init__()
-        self.model = model
-        self.tokenizer = tokenizer
-        self.optim_cfg = optim_cfg
-        self.max_grad_norm = max_grad_norm
-        self.model.train()  # from_pretrained leaves eval mode, which Lightning would keep for fit
+        super().__init__(model, tokenizer, optim_cfg, max_grad_norm)
         self.center_rewards_coef = center_rewards_coef
         # module attributes, so Lightning moves them with the model; not in the state dict
         self.val_loss = MeanMetric(nan_strategy="disable")
@@ -181,9 +175,6 @@ class RewardModelModule(StageOptimization, L.LightningModule):
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         return loss
 
-    def on_validation_epoch_start(self) -> None:
-        reset_val_metrics(*self._val_metrics())
-
     def update_val_metrics(self, r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> None:
         """Add a batch of pairs' rewards ``[B]``."""
         diff = (r_chosen - r_rejected).double()
@@ -203,19 +194,6 @@ class RewardModelModule(StageOptimization, L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.update_val_metrics(*self.pair_rewards(batch))
-
-    def on_validation_epoch_end(self) -> None:
-        metrics = self.compute_val_metrics()
-        reset_val_metrics(*self._val_metrics())
-        if metrics:
-            self.log_dict(metrics, prog_bar=True)
-
-    @property
-    def last_metrics(self) -> dict[str, float]:
-        """The trainer's latest value of every logged metric."""
-        if attached_trainer(self) is None:
-            return {}
-        return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
 
 
 # ----------------------------------------------------------------------------- build / save

@@ -32,7 +32,6 @@ from torchmetrics.aggregation import SumMetric
 from ppo_lightning.config import SFTConfig
 from ppo_lightning.data import PadCollator, pad_rows
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.lightning_compat import attached_trainer
 from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask
 from ppo_lightning.stages.common import (StageDataModule, stage_model, DEFAULT_MAX_LENGTH, as_config, check, check_common,
                                          StageOptimization, check_optimizer, get,
@@ -158,12 +157,7 @@ class SFTModule(StageOptimization, L.LightningModule):
     """
 
     def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0):
-        super().__init__()
-        self.model = model
-        self.tokenizer = tokenizer
-        self.optim_cfg = optim_cfg
-        self.max_grad_norm = max_grad_norm
-        self.model.train()  # from_pretrained leaves eval mode, which Lightning would keep for fit
+        super().__init__(model, tokenizer, optim_cfg, max_grad_norm)
         # module attributes, so Lightning moves them with the model; not in the state dict
         self.val_loss_sum = SumMetric(nan_strategy="disable")
         self.val_tokens = SumMetric(nan_strategy="disable")
@@ -184,8 +178,8 @@ class SFTModule(StageOptimization, L.LightningModule):
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         return loss
 
-    def on_validation_epoch_start(self) -> None:
-        reset_val_metrics(self.val_loss_sum, self.val_tokens)
+    def _val_metrics(self) -> tuple:
+        return self.val_loss_sum, self.val_tokens
 
     def update_val_metrics(self, loss_sum: torch.Tensor, n: torch.Tensor) -> None:
         """Add one batch: its summed response-token loss and its number of response tokens."""
@@ -203,19 +197,6 @@ class SFTModule(StageOptimization, L.LightningModule):
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.update_val_metrics(*self.loss_sums(batch))
-
-    def on_validation_epoch_end(self) -> None:
-        metrics = self.compute_val_metrics()
-        reset_val_metrics(self.val_loss_sum, self.val_tokens)
-        if metrics:
-            self.log_dict(metrics, prog_bar=True)
-
-    @property
-    def last_metrics(self) -> dict[str, float]:
-        """The trainer's latest value of every logged metric."""
-        if attached_trainer(self) is None:
-            return {}
-        return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
 
 
 # ----------------------------------------------------------------------------- build / save
