@@ -1,8 +1,9 @@
 # The set-up and the everyday commands, on a fresh machine as on yours:
 #
 #   make run  [ARGS="ppo.clip=0.1"]          the default job (python train.py ARGS)
-#   make test [ARGS="-m 'not slow'"]         ruff, then pytest ARGS (the whole suite without ARGS)
-#   make lint [ARGS=--fix]                   ruff alone (check ARGS .)
+#   make test [ARGS="-m 'not slow'"]         ruff (lint and format check), then pytest ARGS (the whole suite)
+#   make lint [ARGS=--fix]                   ruff alone (check ARGS ., format --check .)
+#   make format                              ruff format . (what the format check asks for)
 #   make install                             only the set-up below (CI runs it after removing .venv)
 #
 # Each creates the venv .venv if it is missing, then installs into it: torch first (the pinned
@@ -20,17 +21,22 @@ ARGS ?=
 # Offline: nothing in the default job or the tests needs the hub.
 ENV := HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: run test lint install
+.PHONY: run test lint format install
 
 run: $(STAMP)
 	$(ENV) $(PY) train.py $(ARGS)
 
 test: $(STAMP)
-	$(ENV) $(PY) -m ruff check .
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(ENV) $(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check $(ARGS) .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
 
 install: $(STAMP)
 

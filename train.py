@@ -79,8 +79,7 @@ def main(cfg: DictConfig) -> float | None:
     return value
 
 
-def _resume_hint(checkpoint, without: str = "No checkpoint was written at the stop; run the same command again"
-                 ) -> str:
+def _resume_hint(checkpoint, without: str = "No checkpoint was written at the stop; run the same command again") -> str:
     """The command that resumes this job from ``checkpoint`` (``without`` when there is none)."""
     if checkpoint is None:
         return without

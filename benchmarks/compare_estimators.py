@@ -45,48 +45,74 @@ def estimator_overrides(name: str, batch: int, generations: int) -> list[str]:
     if name == "gae":
         return []
     grouped = [f"ppo.num_generations={generations}", f"data.batch_size={batch // generations}"]
-    return {"grpo": ["ppo.advantage=grpo", "ppo.kl_in=loss", "ppo.loss_agg=seq_mean_token_mean", *grouped],
-            "grpo_kl_reward": ["ppo.advantage=grpo", *grouped],
-            "rloo": ["ppo.advantage=rloo", *grouped],
-            "reinforce_pp": ["ppo.advantage=reinforce_pp"]}[name]
+    return {
+        "grpo": ["ppo.advantage=grpo", "ppo.kl_in=loss", "ppo.loss_agg=seq_mean_token_mean", *grouped],
+        "grpo_kl_reward": ["ppo.advantage=grpo", *grouped],
+        "rloo": ["ppo.advantage=rloo", *grouped],
+        "reinforce_pp": ["ppo.advantage=reinforce_pp"],
+    }[name]
 
 
 def run(recipe: str, estimator: str, seed: int, args, out_root: Path) -> dict:
     job, batch, _ = RECIPES[recipe]
     run_dir = out_root / f"{recipe}_{estimator}_{seed}"
-    overrides = [*job, *estimator_overrides(estimator, batch, args.generations), f"seed={seed}",
-                 "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "logger=csv",
-                 "callbacks=none", "export_dir=null", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        *job,
+        *estimator_overrides(estimator, batch, args.generations),
+        f"seed={seed}",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "logger=csv",
+        "callbacks=none",
+        "export_dir=null",
+        f"hydra.run.dir={run_dir}",
+    ]
     if args.iterations:
         overrides.append(f"trainer.max_steps={args.iterations}")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "train.py", *overrides], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *overrides],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stderr = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
-    result = {"recipe": recipe, "estimator": estimator, "seed": seed, "wall_s": round(wall, 1),
-              "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+    result = {
+        "recipe": recipe,
+        "estimator": estimator,
+        "seed": seed,
+        "wall_s": round(wall, 1),
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+    }
     if os.waitstatus_to_exitcode(status) != 0:
         return {**result, "failed": stderr[-2000:]}
     table = json.loads((run_dir / "eval.json").read_text())
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     header, last = rows[0].split(","), rows[-1].split(",")
     metrics = {k: float(v) for k, v in zip(header, last) if v}
-    result.update({
-        "before": {k: v for k, v in table["before"].items() if k != "samples"},
-        "after": {k: v for k, v in table["after"].items() if k != "samples"},
-        "kl": metrics.get("objective/kl"), "iterations": len(rows) - 1,
-    })
+    result.update(
+        {
+            "before": {k: v for k, v in table["before"].items() if k != "samples"},
+            "after": {k: v for k, v in table["after"].items() if k != "samples"},
+            "kl": metrics.get("objective/kl"),
+            "iterations": len(rows) - 1,
+        }
+    )
     return result
 
 
 def summarise(results: list[dict]) -> str:
     """A markdown table: per recipe and estimator, the headline metric before and after, the
     change (mean and range over seeds), KL, wall time and peak RSS (means)."""
-    lines = ["| recipe | estimator | metric | before | after | change (min..max) | KL | wall s | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| recipe | estimator | metric | before | after | change (min..max) | KL | wall s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for recipe, (_, _, headline) in RECIPES.items():
         for est in ESTIMATORS:
             rs = [r for r in results if r["recipe"] == recipe and r["estimator"] == est and "failed" not in r]
@@ -96,10 +122,12 @@ def summarise(results: list[dict]) -> str:
             after = [r["after"][headline] for r in rs]
             change = [a - b for a, b in zip(after, before)]
             mean = statistics.fmean
-            lines.append(f"| {recipe} | {est} | {headline} | {mean(before):.3f} | {mean(after):.3f} | "
-                         f"{mean(change):+.3f} ({min(change):+.3f}..{max(change):+.3f}) | "
-                         f"{mean(r['kl'] for r in rs):.2f} | {mean(r['wall_s'] for r in rs):.0f} | "
-                         f"{mean(r['peak_rss_mb'] for r in rs):.0f} |")
+            lines.append(
+                f"| {recipe} | {est} | {headline} | {mean(before):.3f} | {mean(after):.3f} | "
+                f"{mean(change):+.3f} ({min(change):+.3f}..{max(change):+.3f}) | "
+                f"{mean(r['kl'] for r in rs):.2f} | {mean(r['wall_s'] for r in rs):.0f} | "
+                f"{mean(r['peak_rss_mb'] for r in rs):.0f} |"
+            )
     return "\n".join(lines)
 
 

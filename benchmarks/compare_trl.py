@@ -51,23 +51,31 @@ def main() -> None:
             results["ppo_lightning"].append(run("throughput.py", args.workload, model_dir, args.threads))
             results["trl"].append(run("trl_baseline.py", args.workload, model_dir, args.threads))
     med = {k: statistics.median(r["episodes_per_s"] for r in v) for k, v in results.items()}
-    print(json.dumps({
-        "workload": args.workload, "rounds": args.rounds,
-        "episodes_per_s_ppo_lightning": med["ppo_lightning"], "episodes_per_s_trl": med["trl"],
-        "speedup": med["ppo_lightning"] / med["trl"],
-        # each round's two runs are minutes apart at most: their ratio cancels slow machine drift
-        "speedup_per_round": [a["episodes_per_s"] / b["episodes_per_s"]
-                              for a, b in zip(results["ppo_lightning"], results["trl"])],
-        "speedup_median_of_rounds": statistics.median(
-            a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(results["ppo_lightning"], results["trl"])),
-        "all_ppo_lightning": [r["episodes_per_s"] for r in results["ppo_lightning"]],
-        "all_trl": [r["episodes_per_s"] for r in results["trl"]],
-        "rollout_s_ppo_lightning": statistics.median(r["rollout_s"] for r in results["ppo_lightning"]),
-        "update_s_ppo_lightning": statistics.median(r["update_s"] for r in results["ppo_lightning"]),
-        "rollout_s_trl": statistics.median(r["rollout_s"] for r in results["trl"]),
-        "update_s_trl": statistics.median(r["update_s"] for r in results["trl"]),
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "workload": args.workload,
+                "rounds": args.rounds,
+                "episodes_per_s_ppo_lightning": med["ppo_lightning"],
+                "episodes_per_s_trl": med["trl"],
+                "speedup": med["ppo_lightning"] / med["trl"],
+                # each round's two runs are minutes apart at most: their ratio cancels slow machine drift
+                "speedup_per_round": [
+                    a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(results["ppo_lightning"], results["trl"])
+                ],
+                "speedup_median_of_rounds": statistics.median(
+                    a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(results["ppo_lightning"], results["trl"])
+                ),
+                "all_ppo_lightning": [r["episodes_per_s"] for r in results["ppo_lightning"]],
+                "all_trl": [r["episodes_per_s"] for r in results["trl"]],
+                "rollout_s_ppo_lightning": statistics.median(r["rollout_s"] for r in results["ppo_lightning"]),
+                "update_s_ppo_lightning": statistics.median(r["update_s"] for r in results["ppo_lightning"]),
+                "rollout_s_trl": statistics.median(r["rollout_s"] for r in results["trl"]),
+                "update_s_trl": statistics.median(r["update_s"] for r in results["trl"]),
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

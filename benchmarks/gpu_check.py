@@ -97,9 +97,14 @@ def fit(w: Workload, policy_dir: Path, reward_dir: Path, device: torch.device, e
         prompts = out / "prompts.txt"
         prompts.write_text("\n".join(make_prompts(w)) + "\n")
         accelerator = "gpu" if device.type == "cuda" else "cpu"
-        cfg = compose(w, policy_dir, reward_dir, prompts, out,
-                      extra=(f"trainer.accelerator={accelerator}", "trainer.devices=1",
-                             f"trainer.precision={PRECISION}", *extra))
+        cfg = compose(
+            w,
+            policy_dir,
+            reward_dir,
+            prompts,
+            out,
+            extra=(f"trainer.accelerator={accelerator}", "trainer.devices=1", f"trainer.precision={PRECISION}", *extra),
+        )
         module, datamodule, trainer = build(cfg)
         totals = PerfTotals(w.response_tokens)
         trainer.callbacks.append(totals)
@@ -115,16 +120,30 @@ def fit(w: Workload, policy_dir: Path, reward_dir: Path, device: torch.device, e
         fit_s = time.perf_counter() - t0
         if device.type == "cuda":
             peak_mb = torch.cuda.max_memory_allocated(device) / MB
-    return {"per_iteration": totals.per_iteration, "fit_s": fit_s, "policy_params": policy_params,
-            "models_mb": models_mb, "peak_mb": peak_mb}
+    return {
+        "per_iteration": totals.per_iteration,
+        "fit_s": fit_s,
+        "policy_params": policy_params,
+        "models_mb": models_mb,
+        "peak_mb": peak_mb,
+    }
 
 
 def first_update(w: Workload, policy_dir: Path, reward_dir: Path, device: torch.device, fused: bool) -> dict:
     """``val/ratio``, ``policy/approxkl_avg`` and ``objective/kl`` of a one-iteration run with one
     epoch of one minibatch: the first update's own values."""
-    run = fit(w, policy_dir, reward_dir, device,
-              ("trainer.max_steps=1", "ppo.ppo_epochs=1", f"ppo.minibatch_size={w.rollout_batch}",
-               f"ppo.fuse_rollout_forward={str(fused).lower()}"))
+    run = fit(
+        w,
+        policy_dir,
+        reward_dir,
+        device,
+        (
+            "trainer.max_steps=1",
+            "ppo.ppo_epochs=1",
+            f"ppo.minibatch_size={w.rollout_batch}",
+            f"ppo.fuse_rollout_forward={str(fused).lower()}",
+        ),
+    )
     m = run["per_iteration"][0]
     return {k: m[k] for k in FIRST_UPDATE_METRICS}
 
@@ -153,8 +172,10 @@ def main() -> None:
 
         run = fit(w, policy_dir, reward_dir, device, (f"trainer.max_steps={args.iterations}",))
         t0 = time.perf_counter()
-        numerics = {"first_update": first_update(w, policy_dir, reward_dir, device, fused=True),
-                    "first_update_unfused": first_update(w, policy_dir, reward_dir, device, fused=False)}
+        numerics = {
+            "first_update": first_update(w, policy_dir, reward_dir, device, fused=True),
+            "first_update_unfused": first_update(w, policy_dir, reward_dir, device, fused=False),
+        }
         numerics_s = time.perf_counter() - t0
 
     if device.type == "cuda":
@@ -167,20 +188,37 @@ def main() -> None:
     tokens = w.rollout_batch * (w.prompt_tokens + w.response_tokens) * w.ppo_epochs  # per iteration
     achieved = 6 * run["policy_params"] * tokens * len(steady) / sum(steady)
     episodes = w.rollout_batch * len(update_s)
-    print(json.dumps({
-        "benchmark": "gpu_check", "device": device.type, "device_name": name, "torch": torch.__version__,
-        "precision": PRECISION, "workload": w.name, "iterations": len(update_s),
-        **sampling,
-        "policy_params_m": run["policy_params"] / 1e6, "update_tokens_per_iteration": tokens,
-        "update_s_per_iteration": update_s, "rollout_s_per_iteration": [m["perf/time_rollout_s"]
-                                                                         for m in run["per_iteration"]],
-        "update_flops_per_s": achieved, "peak_flops": peak, "mfu": achieved / peak if peak else None,
-        "models_gpu_mb": run["models_mb"], "peak_gpu_mb": run["peak_mb"],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        **numerics,
-        "episodes_per_s": episodes / run["fit_s"], "fit_s": run["fit_s"], "sampling_s": sampling_s,
-        "numerics_s": numerics_s, "wall_s": time.perf_counter() - t_start,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "benchmark": "gpu_check",
+                "device": device.type,
+                "device_name": name,
+                "torch": torch.__version__,
+                "precision": PRECISION,
+                "workload": w.name,
+                "iterations": len(update_s),
+                **sampling,
+                "policy_params_m": run["policy_params"] / 1e6,
+                "update_tokens_per_iteration": tokens,
+                "update_s_per_iteration": update_s,
+                "rollout_s_per_iteration": [m["perf/time_rollout_s"] for m in run["per_iteration"]],
+                "update_flops_per_s": achieved,
+                "peak_flops": peak,
+                "mfu": achieved / peak if peak else None,
+                "models_gpu_mb": run["models_mb"],
+                "peak_gpu_mb": run["peak_mb"],
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                **numerics,
+                "episodes_per_s": episodes / run["fit_s"],
+                "fit_s": run["fit_s"],
+                "sampling_s": sampling_s,
+                "numerics_s": numerics_s,
+                "wall_s": time.perf_counter() - t_start,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -138,11 +138,17 @@ def tensor_sizes(models, trainable) -> dict:
 
 
 def measured(imports: int, unread: int, loaded: int, peak: PeakRSS, sizes: dict, train_s: float) -> dict:
-    return {"total_peak_mb": peak.peak / MB, "imports_mb": imports / MB, "loaded_mb": loaded / MB,
-            "models_mb": (loaded - imports) / MB, "peak_above_loaded_mb": (peak.peak - loaded) / MB,
-            "peak_above_models_mb": (peak.peak - unread) / MB,
-            "kernel_peak_mb": None if peak.kernel_peak is None else peak.kernel_peak / MB,
-            **sizes, "fit_s": train_s}
+    return {
+        "total_peak_mb": peak.peak / MB,
+        "imports_mb": imports / MB,
+        "loaded_mb": loaded / MB,
+        "models_mb": (loaded - imports) / MB,
+        "peak_above_loaded_mb": (peak.peak - loaded) / MB,
+        "peak_above_models_mb": (peak.peak - unread) / MB,
+        "kernel_peak_mb": None if peak.kernel_peak is None else peak.kernel_peak / MB,
+        **sizes,
+        "fit_s": train_s,
+    }
 
 
 def child_ours(workload: str, variant: str, iterations: int, model_root: Path, threads: int | None) -> dict:
@@ -166,8 +172,9 @@ def child_ours(workload: str, variant: str, iterations: int, model_root: Path, t
         prompts = out / "prompts.txt"
         prompts.write_text("\n".join(make_prompts(w)) + "\n")
         try:
-            cfg = compose(w, policy_dir, reward_dir, prompts, out,
-                          extra=(f"trainer.max_steps={iterations}", *VARIANTS[variant]))
+            cfg = compose(
+                w, policy_dir, reward_dir, prompts, out, extra=(f"trainer.max_steps={iterations}", *VARIANTS[variant])
+            )
             module, datamodule, trainer = build(cfg)
         except (HydraException, OmegaConfBaseException, ConfigError) as e:  # the config lacks a key
             return {"skipped": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
@@ -212,8 +219,19 @@ def summarize(runs: list[dict]) -> dict:
     """Medians over the repeats of every measure; the breakdown's estimate derived from them."""
     if any("skipped" in r for r in runs):
         return {"skipped": next(r["skipped"] for r in runs if "skipped" in r)}
-    keys = ("total_peak_mb", "imports_mb", "loaded_mb", "models_mb", "peak_above_loaded_mb", "peak_above_models_mb",
-            "kernel_peak_mb", "weights_mb", "trainable_params_m", "grads_and_adam_mb", "fit_s")
+    keys = (
+        "total_peak_mb",
+        "imports_mb",
+        "loaded_mb",
+        "models_mb",
+        "peak_above_loaded_mb",
+        "peak_above_models_mb",
+        "kernel_peak_mb",
+        "weights_mb",
+        "trainable_params_m",
+        "grads_and_adam_mb",
+        "fit_s",
+    )
     out = {}
     for k in keys:
         vals = [r[k] for r in runs if r[k] is not None]
@@ -225,8 +243,11 @@ def summarize(runs: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="small")
-    ap.add_argument("--variants", default=",".join([*VARIANTS, TRL]),
-                    help=f"comma-separated, from {[*VARIANTS, TRL]} (default: all)")
+    ap.add_argument(
+        "--variants",
+        default=",".join([*VARIANTS, TRL]),
+        help=f"comma-separated, from {[*VARIANTS, TRL]} (default: all)",
+    )
     ap.add_argument("--repeats", type=int, help="rounds over the variants (default 3; 1 for medium)")
     ap.add_argument("--iterations", type=int, default=2, help="PPO iterations per run, both sides")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads in every run (default: torch's)")
@@ -263,8 +284,18 @@ def main() -> None:
             for v in variants:  # alternate, so machine noise hits every variant
                 if runs[v] and "skipped" in runs[v][-1]:
                     continue
-                cmd = [sys.executable, __file__, "--workload", w.name, "--child", v,
-                       "--iterations", str(args.iterations), "--model-dir", model_root]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--workload",
+                    w.name,
+                    "--child",
+                    v,
+                    "--iterations",
+                    str(args.iterations),
+                    "--model-dir",
+                    model_root,
+                ]
                 if args.threads:
                     cmd += ["--threads", str(args.threads)]
                 p = subprocess.run(cmd, check=False, capture_output=True, text=True)
@@ -273,12 +304,23 @@ def main() -> None:
                 runs[v].append(json.loads(p.stdout.strip().splitlines()[-1]))
     threads = {r["threads"] for rs in runs.values() for r in rs if "threads" in r}
     assert len(threads) <= 1, f"runs used different thread counts: {threads}"
-    out = {"benchmark": "memory", "workload": w.name, "layers": w.n_layer, "width": w.n_embd,
-           "vocab": w.vocab_size or 258, "rollout_batch": w.rollout_batch, "minibatch": w.minibatch_size,
-           "tokens_per_row": w.prompt_tokens + w.response_tokens, "ppo_epochs": w.ppo_epochs,
-           "iterations": args.iterations, "repeats": repeats, "threads": threads.pop() if threads else None,
-           "device": "cpu", "measure": "RSS in MB: total peak during training = imports + models + peak above "
-           "loaded; peak above models as in the README's small table; medians over repeats"}
+    out = {
+        "benchmark": "memory",
+        "workload": w.name,
+        "layers": w.n_layer,
+        "width": w.n_embd,
+        "vocab": w.vocab_size or 258,
+        "rollout_batch": w.rollout_batch,
+        "minibatch": w.minibatch_size,
+        "tokens_per_row": w.prompt_tokens + w.response_tokens,
+        "ppo_epochs": w.ppo_epochs,
+        "iterations": args.iterations,
+        "repeats": repeats,
+        "threads": threads.pop() if threads else None,
+        "device": "cpu",
+        "measure": "RSS in MB: total peak during training = imports + models + peak above "
+        "loaded; peak above models as in the README's small table; medians over repeats",
+    }
     results = {v: summarize(rs) for v, rs in runs.items()}
     full = results.get("full", {}).get("peak_above_models_mb")
     trl_total = results.get(TRL, {}).get("total_peak_mb")

@@ -66,8 +66,16 @@ def with_torchmetrics(xs: list[torch.Tensor], metrics: list) -> list[float]:
 
 def count_collectives(fn) -> int:
     """Collective calls (all_reduce, all_gather, barrier, ...) that ``fn()`` makes."""
-    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "barrier", "broadcast", "reduce",
-             "gather", "reduce_scatter")
+    names = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "barrier",
+        "broadcast",
+        "reduce",
+        "gather",
+        "reduce_scatter",
+    )
     saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
     calls = [0]
 
@@ -75,6 +83,7 @@ def count_collectives(fn) -> int:
         def wrapper(*a, **kw):
             calls[0] += 1
             return f(*a, **kw)
+
         return wrapper
 
     for n, f in saved.items():
@@ -133,8 +142,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, result_qu
                     run(variant, n, timed=True)
                 done += n
             xs_a, xs_b = next(feed), next(feed)
-            collectives = {"stacked": count_collectives(lambda: stacked(xs_a, world)),
-                           "torchmetrics": count_collectives(lambda: with_torchmetrics(xs_b, metrics))}
+            collectives = {
+                "stacked": count_collectives(lambda: stacked(xs_a, world)),
+                "torchmetrics": count_collectives(lambda: with_torchmetrics(xs_b, metrics)),
+            }
         assert not mismatch, f"rank {rank}: stacked and torchmetrics means differ: {mismatch[0]}"
         # the stacked mean equals the mean computed from every rank's inputs
         everyone = [torch.empty(args.metrics) for _ in range(world)]
@@ -144,15 +155,25 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, result_qu
         if rank == 0:
             a = statistics.median(times["stacked"]) * 1e3
             b = statistics.median(times["torchmetrics"]) * 1e3
-            result_queue.put({
-                "benchmark": "metric_sync", "metrics": args.metrics, "world_size": world,
-                "backend": args.backend, "device": "cpu", "iterations": len(times["stacked"]),
-                "warmup": args.warmup, "rounds": args.rounds, "threads_per_rank": 1,
-                "stacked_all_reduce_ms": round(a, 4), "torchmetrics_mean_metric_ms": round(b, 4),
-                "ratio_torchmetrics_over_stacked": round(b / a, 2),
-                "collectives_per_iteration": collectives,
-                "torch": torch.__version__, "torchmetrics": __import__("torchmetrics").__version__,
-            })
+            result_queue.put(
+                {
+                    "benchmark": "metric_sync",
+                    "metrics": args.metrics,
+                    "world_size": world,
+                    "backend": args.backend,
+                    "device": "cpu",
+                    "iterations": len(times["stacked"]),
+                    "warmup": args.warmup,
+                    "rounds": args.rounds,
+                    "threads_per_rank": 1,
+                    "stacked_all_reduce_ms": round(a, 4),
+                    "torchmetrics_mean_metric_ms": round(b, 4),
+                    "ratio_torchmetrics_over_stacked": round(b / a, 2),
+                    "collectives_per_iteration": collectives,
+                    "torch": torch.__version__,
+                    "torchmetrics": __import__("torchmetrics").__version__,
+                }
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()

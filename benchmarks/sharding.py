@@ -156,8 +156,13 @@ class MeasureRank(L.Callback):
         self.phase: str | None = None
         self.phase_peaks: dict[str, int] = {}
         self.kernel = False
-        self.r: dict = {"policy_mb": 0.0, "grads_mb": 0.0, "optimizer_mb": 0.0,
-                        "rollout_s_per_iteration": [], "update_s_per_iteration": []}
+        self.r: dict = {
+            "policy_mb": 0.0,
+            "grads_mb": 0.0,
+            "optimizer_mb": 0.0,
+            "rollout_s_per_iteration": [],
+            "update_s_per_iteration": [],
+        }
 
     def _enter(self, phase: str | None) -> None:
         """End the current phase (its kernel peak kept, the mark reset) and start ``phase``."""
@@ -221,9 +226,13 @@ class MeasureRank(L.Callback):
         r["peak_rss_mb"] = max(r["kernel_peak_rss_mb"] or 0, r["sampled_peak_rss_mb"])
         r["peak_above_loaded_mb"] = r["peak_rss_mb"] - r["loaded_rss_mb"]
         r["model_state_mb"] = r["policy_mb"] + r["grads_mb"] + r["optimizer_mb"]
-        r.update(rank=trainer.global_rank, world_size=trainer.world_size, threads=torch.get_num_threads(),
-                 strategy=type(trainer.strategy).__name__,
-                 gather_for_rollout=getattr(trainer.strategy, "gather_for_rollout", None))
+        r.update(
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            threads=torch.get_num_threads(),
+            strategy=type(trainer.strategy).__name__,
+            gather_for_rollout=getattr(trainer.strategy, "gather_for_rollout", None),
+        )
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(r))
 
@@ -245,15 +254,25 @@ def workload_overrides(w, policy_dir: Path, reward_dir: Path, prompts: Path, out
     return seen["overrides"]
 
 
-def variant_overrides(base: list[str], variant: list[str], iterations: int, run_dir: Path, ranks_dir: Path) -> list[str]:
+def variant_overrides(
+    base: list[str], variant: list[str], iterations: int, run_dir: Path, ranks_dir: Path
+) -> list[str]:
     """``base`` with ``variant`` and the measuring setup; a key given again replaces base's."""
-    extra = [*variant, f"trainer.max_steps={iterations}", "logger=csv", "callbacks=none",
-             "trainer.enable_checkpointing=true",
-             "+callbacks.last._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-             f"+callbacks.last.dirpath={run_dir / 'checkpoints'}", "+callbacks.last.save_last=true",
-             "+callbacks.last.save_top_k=0",
-             "+callbacks.measure._target_=benchmarks.sharding.MeasureRank", f"+callbacks.measure.out={ranks_dir}",
-             f"paths.output_dir={run_dir}", f"hydra.run.dir={run_dir}"]
+    extra = [
+        *variant,
+        f"trainer.max_steps={iterations}",
+        "logger=csv",
+        "callbacks=none",
+        "trainer.enable_checkpointing=true",
+        "+callbacks.last._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"+callbacks.last.dirpath={run_dir / 'checkpoints'}",
+        "+callbacks.last.save_last=true",
+        "+callbacks.last.save_top_k=0",
+        "+callbacks.measure._target_=benchmarks.sharding.MeasureRank",
+        f"+callbacks.measure.out={ranks_dir}",
+        f"paths.output_dir={run_dir}",
+        f"hydra.run.dir={run_dir}",
+    ]
     keys = {o.split("=", 1)[0].lstrip("+~") for o in extra}
     return [o for o in base if o.split("=", 1)[0].lstrip("+~") not in keys] + extra
 
@@ -307,18 +326,33 @@ def checkpoint_contents(path: Path) -> dict:
     def nbytes(obj) -> int:  # a tied weight (two names, one storage) once, as the file holds it
         return tensor_bytes(tensors(obj))
 
-    return {"checkpoint_mb": round(path.stat().st_size / MB, 3),
-            "checkpoint_weights_mb": round(nbytes(ck.get("state_dict", {})) / MB, 3),
-            "checkpoint_optimizer_mb": round(nbytes(ck.get("optimizer_states", [])) / MB, 3)}
+    return {
+        "checkpoint_mb": round(path.stat().st_size / MB, 3),
+        "checkpoint_weights_mb": round(nbytes(ck.get("state_dict", {})) / MB, 3),
+        "checkpoint_optimizer_mb": round(nbytes(ck.get("optimizer_states", [])) / MB, 3),
+    }
 
 
-def run_variant(name: str, overrides: list[str], run_dir: Path, ranks_dir: Path, cache: Path,
-                timeout: float) -> dict:
-    env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PPO_LIGHTNING_CACHE": str(cache), "HYDRA_FULL_ERROR": "1"}
+def run_variant(name: str, overrides: list[str], run_dir: Path, ranks_dir: Path, cache: Path, timeout: float) -> dict:
+    env = {
+        "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD),
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PPO_LIGHTNING_CACHE": str(cache),
+        "HYDRA_FULL_ERROR": "1",
+    }
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=timeout, check=False)
+    p = subprocess.run(
+        [sys.executable, "train.py", *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     wall = time.perf_counter() - t0
     if p.returncode:
         return {"failed": f"exit {p.returncode}: {p.stderr[-3000:]}"}
@@ -326,19 +360,40 @@ def run_variant(name: str, overrides: list[str], run_dir: Path, ranks_dir: Path,
     per_rank = [json.loads(f.read_text()) for f in ranks]
     with open(run_dir / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("perf/time_rollout_s")]
-    keys = ("loaded_rss_mb", "train_start_rss_mb", "peak_rss_mb", "sampled_peak_rss_mb", "kernel_peak_rss_mb",
-            "peak_above_loaded_mb", *(f"{phase}_peak_rss_mb" for phase in PHASES), "policy_mb", "ref_mb", "reward_mb", "grads_mb",
-            "optimizer_mb", "model_state_mb")
-    out = {"ranks": [{"rank": r["rank"], **{k: None if r[k] is None else round(r[k], 3) for k in keys},
-                      "rollout_s_per_iteration": [round(x, 3) for x in r["rollout_s_per_iteration"]],
-                      "update_s_per_iteration": [round(x, 3) for x in r["update_s_per_iteration"]]}
-                     for r in per_rank],
-           "strategy": per_rank[0]["strategy"], "gather_for_rollout": per_rank[0]["gather_for_rollout"],
-           "world_size": per_rank[0]["world_size"], "threads_per_rank": per_rank[0]["threads"],
-           "iterations_logged": len(rows),
-           "rollout_s": median_after_first(rows, "perf/time_rollout_s"),
-           "update_s": median_after_first(rows, "perf/time_update_s"),
-           "run_wall_s": round(wall, 1)}
+    keys = (
+        "loaded_rss_mb",
+        "train_start_rss_mb",
+        "peak_rss_mb",
+        "sampled_peak_rss_mb",
+        "kernel_peak_rss_mb",
+        "peak_above_loaded_mb",
+        *(f"{phase}_peak_rss_mb" for phase in PHASES),
+        "policy_mb",
+        "ref_mb",
+        "reward_mb",
+        "grads_mb",
+        "optimizer_mb",
+        "model_state_mb",
+    )
+    out = {
+        "ranks": [
+            {
+                "rank": r["rank"],
+                **{k: None if r[k] is None else round(r[k], 3) for k in keys},
+                "rollout_s_per_iteration": [round(x, 3) for x in r["rollout_s_per_iteration"]],
+                "update_s_per_iteration": [round(x, 3) for x in r["update_s_per_iteration"]],
+            }
+            for r in per_rank
+        ],
+        "strategy": per_rank[0]["strategy"],
+        "gather_for_rollout": per_rank[0]["gather_for_rollout"],
+        "world_size": per_rank[0]["world_size"],
+        "threads_per_rank": per_rank[0]["threads"],
+        "iterations_logged": len(rows),
+        "rollout_s": median_after_first(rows, "perf/time_rollout_s"),
+        "update_s": median_after_first(rows, "perf/time_update_s"),
+        "run_wall_s": round(wall, 1),
+    }
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     out.update(checkpoint_contents(ckpt) if ckpt.exists() else {"checkpoint_mb": None})
     return out
@@ -365,14 +420,22 @@ def main() -> None:
     if unknown:
         sys.exit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     t0 = time.perf_counter()
-    out = {"benchmark": "sharding", "workload": w.name, "layers": w.n_layer, "width": w.n_embd,
-           "rollout_batch_per_rank": w.rollout_batch, "response_tokens": w.response_tokens,
-           "ppo_epochs": w.ppo_epochs, "iterations": args.iterations, "device": "cpu (2 gloo processes)",
-           "loadavg_start": loadavg(),
-           "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)),
-           "note": "CPU timings are noisy: 2 ranks on 2 cores, other jobs may share them (see loadavg); "
-                   "memory from tensors is exact, RSS includes libraries, the replicated reward model "
-                   "and activations"}
+    out = {
+        "benchmark": "sharding",
+        "workload": w.name,
+        "layers": w.n_layer,
+        "width": w.n_embd,
+        "rollout_batch_per_rank": w.rollout_batch,
+        "response_tokens": w.response_tokens,
+        "ppo_epochs": w.ppo_epochs,
+        "iterations": args.iterations,
+        "device": "cpu (2 gloo processes)",
+        "loadavg_start": loadavg(),
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)),
+        "note": "CPU timings are noisy: 2 ranks on 2 cores, other jobs may share them (see loadavg); "
+        "memory from tensors is exact, RSS includes libraries, the replicated reward model "
+        "and activations",
+    }
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -410,20 +473,25 @@ def main() -> None:
             "policy_per_rank": ratio(worst("fsdp", "policy_mb"), worst("ddp", "policy_mb")),
             "ref_per_rank": ratio(worst("fsdp", "ref_mb"), worst("ddp", "ref_mb")),
             "peak_rss_per_rank": ratio(worst("fsdp", "peak_rss_mb"), worst("ddp", "peak_rss_mb")),
-            "rollout_peak_rss_per_rank": ratio(worst("fsdp", "rollout_peak_rss_mb"), worst("ddp", "rollout_peak_rss_mb")),
+            "rollout_peak_rss_per_rank": ratio(
+                worst("fsdp", "rollout_peak_rss_mb"), worst("ddp", "rollout_peak_rss_mb")
+            ),
             "update_peak_rss_per_rank": ratio(worst("fsdp", "update_peak_rss_mb"), worst("ddp", "update_peak_rss_mb")),
-            "peak_above_loaded_per_rank": ratio(worst("fsdp", "peak_above_loaded_mb"),
-                                                worst("ddp", "peak_above_loaded_mb")),
+            "peak_above_loaded_per_rank": ratio(
+                worst("fsdp", "peak_above_loaded_mb"), worst("ddp", "peak_above_loaded_mb")
+            ),
             "checkpoint_size": ratio(results["fsdp"]["checkpoint_mb"], results["ddp"]["checkpoint_mb"]),
             "rollout_s": ratio(results["fsdp"]["rollout_s"], results["ddp"]["rollout_s"]),
             "update_s": ratio(results["fsdp"]["update_s"], results["ddp"]["update_s"]),
         }
     out["checkpoint_mb"] = {v: results[v].get("checkpoint_mb") for v in variants if ok(v)}
     if ok("fsdp") and ok("fsdp_sharded_rollout"):
-        out["rollout_s_gather_once_over_per_token"] = ratio(results["fsdp"]["rollout_s"],
-                                                             results["fsdp_sharded_rollout"]["rollout_s"])
+        out["rollout_s_gather_once_over_per_token"] = ratio(
+            results["fsdp"]["rollout_s"], results["fsdp_sharded_rollout"]["rollout_s"]
+        )
         out["rollout_peak_rss_gather_once_over_per_token"] = ratio(
-            worst("fsdp", "rollout_peak_rss_mb"), worst("fsdp_sharded_rollout", "rollout_peak_rss_mb"))
+            worst("fsdp", "rollout_peak_rss_mb"), worst("fsdp_sharded_rollout", "rollout_peak_rss_mb")
+        )
     out["loadavg_end"] = loadavg()
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out), flush=True)

@@ -52,33 +52,49 @@ class PerfTotals(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         m = pl_module.last_metrics
         if self.response_tokens is not None and m["rollout/response_length"] != self.response_tokens:
-            raise RuntimeError(f"a rollout stopped early: mean response length "
-                               f"{m['rollout/response_length']}, expected {self.response_tokens}")
+            raise RuntimeError(
+                f"a rollout stopped early: mean response length "
+                f"{m['rollout/response_length']}, expected {self.response_tokens}"
+            )
         self.rollout_s += float(m["perf/time_rollout_s"])
         self.update_s += float(m["perf/time_update_s"])
         self.iterations += 1
         self.per_iteration.append(dict(m))
 
 
-def compose(w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path, out_dir: Path,
-            extra: tuple[str, ...] = ()):
+def compose(
+    w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path, out_dir: Path, extra: tuple[str, ...] = ()
+):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     import ppo_lightning.config  # noqa: F401
 
     overrides = [
-        f"model.name_or_path={policy_dir}", "model.build_tiny=null",
-        "reward=model", f"reward.name_or_path={reward_dir}", f"reward.batch_size={w.rollout_batch}",
-        "data=file", f"data.path={prompts_file}", f"data.batch_size={w.rollout_batch}",
+        f"model.name_or_path={policy_dir}",
+        "model.build_tiny=null",
+        "reward=model",
+        f"reward.name_or_path={reward_dir}",
+        f"reward.batch_size={w.rollout_batch}",
+        "data=file",
+        f"data.path={prompts_file}",
+        f"data.batch_size={w.rollout_batch}",
         f"data.max_prompt_length={w.prompt_tokens}",
-        f"ppo.minibatch_size={w.minibatch_size}", f"ppo.ppo_epochs={w.ppo_epochs}",
-        f"sampling.max_new_tokens={w.response_tokens}", "sampling.stop_at_eos=false",
-        f"trainer.max_steps={w.iterations}", "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false", "trainer.enable_checkpointing=false",
-        "logger=none", "callbacks=none", "export_dir=null",
+        f"ppo.minibatch_size={w.minibatch_size}",
+        f"ppo.ppo_epochs={w.ppo_epochs}",
+        f"sampling.max_new_tokens={w.response_tokens}",
+        "sampling.stop_at_eos=false",
+        f"trainer.max_steps={w.iterations}",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "trainer.enable_checkpointing=false",
+        "logger=none",
+        "callbacks=none",
+        "export_dir=null",
         "reward.normalize=false",  # TRL's PPOTrainer scores raw: the same work on both sides
-        f"paths.output_dir={out_dir}", f"paths.cache_dir={out_dir}", *extra,
+        f"paths.output_dir={out_dir}",
+        f"paths.cache_dir={out_dir}",
+        *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return hydra_compose("train", overrides=overrides)
@@ -108,8 +124,7 @@ def run_ppo(w: Workload, model_root: Path, out_dir: Path) -> dict:
     }
 
 
-def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = "cpu",
-                     bf16: bool = False) -> dict:
+def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = "cpu", bf16: bool = False) -> dict:
     """Our sampler vs bare HF ``generate`` on one rollout batch, alternated ``repeats`` times, on
     ``device``; ``bf16``: both under bf16 autocast (the rollout's numerics in ``bf16-mixed``)."""
     import contextlib
@@ -130,17 +145,32 @@ def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = 
 
     def ours():
         with numerics():
-            resp, _ = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=w.response_tokens,
-                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                               stop_at_eos=False, generator=g)
+            resp, _ = generate(
+                lm,
+                enc.input_ids,
+                enc.attention_mask,
+                max_new_tokens=w.response_tokens,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+                stop_at_eos=False,
+                generator=g,
+            )
         assert resp.shape[1] == w.response_tokens
 
     def hf():
         with torch.no_grad(), numerics():
-            out = lm.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                              do_sample=True, use_cache=True, max_new_tokens=w.response_tokens,
-                              min_new_tokens=w.response_tokens, top_k=0, top_p=1.0, temperature=1.0,
-                              pad_token_id=tok.pad_token_id)
+            out = lm.generate(
+                input_ids=enc.input_ids,
+                attention_mask=enc.attention_mask,
+                do_sample=True,
+                use_cache=True,
+                max_new_tokens=w.response_tokens,
+                min_new_tokens=w.response_tokens,
+                top_k=0,
+                top_p=1.0,
+                temperature=1.0,
+                pad_token_id=tok.pad_token_id,
+            )
         assert out.shape[1] == enc.input_ids.shape[1] + w.response_tokens
 
     def sync():
@@ -159,8 +189,11 @@ def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = 
             times[name].append(time.perf_counter() - t0)
     ours_tps = n_tokens / statistics.median(times["ours"])
     hf_tps = n_tokens / statistics.median(times["hf"])
-    return {"generate_tokens_per_s_ours": ours_tps, "generate_tokens_per_s_hf": hf_tps,
-            "generate_ratio_ours_over_hf": ours_tps / hf_tps}
+    return {
+        "generate_tokens_per_s_ours": ours_tps,
+        "generate_tokens_per_s_hf": hf_tps,
+        "generate_ratio_ours_over_hf": ours_tps / hf_tps,
+    }
 
 
 def main() -> None:
@@ -168,8 +201,11 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
-    ap.add_argument("--compare-generate", action="store_true",
-                    help="also time generation alone against bare model.generate(use_cache=True)")
+    ap.add_argument(
+        "--compare-generate",
+        action="store_true",
+        help="also time generation alone against bare model.generate(use_cache=True)",
+    )
     ap.add_argument("--repeats", type=int, default=5, help="alternations for --compare-generate")
     args = ap.parse_args()
     if args.threads:

@@ -73,10 +73,10 @@ from benchmarks.workloads import WORKLOADS, Workload, build_models, make_prompts
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
-    p.add_argument("--model-dir", default=None,
-                   help="where to save (or reuse) the workload's models; default: a temp dir")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads(N); default: torch's default")
+    p.add_argument(
+        "--model-dir", default=None, help="where to save (or reuse) the workload's models; default: a temp dir"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N); default: torch's default")
     return p.parse_args(argv)
 
 
@@ -114,12 +114,10 @@ class PhaseTimer:
             self.generate_s += time.perf_counter() - t0
             n_new = query_responses.shape[1] - queries.shape[1]
             if n_new != self.response_tokens or logits.shape[1] != self.response_tokens:
-                raise RuntimeError(f"generation stopped early: {n_new} new tokens, "
-                                   f"expected {self.response_tokens}")
+                raise RuntimeError(f"generation stopped early: {n_new} new tokens, expected {self.response_tokens}")
             # A random policy can sample the pad token itself; TRL then treats the rest of that
             # response as padding (masks), though the tensors (and the compute) stay full length.
-            self.sampled_pad_tokens += int(
-                (query_responses[:, queries.shape[1]:] == self.pad_token_id).sum())
+            self.sampled_pad_tokens += int((query_responses[:, queries.shape[1] :] == self.pad_token_id).sum())
             return query_responses, logits
 
         def forward(model, query_responses, pad_token_id):
@@ -147,8 +145,7 @@ class TRLRun:
     tmp: tempfile.TemporaryDirectory
 
 
-def build_trainer(w: Workload, model_root: Path, episodes: int | None = None,
-                  threads: int | None = None) -> TRLRun:
+def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, threads: int | None = None) -> TRLRun:
     """Load the workload's models four times (policy, reference, reward, value) and construct
     TRL's ``PPOTrainer`` for ``episodes`` prompts (default: the workload's)."""
     import torch
@@ -163,8 +160,7 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None,
 
     episodes = w.episodes if episodes is None else episodes
     if episodes % w.rollout_batch or w.rollout_batch % w.num_minibatches:
-        raise ValueError(f"workload {w.name}: rollout_batch must divide episodes and be divisible "
-                         "by num_minibatches")
+        raise ValueError(f"workload {w.name}: rollout_batch must divide episodes and be divisible by num_minibatches")
     if threads is not None:
         torch.set_num_threads(threads)
     tmp = tempfile.TemporaryDirectory(prefix="trl-baseline-")
@@ -173,10 +169,8 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None,
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     ref_policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        reward_dir, num_labels=1, dtype=torch.float32)
-    value_model = AutoModelForSequenceClassification.from_pretrained(
-        reward_dir, num_labels=1, dtype=torch.float32)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, dtype=torch.float32)
+    value_model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, dtype=torch.float32)
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise RuntimeError("the workload's tokenizer must have a pad token distinct from EOS")
 
@@ -228,8 +222,11 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None,
     assert config.local_mini_batch_size == w.minibatch_size
     # stop_token=None made TRL clear the policy's eos_token_id: generate() never stops at EOS.
     assert policy.generation_config.eos_token_id is None and trainer.stop_token_id is None
-    print(f"[trl_baseline] optimizer={type(trainer.optimizer.optimizer).__name__} "
-          f"lr={config.learning_rate} device={trainer.accelerator.device}", file=sys.stderr)
+    print(
+        f"[trl_baseline] optimizer={type(trainer.optimizer.optimizer).__name__} "
+        f"lr={config.learning_rate} device={trainer.accelerator.device}",
+        file=sys.stderr,
+    )
 
     timer = PhaseTimer(w.response_tokens, tokenizer.pad_token_id)
     timer.install(ppo_trainer_module)
@@ -243,8 +240,7 @@ def train(run: TRLRun) -> dict:
     import torch
 
     w, trainer, timer = run.workload, run.trainer, run.timer
-    print(f"[trl_baseline] rss before train: {psutil.Process().memory_info().rss / 2**20:.0f} MiB",
-          file=sys.stderr)
+    print(f"[trl_baseline] rss before train: {psutil.Process().memory_info().rss / 2**20:.0f} MiB", file=sys.stderr)
     gc.collect()
     gc.freeze()  # TRL's per-update gc.collect() then only scans objects created during training
     t0 = time.perf_counter()
@@ -258,14 +254,17 @@ def train(run: TRLRun) -> dict:
     episodes = trainer.state.episode
     iterations = run.episodes // w.rollout_batch
     if episodes != run.episodes or timer.iterations != iterations:
-        raise RuntimeError(f"ran {episodes} episodes / {timer.iterations} iterations, expected "
-                           f"{run.episodes} / {iterations}")
+        raise RuntimeError(
+            f"ran {episodes} episodes / {timer.iterations} iterations, expected {run.episodes} / {iterations}"
+        )
     rollout_s = timer.rollout_s
-    print(f"[trl_baseline] threads={torch.get_num_threads()} generate_s={timer.generate_s:.3f} "
-          f"sampled_pad_tokens={timer.sampled_pad_tokens}", file=sys.stderr)
+    print(
+        f"[trl_baseline] threads={torch.get_num_threads()} generate_s={timer.generate_s:.3f} "
+        f"sampled_pad_tokens={timer.sampled_pad_tokens}",
+        file=sys.stderr,
+    )
     for i, ((r, u), rss) in enumerate(zip(timer.per_iteration, timer.rss_mb)):
-        print(f"[trl_baseline] iteration {i}: rollout {r:.3f}s update {u:.3f}s rss {rss:.0f} MiB",
-              file=sys.stderr)
+        print(f"[trl_baseline] iteration {i}: rollout {r:.3f}s update {u:.3f}s rss {rss:.0f} MiB", file=sys.stderr)
     return {
         "impl": "trl",
         "workload": w.name,

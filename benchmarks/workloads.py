@@ -56,19 +56,51 @@ class Workload:
 
 
 WORKLOADS = {
-    "tiny": Workload("tiny", n_layer=2, n_head=2, n_embd=64, num_prompts=64, prompt_tokens=8,
-                     response_tokens=16, rollout_batch=8, ppo_epochs=4, num_minibatches=1,
-                     episodes=256),
-    "small": Workload("small", n_layer=6, n_head=6, n_embd=384, num_prompts=64, prompt_tokens=32,
-                      response_tokens=64, rollout_batch=16, ppo_epochs=4, num_minibatches=1,
-                      episodes=64),
+    "tiny": Workload(
+        "tiny",
+        n_layer=2,
+        n_head=2,
+        n_embd=64,
+        num_prompts=64,
+        prompt_tokens=8,
+        response_tokens=16,
+        rollout_batch=8,
+        ppo_epochs=4,
+        num_minibatches=1,
+        episodes=256,
+    ),
+    "small": Workload(
+        "small",
+        n_layer=6,
+        n_head=6,
+        n_embd=384,
+        num_prompts=64,
+        prompt_tokens=32,
+        response_tokens=64,
+        rollout_batch=16,
+        ppo_epochs=4,
+        num_minibatches=1,
+        episodes=64,
+    ),
     # GPT-2 small's shape (124M parameters with its 1024 positions) and vocabulary size: 50257
     # entries, 50254 synthetic words + <|unk|> + <|pad|> + <|endoftext|> (build_word_tokenizer),
     # prompts of 64 random words. Two iterations of 8 rows: one run of our side takes ~1 min on
     # 2 quiet CPU cores, TRL's ~2 min.
-    "medium": Workload("medium", n_layer=12, n_head=12, n_embd=768, num_prompts=64, prompt_tokens=64,
-                       response_tokens=64, rollout_batch=8, ppo_epochs=4, num_minibatches=1,
-                       episodes=16, vocab_size=50257, n_positions=1024),
+    "medium": Workload(
+        "medium",
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        num_prompts=64,
+        prompt_tokens=64,
+        response_tokens=64,
+        rollout_batch=8,
+        ppo_epochs=4,
+        num_minibatches=1,
+        episodes=16,
+        vocab_size=50257,
+        n_positions=1024,
+    ),
 }
 
 
@@ -101,9 +133,15 @@ def build_word_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tok.add_special_tokens([UNK_TOKEN, PAD_TOKEN, EOS_TOKEN])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
-                                   pad_token=PAD_TOKEN, unk_token=UNK_TOKEN, padding_side="left",
-                                   model_max_length=1_000_000)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="left",
+        model_max_length=1_000_000,
+    )
 
 
 def build_tokenizer(w: Workload):
@@ -126,8 +164,7 @@ def make_prompts(w: Workload, seed: int = 0) -> list[str]:
         letters = "abcdefghijklmnopqrstuvwxyz "
         return ["".join(rng.choice(letters) for _ in range(w.prompt_tokens)) for _ in range(w.num_prompts)]
     n_words = w.vocab_size - 3
-    return [" ".join(word(rng.randrange(n_words)) for _ in range(w.prompt_tokens))
-            for _ in range(w.num_prompts)]
+    return [" ".join(word(rng.randrange(n_words)) for _ in range(w.prompt_tokens)) for _ in range(w.num_prompts)]
 
 
 # ----------------------------------------------------------------------------- models

@@ -90,8 +90,13 @@ def field_docs(cls: type) -> dict[str, str]:
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
         body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
         for node, nxt in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
     return docs
 
@@ -230,10 +235,16 @@ def groups_table() -> str:
             if group in ("logger", "callbacks"):
                 sets = ", ".join(f"`{group}.{k}`" for k in keys[group]) or "nothing"
             else:
-                sets = ", ".join([f"`{p}`" for p in picks] + [f"`{k}={_flow(v)}`" for k, v in keys.items()]) or "nothing"
-            rows.append(f"| {('`' + group + '`') if i == 0 else ''} | {name} | {md(leading_comment(path))} | {md(sets)} |")
-    return ("## Config groups and their choices\n\nDefault choices (`conf/train.yaml`) in **bold**. Keys a choice does not set "
-            "keep the schema defaults in the key tables below.\n\n" + "\n".join(rows) + "\n")
+                sets = (
+                    ", ".join([f"`{p}`" for p in picks] + [f"`{k}={_flow(v)}`" for k, v in keys.items()]) or "nothing"
+                )
+            rows.append(
+                f"| {('`' + group + '`') if i == 0 else ''} | {name} | {md(leading_comment(path))} | {md(sets)} |"
+            )
+    return (
+        "## Config groups and their choices\n\nDefault choices (`conf/train.yaml`) in **bold**. Keys a choice does not set "
+        "keep the schema defaults in the key tables below.\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def key_table(cls: type, prefix: str, sets: dict[str, list[str]], title: str) -> str:
@@ -252,8 +263,10 @@ def key_table(cls: type, prefix: str, sets: dict[str, list[str]], title: str) ->
         if isinstance(f.type, str) and "TinyModelConfig" in f.type:
             nested.append((key, C.TinyModelConfig))
         check = C.describe_check(f.metadata)
-        rows.append(f"| `{key}` | {render_type(f.type)} | {render_value(default)} | {md(check)} | "
-                    f"{md('; '.join(sets.get(key, [])))} | {md(docs.get(f.name, ''))} |")
+        rows.append(
+            f"| `{key}` | {render_type(f.type)} | {render_value(default)} | {md(check)} | "
+            f"{md('; '.join(sets.get(key, [])))} | {md(docs.get(f.name, ''))} |"
+        )
     out = f"### {title}\n\n{intro}\n\n" + "\n".join(rows) + "\n"
     for key, sub in nested:
         out += "\n" + key_table(sub, key, sets, f"`{key}` (`{sub.__name__}`)")
@@ -262,16 +275,21 @@ def key_table(cls: type, prefix: str, sets: dict[str, list[str]], title: str) ->
 
 def keys_section() -> str:
     sets = set_by()
-    parts = ["## Keys\n\nType, schema default, check and meaning of every key; *Set by* lists the group "
-             "files that set it (`group=choice: value`).\n"]
+    parts = [
+        "## Keys\n\nType, schema default, check and meaning of every key; *Set by* lists the group "
+        "files that set it (`group=choice: value`).\n"
+    ]
     for f in dataclasses.fields(C.TrainConfig):
         default = default_of(f)
         if dataclasses.is_dataclass(default):
             parts.append(key_table(type(default), f.name, sets, f"`{f.name}` (`{type(default).__name__}`)"))
     parts.append(run_level_table(sets))
     for name, cls in TASK_STAGES.items():
-        parts.append(key_table(cls, "task", _task_sets(name), f"`task={name}` (`{cls.__name__}`, "
-                                                             f"`ppo_lightning/stages/{name}.py`)"))
+        parts.append(
+            key_table(
+                cls, "task", _task_sets(name), f"`task={name}` (`{cls.__name__}`, `ppo_lightning/stages/{name}.py`)"
+            )
+        )
     return "\n".join(parts)
 
 
@@ -283,8 +301,11 @@ def _task_sets(name: str) -> dict[str, list[str]]:
 def run_level_table(sets: dict[str, list[str]]) -> str:
     docs = field_docs(C.TrainConfig)
     rows = ["| Key | Type | Default | Check | Set by | Meaning |", "|---|---|---|---|---|---|"]
-    top = {k: v for k, v in flatten(yaml.safe_load((CONF / "train.yaml").read_text())).items()
-           if not k.startswith(("defaults", "hydra"))}
+    top = {
+        k: v
+        for k, v in flatten(yaml.safe_load((CONF / "train.yaml").read_text())).items()
+        if not k.startswith(("defaults", "hydra"))
+    }
     for f in dataclasses.fields(C.TrainConfig):
         default = default_of(f)
         if dataclasses.is_dataclass(default):
@@ -292,38 +313,49 @@ def run_level_table(sets: dict[str, list[str]]) -> str:
         key_sets = sets.get(f.name, [])
         if f.name in top:
             key_sets = [f"train.yaml: {render_value(top[f.name])}", *key_sets]
-        rows.append(f"| `{f.name}` | {render_type(f.type)} | {render_value(default)} | "
-                    f"{md(C.describe_check(f.metadata))} | {md('; '.join(key_sets))} | {md(docs.get(f.name, ''))} |")
+        rows.append(
+            f"| `{f.name}` | {render_type(f.type)} | {render_value(default)} | "
+            f"{md(C.describe_check(f.metadata))} | {md('; '.join(key_sets))} | {md(docs.get(f.name, ''))} |"
+        )
     hydra_keys = flatten(yaml.safe_load((CONF / "train.yaml").read_text())["hydra"], "hydra.")
     for k, v in hydra_keys.items():
         rows.append(f"| `{k}` | str | {render_value(v)} | | train.yaml | Hydra's own key. |")
-    return ("### Run-level keys (`TrainConfig`)\n\nRun-level keys of `TrainConfig` (`conf/train.yaml`). "
-            "`task.name` is ppo \\| sft \\| reward_model \\| export; the stage tasks' own keys follow.\n\n"
-            + "\n".join(rows) + "\n")
+    return (
+        "### Run-level keys (`TrainConfig`)\n\nRun-level keys of `TrainConfig` (`conf/train.yaml`). "
+        "`task.name` is ppo \\| sft \\| reward_model \\| export; the stage tasks' own keys follow.\n\n"
+        + "\n".join(rows)
+        + "\n"
+    )
 
 
 def ignored_unless_section() -> str:
     rows = ["| Key | Ignored unless |", "|---|---|"]
     rows += [f"| `{r.key}` | {md(r.mode)} |" for r in C.IGNORED_UNLESS]
-    return ("## Keys that are ignored unless...\n\nSome keys do nothing in some modes. Set away from its "
-            "default in such a mode, a key gets one warning at startup, naming it and the mode that reads it "
-            "(`config.IGNORED_UNLESS`). Combinations that would do something other than their docs say are "
-            "refused instead, with an error naming both keys.\n\n" + "\n".join(rows) + "\n")
+    return (
+        "## Keys that are ignored unless...\n\nSome keys do nothing in some modes. Set away from its "
+        "default in such a mode, a key gets one warning at startup, naming it and the mode that reads it "
+        "(`config.IGNORED_UNLESS`). Combinations that would do something other than their docs say are "
+        "refused instead, with an error naming both keys.\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def moved_section() -> str:
     rows = ["| Old key | Now |", "|---|---|"]
     rows += [f"| `{old}` | `{new}` |" for old, new in C.MOVED_KEYS.items()]
     rows += [f"| `{old}` | removed: {md(why)} |" for old, why in C.REMOVED_KEYS.items()]
-    return ("## Moved and removed keys\n\nSetting one of these fails before anything loads, with one line "
-            "that names its new home (or why it went).\n\n" + "\n".join(rows) + "\n")
+    return (
+        "## Moved and removed keys\n\nSetting one of these fails before anything loads, with one line "
+        "that names its new home (or why it went).\n\n" + "\n".join(rows) + "\n"
+    )
 
 
 def dict_groups_section() -> str:
-    parts = ["## `logger` and `callbacks`\n\nDicts of named Lightning objects, each a mapping with a "
-             "`_target_` (instantiated with the other keys as arguments; `null` entries are skipped; "
-             "anything else without a `_target_` is an error). Add one with `+logger.<name>=...` / "
-             "`+callbacks.<name>=...`, drop one with `callbacks.<name>=null`. The choices, as shipped:\n"]
+    parts = [
+        "## `logger` and `callbacks`\n\nDicts of named Lightning objects, each a mapping with a "
+        "`_target_` (instantiated with the other keys as arguments; `null` entries are skipped; "
+        "anything else without a `_target_` is an error). Add one with `+logger.<name>=...` / "
+        "`+callbacks.<name>=...`, drop one with `callbacks.<name>=null`. The choices, as shipped:\n"
+    ]
     for group in ("logger", "callbacks"):
         for path in group_files()[group]:
             body = "\n".join(ln for ln in path.read_text().splitlines() if not ln.startswith("# @package"))
@@ -332,9 +364,18 @@ def dict_groups_section() -> str:
 
 
 def render() -> str:
-    return "\n".join([INTRO, groups_table(), keys_section(), ignored_unless_section(), moved_section(), dict_groups_section(),
-                      "## Implementation details\n\nEach detail that decides whether PPO works, with its "
-                      "source and the code that implements it: [implementation.md](implementation.md).\n"])
+    return "\n".join(
+        [
+            INTRO,
+            groups_table(),
+            keys_section(),
+            ignored_unless_section(),
+            moved_section(),
+            dict_groups_section(),
+            "## Implementation details\n\nEach detail that decides whether PPO works, with its "
+            "source and the code that implements it: [implementation.md](implementation.md).\n",
+        ]
+    )
 
 
 def main() -> int:

@@ -45,9 +45,19 @@ class PPO:
     ``generator`` (this rank's sampling and shuffling stream) and ``reward_norm`` (the score's
     ``(gain, bias)``), all checkpointed by the module."""
 
-    def __init__(self, policy: PolicyWithValueHead, ref_lm: nn.Module, reward_fn, tokenizer, cfg: PPOConfig,
-                 sampling: SamplingParams, sampler: GenerationBackend, kl_ctl, runtime,
-                 reward_norm: tuple[float, float] | None):
+    def __init__(
+        self,
+        policy: PolicyWithValueHead,
+        ref_lm: nn.Module,
+        reward_fn,
+        tokenizer,
+        cfg: PPOConfig,
+        sampling: SamplingParams,
+        sampler: GenerationBackend,
+        kl_ctl,
+        runtime,
+        reward_norm: tuple[float, float] | None,
+    ):
         self.policy, self.ref_lm, self.reward_fn, self.tokenizer = policy, ref_lm, reward_fn, tokenizer
         self.cfg, self.sampling, self.sampler, self.kl_ctl, self.runtime = cfg, sampling, sampler, kl_ctl, runtime
         self.kl_estimator = ppo.kl_estimator_for(cfg.kl_in, cfg.kl_estimator)  # null: per placement
@@ -66,10 +76,18 @@ class PPO:
             attention_mask = attention_mask.repeat_interleave(c.num_generations, dim=0)
         with self.runtime.rollout_context(self.policy, self.ref_lm):
             samples = sample_and_score(
-                sampler=self.sampler, params=self.sampling, ref_lm=self.ref_lm, reward_fn=self.reward_fn,
-                tokenizer=self.tokenizer, input_ids=input_ids, attention_mask=attention_mask,
-                missing_eos_penalty=c.missing_eos_penalty, forward_chunk_size=c.rollout_forward_batch_size,
-                reward_norm=self.reward_norm, generator=self.generator)
+                sampler=self.sampler,
+                params=self.sampling,
+                ref_lm=self.ref_lm,
+                reward_fn=self.reward_fn,
+                tokenizer=self.tokenizer,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                missing_eos_penalty=c.missing_eos_penalty,
+                forward_chunk_size=c.rollout_forward_batch_size,
+                reward_norm=self.reward_norm,
+                generator=self.generator,
+            )
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
             r = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, kl_estimator=self.kl_estimator, cfg=c)
@@ -87,8 +105,16 @@ class PPO:
             with torch.enable_grad():
                 out = self._policy_forward(s)
             return out[2].detach(), (out[1].detach() if out[1] is not None else None), out
-        logprobs, values = forward_logprobs(self.policy, None, s.query_responses, s.attention_mask, s.position_ids,
-                                            s.context_length, self.sampling.temperature, c.rollout_forward_batch_size)
+        logprobs, values = forward_logprobs(
+            self.policy,
+            None,
+            s.query_responses,
+            s.attention_mask,
+            s.position_ids,
+            s.context_length,
+            self.sampling.temperature,
+            c.rollout_forward_batch_size,
+        )
         return logprobs, values, None
 
     def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
@@ -143,8 +169,9 @@ class PPO:
         """
         c, rt = self.cfg, self.runtime
         # what every token mean divides by: this rank's tokens, or with token_mean_global every rank's
-        n_tokens = (ppo.global_token_count(mb.response_mask) if c.loss_agg == "token_mean_global"
-                    else mb.response_mask.sum())
+        n_tokens = (
+            ppo.global_token_count(mb.response_mask) if c.loss_agg == "token_mean_global" else mb.response_mask.sum()
+        )
         size = c.micro_batch_size if c.micro_batch_size and c.micro_batch_size < mb.batch_size else mb.batch_size
         parts = [mb] if size == mb.batch_size else [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)]
         stats: dict[str, Tensor] = {}
@@ -152,8 +179,9 @@ class PPO:
         opt.zero_grad()
         for i, part in enumerate(parts):
             with rt.gradient_sync(i == len(parts) - 1):
-                loss, part_stats, new_logp = self._loss(part, first_forward or self._policy_forward(part), n_tokens,
-                                                        mb.batch_size)
+                loss, part_stats, new_logp = self._loss(
+                    part, first_forward or self._policy_forward(part), n_tokens, mb.batch_size
+                )
                 if not rt.all_ranks(bool(torch.isfinite(loss))):
                     opt.zero_grad()
                     return None, f"loss {loss.item()}"
@@ -172,8 +200,12 @@ class PPO:
         rt.step(opt)
         with torch.no_grad():
             ratio = torch.exp(new_logp - mb.logprobs)
-            return {"policy/approxkl_avg": approxkl, **stats, "val/ratio": ppo.masked_mean(ratio, mask),
-                    "val/ratio_var": ppo.masked_var(ratio, mask, unbiased=False)}, None
+            return {
+                "policy/approxkl_avg": approxkl,
+                **stats,
+                "val/ratio": ppo.masked_mean(ratio, mask),
+                "val/ratio_var": ppo.masked_var(ratio, mask, unbiased=False),
+            }, None
 
     def _loss(self, part: Rollout, forward: PolicyOutput, n_tokens: Tensor, seq_count: int):
         """``(loss, statistics, new logprobs)`` of a micro-batch: the clipped policy loss, plus
@@ -184,15 +216,29 @@ class PPO:
         logits, new_values, new_logp = forward
         low, high = c.clip_low or c.clip, c.clip_high or c.clip
         pg_loss, pg_clipfrac = ppo.ppo_policy_loss(
-            new_logp, part.logprobs, part.advantages, mask, low, n_tokens, clip_high=high, dual_clip=c.dual_clip,
-            agg=c.loss_agg, seq_count=seq_count, norm_length=self.sampling.max_new_tokens)
+            new_logp,
+            part.logprobs,
+            part.advantages,
+            mask,
+            low,
+            n_tokens,
+            clip_high=high,
+            dual_clip=c.dual_clip,
+            agg=c.loss_agg,
+            seq_count=seq_count,
+            norm_length=self.sampling.max_new_tokens,
+        )
         with torch.no_grad():
             clip_lo, clip_hi = ppo.clip_fractions(new_logp, part.logprobs, part.advantages, mask, low, high, n_tokens)
         with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
             entropy = ppo.token_mean(ppo.entropy_from_logits(logits.float()), mask, n_tokens)
-        stats = {"policy/clipfrac_avg": pg_clipfrac, "policy/clipfrac_low_avg": clip_lo,
-                 "policy/clipfrac_high_avg": clip_hi, "policy/entropy_avg": entropy.detach(),
-                 "loss/policy_avg": pg_loss.detach()}
+        stats = {
+            "policy/clipfrac_avg": pg_clipfrac,
+            "policy/clipfrac_low_avg": clip_lo,
+            "policy/clipfrac_high_avg": clip_hi,
+            "policy/entropy_avg": entropy.detach(),
+            "loss/policy_avg": pg_loss.detach(),
+        }
         if new_values is not None:  # critic-free estimators have no value loss, and no value metrics
             vf_loss, vf_clipfrac = ppo.ppo_value_loss(new_values, part.values, part.returns, mask, c.vf_clip, n_tokens)
             loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
@@ -200,8 +246,14 @@ class PPO:
         else:
             loss = pg_loss - c.ent_coef * entropy
         if c.kl_in == "loss":  # GRPO: beta * KL(policy, reference), masked before the estimator
-            kl_loss = ppo.aggregate(ppo.kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask), mask,
-                                    c.loss_agg, n_tokens, seq_count, self.sampling.max_new_tokens)
+            kl_loss = ppo.aggregate(
+                ppo.kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask),
+                mask,
+                c.loss_agg,
+                n_tokens,
+                seq_count,
+                self.sampling.max_new_tokens,
+            )
             loss = loss + self.kl_ctl.value * kl_loss
             stats["loss/kl_avg"] = kl_loss.detach()
         return loss, stats, new_logp

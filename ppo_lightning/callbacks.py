@@ -30,7 +30,8 @@ class SampleTable(L.Callback):
             return
         n = min(self.n_samples, r.batch_size)
         prompts, responses = decode_prompts_and_responses(
-            pl_module.tokenizer, r.query_responses[:n, :r.context_length], r.responses[:n], r.response_mask[:n])
+            pl_module.tokenizer, r.query_responses[:n, : r.context_length], r.responses[:n], r.response_mask[:n]
+        )
         scores = r.scores[:n].tolist()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as f:
@@ -38,6 +39,9 @@ class SampleTable(L.Callback):
                 f.write(json.dumps({"step": step, "prompt": p, "response": resp, "score": s}) + "\n")
         for lg in trainer.loggers:
             if isinstance(lg, WandbLogger):
-                lg.log_table(key="samples", columns=["step", "prompt", "response", "score"],
-                             data=[[step, p, resp, s] for p, resp, s in zip(prompts, responses, scores)],
-                             step=step)
+                lg.log_table(
+                    key="samples",
+                    columns=["step", "prompt", "response", "score"],
+                    data=[[step, p, resp, s] for p, resp, s in zip(prompts, responses, scores)],
+                    step=step,
+                )

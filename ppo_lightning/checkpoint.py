@@ -93,11 +93,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         f.flush()
         os.fsync(f.fileno())
 
-    def load_checkpoint(self, path, map_location=lambda storage, loc: storage,
-                        weights_only: bool | None = None):
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only: bool | None = None):
         # weights_only=True unless a caller insists: a checkpoint is data, never code to run.
-        return super().load_checkpoint(path, map_location=map_location,
-                                       weights_only=True if weights_only is None else weights_only)
+        return super().load_checkpoint(
+            path, map_location=map_location, weights_only=True if weights_only is None else weights_only
+        )
 
 
 def stop_every_rank_on_write_error(strategy) -> None:

@@ -16,8 +16,13 @@ KL_PLACEMENTS = ("reward", "loss")  # ppo.kl_in
 # samples, so as a loss term it pulls nothing toward the reference.
 DEFAULT_KL_ESTIMATOR = {"reward": "k1", "loss": "k3"}
 LOSS_KL_ESTIMATORS = ("k2", "k3")  # k2's gradient is that of KL(p||q), k3's that of KL(q||p)
-LOSS_AGGREGATIONS = ("token_mean", "token_mean_global", "seq_mean_token_mean", "seq_mean_token_sum",
-                     "seq_mean_token_sum_norm")  # ppo.loss_agg (ppo.aggregate)
+LOSS_AGGREGATIONS = (
+    "token_mean",
+    "token_mean_global",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)  # ppo.loss_agg (ppo.aggregate)
 
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype, ref.dtype, reward.dtype (policy.TORCH_DTYPES)
 VALUE_HEAD_INITS = ("zeros", "reward_model")  # model.value_head_init

@@ -30,8 +30,9 @@ ASSETS = Path(__file__).parent / "assets"
 log = logging.getLogger(__name__)
 
 
-def param(default: Any = MISSING, *, factory=None, choices=None, gt=None, ge=None, lt=None, le=None,
-          hint: str | None = None):
+def param(
+    default: Any = MISSING, *, factory=None, choices=None, gt=None, ge=None, lt=None, le=None, hint: str | None = None
+):
     """A config field with its check: ``choices`` (a registry: any iterable of the allowed
     values), bounds ``gt``/``ge``/``lt``/``le``, and a ``hint`` appended to the error message.
     A null value (an optional key left unset) is never checked."""
@@ -69,8 +70,12 @@ def check_fields(node: Any, cls: type, prefix: str = "") -> None:
         if "choices" in meta:
             ok = value in tuple(meta["choices"])
         else:
-            ok = (("gt" not in meta or value > meta["gt"]) and ("ge" not in meta or value >= meta["ge"])
-                  and ("lt" not in meta or value < meta["lt"]) and ("le" not in meta or value <= meta["le"]))
+            ok = (
+                ("gt" not in meta or value > meta["gt"])
+                and ("ge" not in meta or value >= meta["ge"])
+                and ("lt" not in meta or value < meta["lt"])
+                and ("le" not in meta or value <= meta["le"])
+            )
         if not ok:
             what = "choose " + describe_check(meta) if "choices" in meta else "must be " + describe_check(meta)
             hint = f" ({meta['hint']})" if "hint" in meta else ""
@@ -98,12 +103,16 @@ class TinyModelConfig:
     """Init seed of the random weights."""
 
 
-LORA_DROPOUT_REMOVED = ("PPO needs logprobs that are a deterministic function of the weights (dropout would "
-                        "make the first update's ratio differ from 1); the adapters train without dropout")
+LORA_DROPOUT_REMOVED = (
+    "PPO needs logprobs that are a deterministic function of the weights (dropout would "
+    "make the first update's ratio differ from 1); the adapters train without dropout"
+)
 
 
-DATA_WORKERS_REMOVED = ("the PPO prompt loader runs in the main process (its prompts are tokenised once, before "
-                        "any model loads); a stage's loader workers are task.num_workers")
+DATA_WORKERS_REMOVED = (
+    "the PPO prompt loader runs in the main process (its prompts are tokenised once, before "
+    "any model loads); a stage's loader workers are task.num_workers"
+)
 
 
 @dataclass
@@ -258,10 +267,15 @@ class OptimizerConfig:
 
 
 MOVED_KEYS = {
-    "ppo.max_new_tokens": "sampling.max_new_tokens", "ppo.temperature": "sampling.temperature",
-    "ppo.top_k": "sampling.top_k", "ppo.top_p": "sampling.top_p", "ppo.stop_at_eos": "sampling.stop_at_eos",
-    "ppo.stop_token_ids": "sampling.stop_token_ids", "ppo.stop_strings": "sampling.stop_strings",
-    "ppo.rollout_generate_batch_size": "sampling.chunk_size", "ppo.fast_decode": "generation.fast_decode",
+    "ppo.max_new_tokens": "sampling.max_new_tokens",
+    "ppo.temperature": "sampling.temperature",
+    "ppo.top_k": "sampling.top_k",
+    "ppo.top_p": "sampling.top_p",
+    "ppo.stop_at_eos": "sampling.stop_at_eos",
+    "ppo.stop_token_ids": "sampling.stop_token_ids",
+    "ppo.stop_strings": "sampling.stop_strings",
+    "ppo.rollout_generate_batch_size": "sampling.chunk_size",
+    "ppo.fast_decode": "generation.fast_decode",
 }
 """Keys that moved, and their new homes. Each old key stays in its schema as a null placeholder,
 so that setting it (on the command line or in a YAML file) composes and then fails validation
@@ -548,7 +562,11 @@ class PathsConfig:
     """Recipe builds (``${recipe_dir:<name>}``), built tiny models and other reusable artefacts."""
 
 
-GENERATION_HF = {"_target_": "ppo_lightning.generation.hf.HFBackend", "_partial_": True, "fast_decode": True}  # conf/generation/hf.yaml
+GENERATION_HF = {
+    "_target_": "ppo_lightning.generation.hf.HFBackend",
+    "_partial_": True,
+    "fast_decode": True,
+}  # conf/generation/hf.yaml
 
 
 @dataclass
@@ -751,26 +769,38 @@ IGNORED_UNLESS = (
     IgnoredUnless("ppo.vf_coef", "ppo.advantage=gae (the only estimator with a critic)", _CRITIC),
     IgnoredUnless("ppo.vf_clip", "ppo.advantage=gae (the only estimator with a critic)", _CRITIC),
     IgnoredUnless("ppo.lam", "ppo.advantage=gae (GAE's lambda)", _CRITIC),
-    IgnoredUnless("ppo.clip", "ppo.clip_low or ppo.clip_high is null (each side defaults to ppo.clip)",
-                  lambda cfg: cfg.ppo.clip_low is None or cfg.ppo.clip_high is None),
+    IgnoredUnless(
+        "ppo.clip",
+        "ppo.clip_low or ppo.clip_high is null (each side defaults to ppo.clip)",
+        lambda cfg: cfg.ppo.clip_low is None or cfg.ppo.clip_high is None,
+    ),
     IgnoredUnless("ppo.kl_target", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
     IgnoredUnless("ppo.kl_horizon", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
     IgnoredUnless("ppo.missing_eos_penalty", "sampling.stop_at_eos=true", _STOPS),
     IgnoredUnless("sampling.stop_token_ids", "sampling.stop_at_eos=true", _STOPS),
     IgnoredUnless("sampling.stop_strings", "sampling.stop_at_eos=true", _STOPS),
-    IgnoredUnless("reward.gain", "reward.normalize=false (normalisation fits gain and bias)",
-                  lambda cfg: not cfg.reward.normalize),
-    IgnoredUnless("reward.bias", "reward.normalize=false (normalisation fits gain and bias)",
-                  lambda cfg: not cfg.reward.normalize),
+    IgnoredUnless(
+        "reward.gain", "reward.normalize=false (normalisation fits gain and bias)", lambda cfg: not cfg.reward.normalize
+    ),
+    IgnoredUnless(
+        "reward.bias", "reward.normalize=false (normalisation fits gain and bias)", lambda cfg: not cfg.reward.normalize
+    ),
     IgnoredUnless("reward.normalize_samples", "reward.normalize=true", lambda cfg: cfg.reward.normalize),
     IgnoredUnless("reward.fn", "reward.kind=function", _FUNCTION),
     IgnoredUnless("reward.kwargs", "reward.kind=function", _FUNCTION),
-    *(IgnoredUnless(f"reward.{k}", "reward.kind=model", _MODEL)
-      for k in ("name_or_path", "batch_size", "max_length", "dtype", "input", "label_index", "trust_remote_code")),
+    *(
+        IgnoredUnless(f"reward.{k}", "reward.kind=model", _MODEL)
+        for k in ("name_or_path", "batch_size", "max_length", "dtype", "input", "label_index", "trust_remote_code")
+    ),
     IgnoredUnless("data.hf_split", "data.hf_dataset is read (data.path is null)", lambda cfg: cfg.data.path is None),
-    *(IgnoredUnless(f"trainer.{k}", "task=sft or task=reward_model (a PPO run has no validation loop)",
-                    lambda cfg: not _PPO(cfg))
-      for k in ("limit_val_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps")),
+    *(
+        IgnoredUnless(
+            f"trainer.{k}",
+            "task=sft or task=reward_model (a PPO run has no validation loop)",
+            lambda cfg: not _PPO(cfg),
+        )
+        for k in ("limit_val_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps")
+    ),
 )
 """Keys that do nothing in some modes; ``validate`` warns when one is set there, and
 ``docs/config.md`` renders this table. (Combinations that would do something other than their docs
@@ -799,9 +829,18 @@ def _schema_default(f: dataclasses.Field):
 
 # ============================================================================= validation
 FP16_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine-float16")  # refused by validate
-SECTIONS = {"model": ModelConfig, "model.lora": LoRAConfig, "model.build_tiny": TinyModelConfig,
-            "ref": RefConfig, "reward": RewardConfig, "optimizer": OptimizerConfig, "ppo": PPOConfig,
-            "sampling": SamplingConfig, "data": DataConfig, "trainer": TrainerConfig}
+SECTIONS = {
+    "model": ModelConfig,
+    "model.lora": LoRAConfig,
+    "model.build_tiny": TinyModelConfig,
+    "ref": RefConfig,
+    "reward": RewardConfig,
+    "optimizer": OptimizerConfig,
+    "ppo": PPOConfig,
+    "sampling": SamplingConfig,
+    "data": DataConfig,
+    "trainer": TrainerConfig,
+}
 
 
 def validate(cfg) -> None:
@@ -819,44 +858,62 @@ def validate(cfg) -> None:
     p, d = cfg.ppo, cfg.data
     rows = d.batch_size * p.num_generations
     if rows % p.minibatch_size:
-        what = (f"data.batch_size={d.batch_size} (the rollout batch)" if p.num_generations == 1 else
-                f"the rollout's {rows} rows (data.batch_size={d.batch_size} x ppo.num_generations={p.num_generations})")
-        raise ConfigError(f"ppo.minibatch_size={p.minibatch_size!r}: must divide {what}; choose a divisor, e.g. "
-                          f"ppo.minibatch_size={_largest_divisor(rows, p.minibatch_size)}")
+        what = (
+            f"data.batch_size={d.batch_size} (the rollout batch)"
+            if p.num_generations == 1
+            else f"the rollout's {rows} rows (data.batch_size={d.batch_size} x ppo.num_generations={p.num_generations})"
+        )
+        raise ConfigError(
+            f"ppo.minibatch_size={p.minibatch_size!r}: must divide {what}; choose a divisor, e.g. "
+            f"ppo.minibatch_size={_largest_divisor(rows, p.minibatch_size)}"
+        )
     if p.advantage in choices.GROUP_ESTIMATORS and p.num_generations < 2:
-        raise ConfigError(f"ppo.advantage={p.advantage}: compares the responses to one prompt; set "
-                          f"ppo.num_generations >= 2 (e.g. 4)")
+        raise ConfigError(
+            f"ppo.advantage={p.advantage}: compares the responses to one prompt; set ppo.num_generations >= 2 (e.g. 4)"
+        )
     if p.advantage != "gae":
         for key in ("model.value_head_path", "model.value_head_init"):
             value = OmegaConf.select(cfg, key)
             if value not in (None, "zeros"):
-                raise ConfigError(f"{key}={value!r} with ppo.advantage={p.advantage}: the critic-free "
-                                  "estimators run no value head; unset it, or use ppo.advantage=gae")
+                raise ConfigError(
+                    f"{key}={value!r} with ppo.advantage={p.advantage}: the critic-free "
+                    "estimators run no value head; unset it, or use ppo.advantage=gae"
+                )
     _check_estimator_options(p)
     world = processes_per_job(cfg.trainer)
     r = cfg.reward
     if r.normalize and world and r.normalize_samples < world:
-        raise ConfigError(f"reward.normalize_samples={r.normalize_samples} with {world} processes (trainer.devices x "
-                          f"trainer.num_nodes): each rank scores normalize_samples // {world} = 0 samples; set "
-                          f"reward.normalize_samples >= {max(2, world)}")
+        raise ConfigError(
+            f"reward.normalize_samples={r.normalize_samples} with {world} processes (trainer.devices x "
+            f"trainer.num_nodes): each rank scores normalize_samples // {world} = 0 samples; set "
+            f"reward.normalize_samples >= {max(2, world)}"
+        )
     if str(cfg.trainer.precision) in FP16_PRECISIONS:
-        raise ConfigError(f"trainer.precision={cfg.trainer.precision}: float16 is not supported (it needs loss "
-                          "scaling, which PPO's skip-on-overflow would have to share); use bf16-mixed (GPUs "
-                          "since Ampere, and CPUs) or 32-true")
+        raise ConfigError(
+            f"trainer.precision={cfg.trainer.precision}: float16 is not supported (it needs loss "
+            "scaling, which PPO's skip-on-overflow would have to share); use bf16-mixed (GPUs "
+            "since Ampere, and CPUs) or 32-true"
+        )
     if p.micro_batch_size is not None and p.minibatch_size % p.micro_batch_size:
-        raise ConfigError(f"ppo.micro_batch_size={p.micro_batch_size!r}: must divide ppo.minibatch_size="
-                          f"{p.minibatch_size}; choose a divisor, e.g. ppo.micro_batch_size="
-                          f"{_largest_divisor(p.minibatch_size, p.micro_batch_size)}")
+        raise ConfigError(
+            f"ppo.micro_batch_size={p.micro_batch_size!r}: must divide ppo.minibatch_size="
+            f"{p.minibatch_size}; choose a divisor, e.g. ppo.micro_batch_size="
+            f"{_largest_divisor(p.minibatch_size, p.micro_batch_size)}"
+        )
     lora = cfg.model.lora
     if lora.r > 0 and (cfg.ref.name_or_path is not None or cfg.ref.dtype is not None):
         key = "ref.name_or_path" if cfg.ref.name_or_path is not None else "ref.dtype"
-        raise ConfigError(f"{key}={OmegaConf.select(cfg, key)!r} with model.lora.r={lora.r}: with LoRA the "
-                          "reference is the policy with its adapters off (no second copy of the weights); unset "
-                          f"{key}, or set model.lora.r=0 to keep a separate reference")
+        raise ConfigError(
+            f"{key}={OmegaConf.select(cfg, key)!r} with model.lora.r={lora.r}: with LoRA the "
+            "reference is the policy with its adapters off (no second copy of the weights); unset "
+            f"{key}, or set model.lora.r=0 to keep a separate reference"
+        )
     target = strategy_name(cfg.trainer)
     if target.lower() in ("fsdp", "fsdpstrategy") or target.endswith(".FSDPStrategy"):
-        raise ConfigError(f"trainer.strategy={target}: Lightning's FSDP1 flattens the weights the sampler reads; "
-                          "use trainer=fsdp (FSDP2, ppo_lightning.sharding.FSDP2Strategy) or trainer=fsdp_cpu")
+        raise ConfigError(
+            f"trainer.strategy={target}: Lightning's FSDP1 flattens the weights the sampler reads; "
+            "use trainer=fsdp (FSDP2, ppo_lightning.sharding.FSDP2Strategy) or trainer=fsdp_cpu"
+        )
     if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
 
@@ -878,20 +935,28 @@ def _check_estimator_options(p) -> None:
     """Keys that would do nothing, or something other than their docs say, with the chosen
     estimator or KL placement: refused, naming both keys."""
     if p.whiten_rewards and p.advantage != "gae":
-        raise ConfigError(f"ppo.whiten_rewards=true with ppo.advantage={p.advantage}: reward whitening is GAE's; "
-                          f"{p.advantage} normalises the scores itself, and whitening per-token rewards would add "
-                          "a term proportional to each response's length; unset ppo.whiten_rewards")
+        raise ConfigError(
+            f"ppo.whiten_rewards=true with ppo.advantage={p.advantage}: reward whitening is GAE's; "
+            f"{p.advantage} normalises the scores itself, and whitening per-token rewards would add "
+            "a term proportional to each response's length; unset ppo.whiten_rewards"
+        )
     if p.gamma < 1 and p.advantage in choices.GROUP_ESTIMATORS:
-        raise ConfigError(f"ppo.gamma={p.gamma} with ppo.advantage={p.advantage}: {p.advantage} judges each "
-                          "response by its score as a whole, with no per-token discount; unset ppo.gamma (it "
-                          "discounts GAE and REINFORCE++)")
+        raise ConfigError(
+            f"ppo.gamma={p.gamma} with ppo.advantage={p.advantage}: {p.advantage} judges each "
+            "response by its score as a whole, with no per-token discount; unset ppo.gamma (it "
+            "discounts GAE and REINFORCE++)"
+        )
     if not p.scale_by_group_std and p.advantage != "grpo":
-        raise ConfigError(f"ppo.scale_by_group_std=false with ppo.advantage={p.advantage}: only grpo divides by "
-                          "the group's std; unset it, or use ppo.advantage=grpo (Dr. GRPO)")
+        raise ConfigError(
+            f"ppo.scale_by_group_std=false with ppo.advantage={p.advantage}: only grpo divides by "
+            "the group's std; unset it, or use ppo.advantage=grpo (Dr. GRPO)"
+        )
     if p.kl_in == "loss" and p.kl_estimator is not None and p.kl_estimator not in choices.LOSS_KL_ESTIMATORS:
-        raise ConfigError(f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in=loss: as a loss term k1's gradient "
-                          "has expectation 0 under the policy's own samples, so it pulls nothing toward the "
-                          f"reference; choose one of {' | '.join(choices.LOSS_KL_ESTIMATORS)} (null: k3)")
+        raise ConfigError(
+            f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in=loss: as a loss term k1's gradient "
+            "has expectation 0 under the policy's own samples, so it pulls nothing toward the "
+            f"reference; choose one of {' | '.join(choices.LOSS_KL_ESTIMATORS)} (null: k3)"
+        )
 
 
 def strategy_name(trainer) -> str:
@@ -921,10 +986,12 @@ def check_sweep_launch(cfg) -> None:
     n = processes_per_job(cfg.trainer)
     if n == 1:
         return
-    raise ConfigError(f"hydra multirun (-m) with a trainer of {n or 'several'} processes (trainer.devices="
-                      f"{cfg.trainer.get('devices')}, trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}): each "
-                      "process would run the whole sweep; sweep on one device per job (trainer=cpu or trainer=gpu), "
-                      "or launch each multi-process job on its own (a shell loop over the values)")
+    raise ConfigError(
+        f"hydra multirun (-m) with a trainer of {n or 'several'} processes (trainer.devices="
+        f"{cfg.trainer.get('devices')}, trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}): each "
+        "process would run the whole sweep; sweep on one device per job (trainer=cpu or trainer=gpu), "
+        "or launch each multi-process job on its own (a shell loop over the values)"
+    )
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

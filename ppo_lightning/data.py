@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 
 
 # the files read_records reads, by extension, as its errors describe them ("": .txt's format)
-RECORD_FILES = {".txt": ".txt (one prompt a line)", ".jsonl": ".jsonl (one JSON object a line)",
-                ".json": ".json (a JSON list of objects)"}
+RECORD_FILES = {
+    ".txt": ".txt (one prompt a line)",
+    ".jsonl": ".jsonl (one JSON object a line)",
+    ".json": ".json (a JSON list of objects)",
+}
 
 
 # ----------------------------------------------------------------------------- records
@@ -41,9 +44,15 @@ def records_source(key_prefix: str, path: str | Path | None = None, hf_dataset: 
     return f"{key_prefix}.hf_dataset={hf_dataset!r}"
 
 
-def read_records(key_prefix: str, *, path: str | Path | None = None, hf_dataset: str | None = None,
-                 hf_split: str = "train", text_field: str = "prompt",
-                 suffixes: Sequence[str] = (".txt", ".jsonl", ".json")) -> Iterator[tuple[str, dict]]:
+def read_records(
+    key_prefix: str,
+    *,
+    path: str | Path | None = None,
+    hf_dataset: str | None = None,
+    hf_split: str = "train",
+    text_field: str = "prompt",
+    suffixes: Sequence[str] = (".txt", ".jsonl", ".json"),
+) -> Iterator[tuple[str, dict]]:
     """``(where, record)`` for each record of ``path`` (or, when it is None, of ``hf_dataset``), in order.
 
     ``where`` names the record for error messages (``data.path='p.jsonl' line 3``). A record is a
@@ -84,15 +93,15 @@ def read_records(key_prefix: str, *, path: str | Path | None = None, hf_dataset:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON "
-                                      "object") from None
+                    raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
                 yield where, _object(obj, where)
     else:
         try:
             objs = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{source} line {e.lineno}: not valid JSON ({e.msg}); a .json file must "
-                              "hold one list of objects") from None
+            raise ConfigError(
+                f"{source} line {e.lineno}: not valid JSON ({e.msg}); a .json file must hold one list of objects"
+            ) from None
         if not isinstance(objs, list):
             raise ConfigError(f"{source}: expected a JSON list of objects, got a {type(objs).__name__}")
         for i, obj in enumerate(objs):
@@ -110,13 +119,17 @@ def _hf_rows(name: str, split: str, source: str, key_prefix: str) -> Iterator[tu
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"{source} needs the 'datasets' package: pip install datasets (or give a local "
-                          f"file with {key_prefix}.path=...)") from None
+        raise ConfigError(
+            f"{source} needs the 'datasets' package: pip install datasets (or give a local "
+            f"file with {key_prefix}.path=...)"
+        ) from None
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # network, missing split, bad name: all user-fixable
-        raise ConfigError(f"{source} (split {split!r}) could not be loaded: {e}. For offline use give a "
-                          f"local file with {key_prefix}.path=...") from None
+        raise ConfigError(
+            f"{source} (split {split!r}) could not be loaded: {e}. For offline use give a "
+            f"local file with {key_prefix}.path=..."
+        ) from None
     for i, row in enumerate(ds):
         yield f"{source} row {i}", dict(row)
 
@@ -128,8 +141,9 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
     prompts = []
     for where, record in read_records("data", path=path, text_field=field):
         if not isinstance(record.get(field), str):
-            raise ConfigError(f"{where}: expected an object with a string {field!r} field "
-                              f"(data.prompt_field={field!r})")
+            raise ConfigError(
+                f"{where}: expected an object with a string {field!r} field (data.prompt_field={field!r})"
+            )
         prompts.append(record[field])
     if not prompts:
         raise ConfigError(f"{records_source('data', path)} holds no prompts; add one prompt per line")
@@ -146,18 +160,25 @@ def load_hf_prompts(name: str, split: str, field: str) -> list[str]:
     return prompts
 
 
-def tokenize_prompts(prompts: list[str], tokenizer, max_length: int, truncation: str,
-                     source: str) -> list[list[int]]:
+def tokenize_prompts(prompts: list[str], tokenizer, max_length: int, truncation: str, source: str) -> list[list[int]]:
     """Token ids per prompt; longer than ``max_length``: keep the last tokens (one warning) or raise."""
     ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     too_long = [i for i, x in enumerate(ids) if len(x) > max_length]
     if too_long:
         i = too_long[0]
         if truncation == "error":
-            raise ConfigError(f"{source}: prompt {i} has {len(ids[i])} tokens > data.max_prompt_length="
-                              f"{max_length}; raise data.max_prompt_length or set data.truncation=left")
-        log.warning("%d of %d prompts are longer than data.max_prompt_length=%d tokens; keeping their "
-                    "last %d tokens (data.truncation=left)", len(too_long), len(ids), max_length, max_length)
+            raise ConfigError(
+                f"{source}: prompt {i} has {len(ids[i])} tokens > data.max_prompt_length="
+                f"{max_length}; raise data.max_prompt_length or set data.truncation=left"
+            )
+        log.warning(
+            "%d of %d prompts are longer than data.max_prompt_length=%d tokens; keeping their "
+            "last %d tokens (data.truncation=left)",
+            len(too_long),
+            len(ids),
+            max_length,
+            max_length,
+        )
         ids = [x[-max_length:] for x in ids]
     empty = [i for i, x in enumerate(ids) if not x]
     if empty:
@@ -216,8 +237,17 @@ class PromptBatches:
     distributed sampler is not used (``trainer.use_distributed_sampler=false``).
     """
 
-    def __init__(self, dataset: ListDataset, batch_size: int, collate, shuffle: bool = True,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, consumed=None):
+    def __init__(
+        self,
+        dataset: ListDataset,
+        batch_size: int,
+        collate,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        consumed=None,
+    ):
         self.dataset, self.batch_size, self.collate = dataset, batch_size, collate
         self.shuffle, self.seed, self.rank, self.world_size = shuffle, seed, rank, world_size
         self.consumed = consumed  # () -> batches consumed so far (global_step); None: count here
@@ -234,7 +264,7 @@ class PromptBatches:
             perm = torch.randperm(n, generator=g).tolist()
         else:
             perm = list(range(n))
-        return perm[self.rank::self.world_size][: len(self) * self.batch_size]
+        return perm[self.rank :: self.world_size][: len(self) * self.batch_size]
 
     def __iter__(self):
         if len(self) == 0:
@@ -244,7 +274,7 @@ class PromptBatches:
         epoch, start = divmod(done, len(self))
         order = self.order(epoch)
         for b in range(start, len(self)):
-            idx = order[b * self.batch_size:(b + 1) * self.batch_size]
+            idx = order[b * self.batch_size : (b + 1) * self.batch_size]
             yield self.collate([self.dataset[i] for i in idx])
 
     # Lightning treats loaders with these as resumable (no mid-epoch warning); the position
@@ -272,11 +302,16 @@ class PromptDataModule(L.LightningDataModule):
         if c.path is not None:
             prompts, source = read_prompts(c.path, c.prompt_field), f"data.path={c.path!r}"
         else:
-            prompts, source = load_hf_prompts(c.hf_dataset, c.hf_split, c.prompt_field), f"data.hf_dataset={c.hf_dataset!r}"
+            prompts, source = (
+                load_hf_prompts(c.hf_dataset, c.hf_split, c.prompt_field),
+                f"data.hf_dataset={c.hf_dataset!r}",
+            )
         ids = tokenize_prompts(prompts, self.tokenizer, c.max_prompt_length, c.truncation, source)
         if len(ids) < c.batch_size:
-            raise ConfigError(f"{source} has {len(ids)} prompts, fewer than data.batch_size={c.batch_size}; "
-                              "add prompts or lower data.batch_size")
+            raise ConfigError(
+                f"{source} has {len(ids)} prompts, fewer than data.batch_size={c.batch_size}; "
+                "add prompts or lower data.batch_size"
+            )
         self.dataset = ListDataset(ids)
 
     def setup(self, stage: str | None = None) -> None:
@@ -290,15 +325,24 @@ class PromptDataModule(L.LightningDataModule):
         order = torch.randint(len(self.dataset), (n,), generator=g).tolist()
         collate = PadCollator(self.tokenizer.pad_token_id)
         for s in range(0, n, self.cfg.batch_size):
-            yield collate([self.dataset[i] for i in order[s:s + self.cfg.batch_size]])
+            yield collate([self.dataset[i] for i in order[s : s + self.cfg.batch_size]])
 
     def train_dataloader(self):
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         if len(self.dataset) < self.cfg.batch_size * world:
-            raise ConfigError(f"{len(self.dataset)} prompts cannot fill data.batch_size={self.cfg.batch_size} "
-                              f"on each of {world} ranks; add prompts or lower data.batch_size")
+            raise ConfigError(
+                f"{len(self.dataset)} prompts cannot fill data.batch_size={self.cfg.batch_size} "
+                f"on each of {world} ranks; add prompts or lower data.batch_size"
+            )
         consumed = (lambda: trainer.global_step) if trainer is not None else None
-        return PromptBatches(self.dataset, self.cfg.batch_size, PadCollator(self.tokenizer.pad_token_id),
-                             shuffle=self.cfg.shuffle, seed=self.seed, rank=rank, world_size=world,
-                             consumed=consumed)
+        return PromptBatches(
+            self.dataset,
+            self.cfg.batch_size,
+            PadCollator(self.tokenizer.pad_token_id),
+            shuffle=self.cfg.shuffle,
+            seed=self.seed,
+            rank=rank,
+            world_size=world,
+            consumed=consumed,
+        )

@@ -54,9 +54,11 @@ class Runtime:
         from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
         plugin = self.trainer.precision_plugin
-        self.plain_clipping = (type(plugin) in (Precision, MixedPrecision, HalfPrecision)
-                               and getattr(plugin, "scaler", None) is None
-                               and type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy, FSDP2Strategy))
+        self.plain_clipping = (
+            type(plugin) in (Precision, MixedPrecision, HalfPrecision)
+            and getattr(plugin, "scaler", None) is None
+            and type(self.trainer.strategy) in (SingleDeviceStrategy, DDPStrategy, FSDP2Strategy)
+        )
 
     # ------------------------------------------------------------------------- forwards
     def forward_context(self):

@@ -83,8 +83,9 @@ def returns_to_go(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Te
     return out
 
 
-def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0,
-                            distributed: bool = False) -> tuple[Tensor, Tensor]:
+def reinforce_pp_advantages(
+    token_rewards: Tensor, mask: Tensor, gamma: float = 1.0, distributed: bool = False
+) -> tuple[Tensor, Tensor]:
     """[R++] the return-to-go of the per-token rewards, whitened over every response token of
     the batch (all ranks' with ``distributed=True``). Returns ``(advantages, returns)``."""
     returns = returns_to_go(token_rewards, mask, gamma)
@@ -96,9 +97,17 @@ def per_token(advantages: Tensor, mask: Tensor) -> Tensor:
     return advantages[:, None].to(mask.dtype) * mask
 
 
-def critic_free_advantages(estimator: str, scores: Tensor, kl_rewards: Tensor, mask: Tensor, *,
-                           group_size: int, gamma: float = 1.0, scale_by_std: bool = True,
-                           distributed: bool = False) -> tuple[Tensor, Tensor]:
+def critic_free_advantages(
+    estimator: str,
+    scores: Tensor,
+    kl_rewards: Tensor,
+    mask: Tensor,
+    *,
+    group_size: int,
+    gamma: float = 1.0,
+    scale_by_std: bool = True,
+    distributed: bool = False,
+) -> tuple[Tensor, Tensor]:
     """``(advantages, returns)`` ``[B, R]`` of a critic-free ``estimator`` from the responses'
     ``scores [B]`` and the per-token KL penalty ``kl_rewards [B, R]`` (``-beta * KL_t``; zeros
     when the KL is a loss term, ``ppo.kl_in=loss``).

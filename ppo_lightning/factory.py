@@ -25,8 +25,17 @@ from ppo_lightning.errors import ConfigError
 from ppo_lightning.generation import SamplingParams
 from ppo_lightning.module import PPOModule
 from ppo_lightning.lora import DisabledAdapters, apply_lora
-from ppo_lightning.policy import (PolicyWithValueHead, VALUE_HEAD_FILE, context_length, freeze, load_causal_lm,
-                                  load_tokenizer, load_value_head, make_reference, resolve_source)
+from ppo_lightning.policy import (
+    PolicyWithValueHead,
+    VALUE_HEAD_FILE,
+    context_length,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    load_value_head,
+    make_reference,
+    resolve_source,
+)
 from ppo_lightning.recipes import RECIPES, recipe_root
 from ppo_lightning.rewards import build_reward
 from ppo_lightning.tiny import ensure_tiny_model
@@ -69,43 +78,61 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
 
     d, m, r = cfg.data, cfg.model, cfg.reward
     if d.path is None and d.hf_dataset is None:
-        raise ConfigError("data.path and data.hf_dataset are both null: set data.path=prompts.txt "
-                          "(one prompt a line) or .jsonl, or data.hf_dataset=<name>")
+        raise ConfigError(
+            "data.path and data.hf_dataset are both null: set data.path=prompts.txt "
+            "(one prompt a line) or .jsonl, or data.hf_dataset=<name>"
+        )
     if d.path is not None and built_by_recipe is not None and not pending(d.path):
-        log.warning("data.path=%s is not recipe=%s's prompts: this job keeps that task's data group and "
-                    "preset (prompt limit, KL coefficient, response length); for your own prompts with the "
-                    "library's defaults choose data=file", d.path, cfg.recipe)
+        log.warning(
+            "data.path=%s is not recipe=%s's prompts: this job keeps that task's data group and "
+            "preset (prompt limit, KL coefficient, response length); for your own prompts with the "
+            "library's defaults choose data=file",
+            d.path,
+            cfg.recipe,
+        )
     if d.path is not None and not pending(d.path):
         if not os.path.isfile(d.path):
-            raise ConfigError(f"data.path={d.path!r}: no such file. Give a .txt (one prompt a line) or "
-                              f".jsonl (one JSON object with a {d.prompt_field!r} field a line)"
-                              + _built_by_hint(d.path, cfg))
+            raise ConfigError(
+                f"data.path={d.path!r}: no such file. Give a .txt (one prompt a line) or "
+                f".jsonl (one JSON object with a {d.prompt_field!r} field a line)" + _built_by_hint(d.path, cfg)
+            )
         read_prompts(d.path, d.prompt_field)  # empty, malformed or unsupported files fail here
     if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
     if r.kind == "function":
         build_reward(r)  # imports reward.fn
-    sources = [("model.name_or_path", m.name_or_path, m.build_tiny is not None
-                and _under(m.name_or_path, Path(cfg.paths.cache_dir))),
-               ("model.tokenizer_name_or_path", m.tokenizer_name_or_path, False),
-               ("ref.name_or_path", cfg.ref.name_or_path, False),
-               ("reward.name_or_path", r.name_or_path if r.kind == "model" else None, False)]
+    sources = [
+        (
+            "model.name_or_path",
+            m.name_or_path,
+            m.build_tiny is not None and _under(m.name_or_path, Path(cfg.paths.cache_dir)),
+        ),
+        ("model.tokenizer_name_or_path", m.tokenizer_name_or_path, False),
+        ("ref.name_or_path", cfg.ref.name_or_path, False),
+        ("reward.name_or_path", r.name_or_path if r.kind == "model" else None, False),
+    ]
     for key, value, built_here in sources:
         if value and not built_here and not pending(value):
             try:
                 resolve_source(value, key)
             except ConfigError as e:
                 raise ConfigError(f"{e}{_built_by_hint(value, cfg)}") from None
-    if m.value_head_path and not pending(m.value_head_path) and not (Path(m.value_head_path) / VALUE_HEAD_FILE).is_file():
+    if (
+        m.value_head_path
+        and not pending(m.value_head_path)
+        and not (Path(m.value_head_path) / VALUE_HEAD_FILE).is_file()
+    ):
         raise ConfigError(f"model.value_head_path={m.value_head_path!r}: no {VALUE_HEAD_FILE} there")
 
 
 def _built_by_hint(path: str, cfg: DictConfig) -> str:
     for name in RECIPES:
         if _under(path, recipe_root(cfg.paths.cache_dir, name)):
-            return (f" It is built by recipe={name}, which this job does not run: add recipe={name} "
-                    f"(the preset of reward={name} data={name} sets it), or point the key at your "
-                    "own file or model.")
+            return (
+                f" It is built by recipe={name}, which this job does not run: add recipe={name} "
+                f"(the preset of reward={name} data={name} sets it), or point the key at your "
+                "own file or model."
+            )
     return ""
 
 
@@ -126,8 +153,9 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     reward_fn = build_reward(cfg.reward) if cfg.reward.kind == "function" else None
 
-    tokenizer = load_tokenizer(cfg.model.tokenizer_name_or_path or cfg.model.name_or_path,
-                               trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(
+        cfg.model.tokenizer_name_or_path or cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
+    )
     datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed)
     datamodule.load()
 
@@ -135,14 +163,17 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     ctx = context_length(lm.config)
     need = cfg.data.max_prompt_length + cfg.sampling.max_new_tokens
     if ctx is not None and need > ctx:
-        raise ConfigError(f"data.max_prompt_length + sampling.max_new_tokens = {need} exceeds the model's "
-                          f"context of {ctx} tokens; lower data.max_prompt_length or sampling.max_new_tokens")
+        raise ConfigError(
+            f"data.max_prompt_length + sampling.max_new_tokens = {need} exceeds the model's "
+            f"context of {ctx} tokens; lower data.max_prompt_length or sampling.max_new_tokens"
+        )
     ref_lm = build_reference(cfg, lm, tokenizer)  # before LoRA: a copy, if any, of the plain LM
     peft_model = None
     if cfg.model.lora.r > 0:
         lora = cfg.model.lora
-        peft_model = apply_lora(lm, lora.r, lora.alpha,
-                                OmegaConf.to_object(lora.target_modules) if lora.target_modules else None)
+        peft_model = apply_lora(
+            lm, lora.r, lora.alpha, OmegaConf.to_object(lora.target_modules) if lora.target_modules else None
+        )
         ref_lm = DisabledAdapters(peft_model)
     policy = PolicyWithValueHead(lm, peft_model, value_head=cfg.ppo.advantage == "gae")  # the critic-free: none
     if cfg.model.value_head_path:
@@ -159,11 +190,20 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
 
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
-    module = PPOModule(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, optim_cfg, seed=cfg.seed,
-                       sampling=SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
-                       reward_norm=reward_norm, normalize_reward_samples=cfg.reward.normalize_samples,
-                       value_head_from_reward=cfg.model.value_head_init == "reward_model",
-                       backend=build_backend(cfg.get("generation")))
+    module = PPOModule(
+        policy,
+        ref_lm,
+        reward_fn,
+        tokenizer,
+        ppo_cfg,
+        optim_cfg,
+        seed=cfg.seed,
+        sampling=SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
+        reward_norm=reward_norm,
+        normalize_reward_samples=cfg.reward.normalize_samples,
+        value_head_from_reward=cfg.model.value_head_init == "reward_model",
+        backend=build_backend(cfg.get("generation")),
+    )
     return module, datamodule
 
 
@@ -189,13 +229,16 @@ def build_reference(cfg: DictConfig, lm, tokenizer):
         return None
     if ref.name_or_path is None:
         return make_reference(lm, ref.dtype)
-    ref_lm = load_causal_lm(ref.name_or_path, tokenizer, ref.dtype or cfg.model.dtype, cfg.model.trust_remote_code,
-                            key="ref.name_or_path")
+    ref_lm = load_causal_lm(
+        ref.name_or_path, tokenizer, ref.dtype or cfg.model.dtype, cfg.model.trust_remote_code, key="ref.name_or_path"
+    )
     n_ref, n_policy = ref_lm.get_input_embeddings().num_embeddings, lm.get_input_embeddings().num_embeddings
     if n_ref != n_policy:
-        raise ConfigError(f"ref.name_or_path={ref.name_or_path!r}: its vocabulary has {n_ref} entries, the "
-                          f"policy's {n_policy}; the KL penalty compares the two token by token, so the reference "
-                          "must share the policy's tokenizer")
+        raise ConfigError(
+            f"ref.name_or_path={ref.name_or_path!r}: its vocabulary has {n_ref} entries, the "
+            f"policy's {n_policy}; the KL penalty compares the two token by token, so the reference "
+            "must share the policy's tokenizer"
+        )
     return freeze(ref_lm)
 
 
@@ -205,8 +248,10 @@ def init_value_head_from(policy: PolicyWithValueHead, reward_model, gain: float 
     so early value estimates are already on the reward's scale."""
     head = reward_model.score_head()
     if head.weight.shape != policy.v_head.weight.shape:
-        raise ConfigError(f"model.value_head_init=reward_model: reward head {tuple(head.weight.shape)} does "
-                          f"not fit the value head {tuple(policy.v_head.weight.shape)} (hidden sizes differ)")
+        raise ConfigError(
+            f"model.value_head_init=reward_model: reward head {tuple(head.weight.shape)} does "
+            f"not fit the value head {tuple(policy.v_head.weight.shape)} (hidden sizes differ)"
+        )
     with torch.no_grad():
         policy.v_head.weight.copy_(head.weight.float() * gain)
         head_bias = head.bias.float() if head.bias is not None else torch.zeros(1)
@@ -229,8 +274,9 @@ def instantiate_dict(group: DictConfig | None, key: str) -> list:
 def build_trainer(cfg: DictConfig, extra_callbacks: tuple | list = ()) -> L.Trainer:
     loggers = instantiate_dict(cfg.get("logger"), "logger")
     callbacks = [*instantiate_dict(cfg.get("callbacks"), "callbacks"), *extra_callbacks]
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks,
-                                      plugins=[AtomicCheckpointIO()])
+    trainer = hydra.utils.instantiate(
+        cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[AtomicCheckpointIO()]
+    )
     stop_every_rank_on_write_error(trainer.strategy)
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))

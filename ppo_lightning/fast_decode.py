@@ -47,9 +47,15 @@ def supports_fast_decode(lm: nn.Module) -> bool:
     if not all(type(p) is nn.Parameter for p in lm.parameters()):
         return False
     E = config.n_embd
-    return all(type(b.attn.c_attn) is Conv1D and type(b.attn.c_proj) is Conv1D and type(b.mlp.c_fc) is Conv1D
-               and type(b.mlp.c_proj) is Conv1D and hasattr(b.attn, "scaling")
-               and tuple(b.attn.c_attn.weight.shape) == (E, 3 * E) for b in lm.transformer.h)
+    return all(
+        type(b.attn.c_attn) is Conv1D
+        and type(b.attn.c_proj) is Conv1D
+        and type(b.mlp.c_fc) is Conv1D
+        and type(b.mlp.c_proj) is Conv1D
+        and hasattr(b.attn, "scaling")
+        and tuple(b.attn.c_attn.weight.shape) == (E, 3 * E)
+        for b in lm.transformer.h
+    )
 
 
 def _layer_norm(x: Tensor, ln: nn.LayerNorm) -> Tensor:
@@ -90,16 +96,18 @@ class GPT2Decoder:
         t, L = self.lm.transformer, self.length
         x = F.embedding(token, t.wte.weight) + F.embedding(position, t.wpe.weight)  # [B, E]
         B, E = x.shape
-        mask = None if self.key_mask is None else self.key_mask[..., :L + 1]
+        mask = None if self.key_mask is None else self.key_mask[..., : L + 1]
         for block, kb, vb in zip(self.blocks, self.keys, self.values):
             attn, mlp = block.attn, block.mlp
             h = _layer_norm(x, block.ln_1)
-            q, k, v = torch.addmm(attn.c_attn.bias, h, attn.c_attn.weight).view(
-                B, 3, attn.num_heads, attn.head_dim).unbind(1)  # each [B, H, D]
+            q, k, v = (
+                torch.addmm(attn.c_attn.bias, h, attn.c_attn.weight).view(B, 3, attn.num_heads, attn.head_dim).unbind(1)
+            )  # each [B, H, D]
             kb[:, :, L] = k
             vb[:, :, L] = v
-            o = F.scaled_dot_product_attention(q[:, :, None], kb[:, :, :L + 1], vb[:, :, :L + 1],
-                                               attn_mask=mask, scale=attn.scaling)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(
+                q[:, :, None], kb[:, :, : L + 1], vb[:, :, : L + 1], attn_mask=mask, scale=attn.scaling
+            )  # [B, H, 1, D]
             x = x + torch.addmm(attn.c_proj.bias, o.reshape(B, E), attn.c_proj.weight)
             h = mlp.act(torch.addmm(mlp.c_fc.bias, _layer_norm(x, block.ln_2), mlp.c_fc.weight))
             x = x + torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight)

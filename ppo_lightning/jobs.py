@@ -48,9 +48,11 @@ def export(cfg: DictConfig) -> Path:
     missing, unexpected = module.load_state_dict(state["state_dict"], strict=False)
     missing = [k for k in missing if module.checkpointed(k)]
     if missing or unexpected:
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} does not match model.name_or_path="
-                          f"{cfg.model.name_or_path!r} (missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]}); export with the config the run was trained with")
+        raise ConfigError(
+            f"ckpt_path={cfg.ckpt_path!r} does not match model.name_or_path="
+            f"{cfg.model.name_or_path!r} (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}); export with the config the run was trained with"
+        )
     path = save_policy(module.policy, module.tokenizer, cfg.export_dir)
     log.info("policy of %s exported to %s", cfg.ckpt_path, path)
     return path
@@ -133,8 +135,13 @@ def _warn_of_ppo_batch_keys(cfg: DictConfig) -> None:
     given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
     for key in ("batch_size", "shuffle", "num_workers"):
         if f"data.{key}" in given:
-            log.warning("data.%s is PPO's prompt loader's and does nothing for task=%s, which batches by "
-                        "task.%s (%s here)", key, cfg.task.name, key, cfg.task.get(key))
+            log.warning(
+                "data.%s is PPO's prompt loader's and does nothing for task=%s, which batches by task.%s (%s here)",
+                key,
+                cfg.task.name,
+                key,
+                cfg.task.get(key),
+            )
 
 
 def train_stage(cfg: DictConfig) -> dict[str, Any]:
@@ -147,8 +154,9 @@ def train_stage(cfg: DictConfig) -> dict[str, Any]:
     _, build_fn, save_fn = STAGES[name]
     # conf/task/<name>.yaml types task.* by SFTTask / RewardModelTask at composition; the stage
     # itself checks ranges (and unknown keys, for a config built without Hydra)
-    stage_keys = {k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items()
-                  if k not in ("name", "save_dir")}
+    stage_keys = {
+        k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items() if k not in ("name", "save_dir")
+    }
     if not cfg.task.get("save_dir"):
         raise ConfigError(f"task.save_dir is empty: set where task={name} writes its model")
     _warn_of_ppo_batch_keys(cfg)

@@ -65,8 +65,9 @@ def finish_wandb(exit_code: int | None = None) -> None:
         wandb.finish(exit_code=exit_code)
 
 
-def wandb_logger(project: str = "ppo_lightning", save_dir: str = ".", name: str | None = None,
-                 mode: str = "auto", **kwargs):
+def wandb_logger(
+    project: str = "ppo_lightning", save_dir: str = ".", name: str | None = None, mode: str = "auto", **kwargs
+):
     """A Lightning ``WandbLogger`` whose run lives under ``save_dir/wandb``."""
     from lightning.pytorch.loggers import WandbLogger
 

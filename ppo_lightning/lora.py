@@ -31,8 +31,10 @@ def _peft():
     try:
         import peft
     except ImportError:
-        raise ConfigError("model.lora.r > 0 needs peft: pip install -e \".[lora]\" (or pip install peft), "
-                          "or set model.lora.r=0 for full fine-tuning") from None
+        raise ConfigError(
+            'model.lora.r > 0 needs peft: pip install -e ".[lora]" (or pip install peft), '
+            "or set model.lora.r=0 for full fine-tuning"
+        ) from None
     return peft
 
 
@@ -51,18 +53,26 @@ def apply_lora(lm: nn.Module, r: int, alpha: float, target_modules: list[str] | 
 
     targets = list(target_modules) if target_modules else ALL_LINEAR
     conv1d = any(isinstance(m, Conv1D) for m in lm.modules())  # GPT-2 stores W as [in, out]
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets,
-                             fan_in_fan_out=conv1d, bias="none", task_type="CAUSAL_LM")
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=targets,
+        fan_in_fan_out=conv1d,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     try:
         with warnings.catch_warnings():  # peft asks transformers by a name it deprecates
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             peft_model = peft.get_peft_model(lm, config)
     except ValueError as e:
         if target_modules:
-            names = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules()
-                            if isinstance(m, (nn.Linear, Conv1D))})
-            raise ConfigError(f"model.lora.target_modules={list(target_modules)}: {e}. Linear layers of "
-                              f"{type(lm).__name__}: {names}; null adapts all but the output head") from None
+            names = sorted({n.rsplit(".", 1)[-1] for n, m in lm.named_modules() if isinstance(m, (nn.Linear, Conv1D))})
+            raise ConfigError(
+                f"model.lora.target_modules={list(target_modules)}: {e}. Linear layers of "
+                f"{type(lm).__name__}: {names}; null adapts all but the output head"
+            ) from None
         raise
     return peft_model
 

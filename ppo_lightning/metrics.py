@@ -15,15 +15,32 @@ from ppo_lightning import estimators, ppo
 from ppo_lightning.rollout import Rollout
 
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
-UPDATE_METRICS = ("policy/approxkl_avg", "policy/clipfrac_avg", "policy/clipfrac_low_avg", "policy/clipfrac_high_avg",
-                  "policy/entropy_avg", "loss/policy_avg",
-                  "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/ratio_var")
+UPDATE_METRICS = (
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "policy/clipfrac_low_avg",
+    "policy/clipfrac_high_avg",
+    "policy/entropy_avg",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "val/clipfrac_avg",
+    "val/ratio",
+    "val/ratio_var",
+)
 VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg", "value/explained_variance")  # not logged without a critic
 SUMMED_METRICS = ("val/num_eos_tokens", "perf/tokens_per_s")  # summed over ranks; the others are means
 
 
-def iteration_metrics(r: Rollout, stats: dict[str, list[Tensor]], *, num_generations: int, has_critic: bool,
-                      time_rollout: float, time_update: float, runtime) -> dict[str, float]:
+def iteration_metrics(
+    r: Rollout,
+    stats: dict[str, list[Tensor]],
+    *,
+    num_generations: int,
+    has_critic: bool,
+    time_rollout: float,
+    time_update: float,
+    runtime,
+) -> dict[str, float]:
     """The iteration's rollout and update statistics (``stats``: per-minibatch values), reduced
     over ranks in one collective (``runtime.reduce_mean``): means, except ``SUMMED_METRICS``."""
     mask = r.response_mask
@@ -62,8 +79,7 @@ def group_metrics(r: Rollout, n: int) -> dict[str, Tensor]:
     if n < 2:
         return {}
     stats = estimators.group_reward_stats(r.scores, n)
-    return {"objective/group_reward_std": stats["group_std"],
-            "objective/frac_zero_std_groups": stats["frac_zero_std"]}
+    return {"objective/group_reward_std": stats["group_std"], "objective/frac_zero_std_groups": stats["frac_zero_std"]}
 
 
 def callback_metrics(trainer: L.Trainer) -> tuple[str, ...]:
@@ -80,13 +96,21 @@ def callback_metrics(trainer: L.Trainer) -> tuple[str, ...]:
     return tuple(sorted(read))
 
 
-def log_metrics(module: L.LightningModule, metrics: dict[str, float], for_callbacks: tuple[str, ...],
-                batch_size: int) -> None:
+def log_metrics(
+    module: L.LightningModule, metrics: dict[str, float], for_callbacks: tuple[str, ...], batch_size: int
+) -> None:
     """To every logger at step = the iteration just finished (one call per logger, not ~30
     ``self.log`` calls); through ``module.log`` only ``for_callbacks`` (``callback_metrics``)."""
     for lg in module.loggers:
         lg.log_metrics(metrics, step=module.global_step - 1)
     for k in for_callbacks:  # a monitor naming no metric: Lightning's own error
         if k in metrics:
-            module.log(k, metrics[k], prog_bar=k in PROGRESS_BAR_METRICS, logger=False, on_step=True,
-                       on_epoch=False, batch_size=batch_size)
+            module.log(
+                k,
+                metrics[k],
+                prog_bar=k in PROGRESS_BAR_METRICS,
+                logger=False,
+                on_step=True,
+                on_epoch=False,
+                batch_size=batch_size,
+            )

@@ -56,10 +56,21 @@ class PPOModule(L.LightningModule):
     the value head was copied from the reward model's raw head, so the fit maps it too.
     """
 
-    def __init__(self, policy: PolicyWithValueHead, ref_lm: nn.Module, reward_fn, tokenizer, ppo_cfg: PPOConfig,
-                 optim_cfg: OptimizerConfig, seed: int = 0, reward_norm: tuple[float, float] | None = (1.0, 0.0),
-                 normalize_reward_samples: int = 256, value_head_from_reward: bool = False,
-                 backend: BackendFactory | None = None, sampling: SamplingParams | None = None):
+    def __init__(
+        self,
+        policy: PolicyWithValueHead,
+        ref_lm: nn.Module,
+        reward_fn,
+        tokenizer,
+        ppo_cfg: PPOConfig,
+        optim_cfg: OptimizerConfig,
+        seed: int = 0,
+        reward_norm: tuple[float, float] | None = (1.0, 0.0),
+        normalize_reward_samples: int = 256,
+        value_head_from_reward: bool = False,
+        backend: BackendFactory | None = None,
+        sampling: SamplingParams | None = None,
+    ):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # frozen weights are not checkpointed (see checkpointed)
@@ -70,8 +81,18 @@ class PPOModule(L.LightningModule):
         self.sampler, self.ref_sampler = make(policy.lm, tokenizer), make(ref_lm, tokenizer)
         self.runtime = Runtime(self)
         kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
-        self.algo = PPO(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, kl_ctl,
-                       self.runtime, reward_norm)
+        self.algo = PPO(
+            policy,
+            ref_lm,
+            reward_fn,
+            tokenizer,
+            ppo_cfg,
+            self.sampling,
+            self.sampler,
+            kl_ctl,
+            self.runtime,
+            reward_norm,
+        )
         self.normalize_reward_samples = normalize_reward_samples
         self.value_head_from_reward = value_head_from_reward
         self.episode = 0  # episodes (sampled responses) so far, summed over ranks
@@ -129,14 +150,23 @@ class PPOModule(L.LightningModule):
         world, rt = self.trainer.world_size, self.runtime
         need = self.normalize_reward_samples // max(1, world)
         if need < 1:  # config.validate refuses it when the process count is known before launch
-            raise ConfigError(f"reward.normalize_samples={self.normalize_reward_samples} is split over {world} ranks "
-                              f"and leaves none for some; set it to at least {2 * world}")
+            raise ConfigError(
+                f"reward.normalize_samples={self.normalize_reward_samples} is split over {world} ranks "
+                f"and leaves none for some; set it to at least {2 * world}"
+            )
         with rt.rollout_context(self.ref_lm):
-            raw = reference_scores(self.ref_sampler, self.reward_fn, self.tokenizer, self.sampling,
-                                   self.trainer.datamodule.normalization_batches(need),
-                                   rt.new_generator(self.seed + 7919, stride=1), self.device)
-        gain, bias = fit_normalization(raw, rt.reduce_sum if world > 1 else None,
-                                       source=getattr(self.reward_fn, "name", "the reward"))
+            raw = reference_scores(
+                self.ref_sampler,
+                self.reward_fn,
+                self.tokenizer,
+                self.sampling,
+                self.trainer.datamodule.normalization_batches(need),
+                rt.new_generator(self.seed + 7919, stride=1),
+                self.device,
+            )
+        gain, bias = fit_normalization(
+            raw, rt.reduce_sum if world > 1 else None, source=getattr(self.reward_fn, "name", "the reward")
+        )
         self.algo.reward_norm = (gain, bias)
         if self.value_head_from_reward:
             self.policy.v_head.weight.mul_(gain)
@@ -150,9 +180,15 @@ class PPOModule(L.LightningModule):
         learned = self.algo.learn(r, self.optimizers())
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # count queued kernels in the timers
-        m = metrics.iteration_metrics(r, learned.stats, num_generations=self.ppo_cfg.num_generations,
-                                      has_critic=self.policy.v_head is not None, time_rollout=r.collect_time_s,
-                                      time_update=time.perf_counter() - t0, runtime=self.runtime)
+        m = metrics.iteration_metrics(
+            r,
+            learned.stats,
+            num_generations=self.ppo_cfg.num_generations,
+            has_critic=self.policy.v_head is not None,
+            time_rollout=r.collect_time_s,
+            time_update=time.perf_counter() - t0,
+            runtime=self.runtime,
+        )
         count_iteration(self.optimizers())
         self.lr_schedulers().step()
         rows = r.batch_size * self.trainer.world_size
@@ -161,17 +197,28 @@ class PPOModule(L.LightningModule):
         self.skipped_updates += learned.skipped
         self.nonfinite_streak = self.nonfinite_streak + 1 if learned.skipped else 0
         if learned.skipped:
-            log.warning("PPO iteration %d: skipped %d update(s) with non-finite %s; weights untouched",
-                        self.global_step - 1, learned.skipped, learned.nonfinite)
-        m.update({"objective/kl_coef": kl_coef, "lr": lr, "episode": float(self.episode),
-                  "health/skipped_updates": float(self.skipped_updates)})
+            log.warning(
+                "PPO iteration %d: skipped %d update(s) with non-finite %s; weights untouched",
+                self.global_step - 1,
+                learned.skipped,
+                learned.nonfinite,
+            )
+        m.update(
+            {
+                "objective/kl_coef": kl_coef,
+                "lr": lr,
+                "episode": float(self.episode),
+                "health/skipped_updates": float(self.skipped_updates),
+            }
+        )
         self.last_metrics = m
         metrics.log_metrics(self, m, self._callback_metrics, r.batch_size)
         if self.nonfinite_streak >= self.ppo_cfg.max_nonfinite_iterations:
             raise NonFiniteError(
                 f"{self.nonfinite_streak} PPO iterations in a row had non-finite values (last: {learned.nonfinite}); "
                 f"stopping (ppo.max_nonfinite_iterations={self.ppo_cfg.max_nonfinite_iterations}). Checkpoints "
-                "written so far are intact. Check the reward function, or lower optimizer.lr.")
+                "written so far are intact. Check the reward function, or lower optimizer.lr."
+            )
 
     # ------------------------------------------------------------------------- checkpoints
     def checkpointed(self, key: str) -> bool:
@@ -183,8 +230,11 @@ class PPOModule(L.LightningModule):
         if key.startswith(("ref_lm.", "reward_fn.")):
             return False
         if self._unsaved_policy_keys is None:
-            frozen = {k for k, v in self.policy.state_dict(keep_vars=True).items()
-                      if isinstance(v, nn.Parameter) and not v.requires_grad}
+            frozen = {
+                k
+                for k, v in self.policy.state_dict(keep_vars=True).items()
+                if isinstance(v, nn.Parameter) and not v.requires_grad
+            }
             self._unsaved_policy_keys = frozenset(f"policy.{k}" for k in frozen | tied_aliases(self.policy))
         return key not in self._unsaved_policy_keys
 
@@ -212,9 +262,13 @@ class PPOModule(L.LightningModule):
             self.algo.reward_norm = tuple(state["reward_norm"])
         states = state.get("generators") or ([state["generator"]] if state.get("generator") is not None else None)
         if states:
-            self.algo.generator, resumed = self.runtime.restore_generator(states, self.seed,
-                                                                         int(checkpoint.get("global_step", 0)))
+            self.algo.generator, resumed = self.runtime.restore_generator(
+                states, self.seed, int(checkpoint.get("global_step", 0))
+            )
             if not resumed and self.global_rank == 0:
-                log.warning("the checkpoint holds the sampling streams of %d rank(s); this run has %d, so each rank "
-                            "starts a new stream (the trajectory differs from an uninterrupted run)",
-                            len(states), self.trainer.world_size)
+                log.warning(
+                    "the checkpoint holds the sampling streams of %d rank(s); this run has %d, so each rank "
+                    "starts a new stream (the trajectory differs from an uninterrupted run)",
+                    len(states),
+                    self.trainer.world_size,
+                )

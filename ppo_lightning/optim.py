@@ -49,6 +49,12 @@ def configure_optimizers(module, params, optim_cfg) -> dict:
     trainer = module.trainer
     total = trainer.max_steps if trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(_get(optim_cfg, "scheduler", "constant"), _get(optim_cfg, "warmup_steps", 0),
-                             max(1, total), _get(optim_cfg, "min_lr_ratio", 0.0)))
+        optimizer,
+        lr_lambda(
+            _get(optim_cfg, "scheduler", "constant"),
+            _get(optim_cfg, "warmup_steps", 0),
+            max(1, total),
+            _get(optim_cfg, "min_lr_ratio", 0.0),
+        ),
+    )
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -44,16 +44,21 @@ def resolve_source(name_or_path: str, key: str) -> str:
         if not any(os.path.isfile(os.path.join(expanded, f)) for f in ("config.json", "tokenizer_config.json")):
             raise ConfigError(
                 f"{key}={name_or_path!r}: the directory holds no config.json, so it is no model written by "
-                f"save_pretrained. Point {key} at one (config.json, weights, tokenizer files), or at a hub id.")
+                f"save_pretrained. Point {key} at one (config.json, weights, tokenizer files), or at a hub id."
+            )
         return expanded
     # Hub ids are "name" or "org/name"; anything else that is not a directory is a bad path.
     first = expanded.split("/")[0]
-    looks_like_path = (str(name_or_path).startswith((".", "/", "~")) or expanded.count("/") > 1
-                       or ("/" in expanded and os.path.isdir(first)))
+    looks_like_path = (
+        str(name_or_path).startswith((".", "/", "~"))
+        or expanded.count("/") > 1
+        or ("/" in expanded and os.path.isdir(first))
+    )
     if looks_like_path:
         raise ConfigError(
             f"{key}={name_or_path!r}: no such directory. Point {key} at a directory written by "
-            "save_pretrained (config.json, weights, tokenizer files), or at a Hugging Face hub id.")
+            "save_pretrained (config.json, weights, tokenizer files), or at a Hugging Face hub id."
+        )
     if _in_hf_cache(expanded):
         return expanded
     if not _hub_reachable():
@@ -62,7 +67,8 @@ def resolve_source(name_or_path: str, key: str) -> str:
             "reached from this machine (and the model is not in the local HF cache). Point "
             f"{key} at a local directory holding the model (one written by save_pretrained, e.g. "
             f"{key}=/path/to/{expanded.split('/')[-1]}), or use model=tiny to build a small "
-            "GPT-2-architecture model offline.")
+            "GPT-2-architecture model offline."
+        )
     return expanded
 
 
@@ -101,11 +107,13 @@ def load_tokenizer(name_or_path: str, key: str = "model.name_or_path", trust_rem
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
-        resolve_source(name_or_path, key), padding_side="left", trust_remote_code=trust_remote_code)
+        resolve_source(name_or_path, key), padding_side="left", trust_remote_code=trust_remote_code
+    )
     if tokenizer.eos_token_id is None:
         raise ConfigError(
             f"{key}={name_or_path!r}: the tokenizer has no EOS token, so responses cannot end. "
-            "Use a tokenizer that defines eos_token (tokenizer.eos_token = ...; save_pretrained).")
+            "Use a tokenizer that defines eos_token (tokenizer.eos_token = ...; save_pretrained)."
+        )
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": DEFAULT_PAD_TOKEN})
     return tokenizer
@@ -146,13 +154,17 @@ def fuse_activations(model: nn.Module) -> int:
     return swapped
 
 
-def load_causal_lm(name_or_path: str, tokenizer, dtype: str = "float32",
-                   trust_remote_code: bool = False, key: str = "model.name_or_path"):
+def load_causal_lm(
+    name_or_path: str,
+    tokenizer,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    key: str = "model.name_or_path",
+):
     from transformers import AutoModelForCausalLM
 
     source = resolve_source(name_or_path, key)
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -225,8 +237,9 @@ class PolicyWithValueHead(nn.Module):
         input that requires grad, and works under ``no_grad``.
         """
         if not getattr(self.lm, "supports_gradient_checkpointing", False):
-            raise ConfigError(f"model.gradient_checkpointing=true: {type(self.lm).__name__} does not support "
-                              "gradient checkpointing")
+            raise ConfigError(
+                f"model.gradient_checkpointing=true: {type(self.lm).__name__} does not support gradient checkpointing"
+            )
         enable_activation_checkpointing(self.lm)
         self.lm.train()
 
@@ -237,8 +250,9 @@ class PolicyWithValueHead(nn.Module):
             self.lm.eval()
         return self
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor, context_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, context_length: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and values at the positions that predict response tokens (values None without
         a value head).
 
@@ -250,24 +264,31 @@ class PolicyWithValueHead(nn.Module):
         R = input_ids.shape[1] - context_length
         kwargs = {"logits_to_keep": R + 1} if self._keep_kw else {}
         if self.v_head is None:  # no critic: the LM alone
-            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, **kwargs)
-            return out.logits[:, -(R + 1):-1], None
+            out = self.lm(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
+            )
+            return out.logits[:, -(R + 1) : -1], None
         head = self.lm.get_output_embeddings() if self._hooked else None
         if head is not None:
             head.catch_input, head.head_input = True, None
         try:
-            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          output_hidden_states=head is None, use_cache=False, **kwargs)
+            out = self.lm(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                output_hidden_states=head is None,
+                use_cache=False,
+                **kwargs,
+            )
         finally:
             if head is not None:
                 head.catch_input = False
-        logits = out.logits[:, -(R + 1):-1]  # [B, R, V]
+        logits = out.logits[:, -(R + 1) : -1]  # [B, R, V]
         if head is not None:
             hidden, head.head_input = head.head_input, None  # do not hold the graph past this call
         else:
             hidden = out.hidden_states[-1]
-        hidden = hidden[:, -(R + 1):-1]  # [B, R, H]: the states before each response token
+        hidden = hidden[:, -(R + 1) : -1]  # [B, R, H]: the states before each response token
         # The value is a regression target: computed in float32 whatever the LM's precision. Autocast
         # would run the linear layer in bf16 even on float32 inputs, and bf16-true stores it in bf16.
         with torch.autocast(device_type=hidden.device.type, enabled=False):

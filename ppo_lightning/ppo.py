@@ -86,8 +86,9 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, distributed: bool =
 
 
 # ----------------------------------------------------------------------------- advantages
-def compute_gae(rewards: Tensor, values: Tensor, values_next: Tensor, resp_mask: Tensor,
-                gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+def compute_gae(
+    rewards: Tensor, values: Tensor, values_next: Tensor, resp_mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation [GAE] over masked response tokens.
 
     ``delta_t = r_t + gamma * nonterminal_t * V(s_{t+1}) - V(s_t)``,
@@ -141,8 +142,14 @@ def global_token_count(mask: Tensor) -> Tensor:
     return _all_reduce_sum(n)[0] / dist.get_world_size()
 
 
-def aggregate(x: Tensor, mask: Tensor, mode: str = "token_mean", token_count: Tensor | None = None,
-              seq_count: Tensor | int | None = None, norm_length: int | None = None) -> Tensor:
+def aggregate(
+    x: Tensor,
+    mask: Tensor,
+    mode: str = "token_mean",
+    token_count: Tensor | None = None,
+    seq_count: Tensor | int | None = None,
+    norm_length: int | None = None,
+) -> Tensor:
     """A per-token loss ``[B, R]`` reduced to one number (``ppo.loss_agg``):
 
     - ``token_mean``: every response token of the minibatch weighs the same (long responses weigh
@@ -177,10 +184,20 @@ def aggregate(x: Tensor, mask: Tensor, mode: str = "token_mean", token_count: Te
     return per_seq.sum() / (n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1))
 
 
-def ppo_policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
-                    clip: float, token_count: Tensor | None = None, *, clip_high: float | None = None,
-                    dual_clip: float | None = None, agg: str = "token_mean",
-                    seq_count: Tensor | int | None = None, norm_length: int | None = None) -> tuple[Tensor, Tensor]:
+def ppo_policy_loss(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float,
+    token_count: Tensor | None = None,
+    *,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    agg: str = "token_mean",
+    seq_count: Tensor | int | None = None,
+    norm_length: int | None = None,
+) -> tuple[Tensor, Tensor]:
     """Clipped surrogate objective (as a loss to minimise) and the fraction of clipped tokens.
 
     ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - clip, 1 + clip_high))`` per token
@@ -204,8 +221,15 @@ def ppo_policy_loss(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask
     return loss, clip_frac
 
 
-def clip_fractions(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float,
-                   clip_high: float, token_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def clip_fractions(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    token_count: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """The clipped tokens by side, as TRL's GRPOTrainer logs them (``clip_ratio/low_mean``,
     ``high_mean``): ``ratio < 1 - clip_low`` with ``A < 0`` (the loss would push a bad token's
     probability further down) and ``ratio > 1 + clip_high`` with ``A > 0`` (a good token's further
@@ -213,12 +237,20 @@ def clip_fractions(new_logp: Tensor, old_logp: Tensor, advantages: Tensor, mask:
     ratio = torch.exp(new_logp - old_logp)
     low = (ratio < 1.0 - clip_low) & (advantages < 0)
     high = (ratio > 1.0 + clip_high) & (advantages > 0)
-    return (token_mean(low.to(new_logp.dtype), mask, token_count),
-            token_mean(high.to(new_logp.dtype), mask, token_count))
+    return (
+        token_mean(low.to(new_logp.dtype), mask, token_count),
+        token_mean(high.to(new_logp.dtype), mask, token_count),
+    )
 
 
-def ppo_value_loss(new_values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
-                   vf_clip: float, token_count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def ppo_value_loss(
+    new_values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    vf_clip: float,
+    token_count: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` and its clip fraction.
 
     ``V_clip = V_old + clip(V - V_old, -vf_clip, vf_clip)`` keeps the value head from moving far

@@ -117,8 +117,10 @@ class StopOnPreemption(L.Callback):
         _State.deferred = False
         path = last_checkpoint_path(trainer)
         trainer.save_checkpoint(path, weights_only=False)  # the whole state: a resumable checkpoint
-        raise Preempted(f"stopped by SIGTERM after PPO iteration {trainer.global_step - 1}; "
-                        f"checkpoint written to {path}", checkpoint=path)
+        raise Preempted(
+            f"stopped by SIGTERM after PPO iteration {trainer.global_step - 1}; checkpoint written to {path}",
+            checkpoint=path,
+        )
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         _State.deferred = False

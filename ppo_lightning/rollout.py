@@ -39,7 +39,7 @@ class _Sequences:
 
     @property
     def responses(self) -> Tensor:
-        return self.query_responses[:, self.context_length:]
+        return self.query_responses[:, self.context_length :]
 
 
 PolicyOutput = tuple[Tensor, Tensor | None, Tensor]  # tempered logits [B, R, V], values [B, R], logprobs [B, R]
@@ -73,15 +73,19 @@ class Rollout(_Sequences):
 
     def is_finite(self) -> Tensor:
         """Whether every score, logprob, value and advantage is finite (a 0-dim bool tensor)."""
-        return torch.stack([torch.isfinite(t).all() for t in (
-            self.scores, self.logprobs, self.ref_logprobs, self.values, self.advantages, self.returns)]).all()
+        return torch.stack(
+            [
+                torch.isfinite(t).all()
+                for t in (self.scores, self.logprobs, self.ref_logprobs, self.values, self.advantages, self.returns)
+            ]
+        ).all()
 
     def describe_nonfinite(self, tokenizer) -> str:
         """What is not finite, for the warning: the first bad score with its prompt, or the rest."""
         bad = (~torch.isfinite(self.scores)).nonzero().flatten()
         if bad.numel():
             i = int(bad[0])
-            prompt = tokenizer.decode(self.query_responses[i, :self.context_length], skip_special_tokens=True)
+            prompt = tokenizer.decode(self.query_responses[i, : self.context_length], skip_special_tokens=True)
             return f"reward {self.scores[i].item()} for prompt {prompt[:60]!r}"
         return "logprobs, values or advantages in the rollout"
 
@@ -93,9 +97,16 @@ class Rollout(_Sequences):
 
 # ----------------------------------------------------------------------------- scoring forwards
 @torch.no_grad()
-def forward_logprobs(policy: PolicyWithValueHead | None, lm, query_responses: Tensor,
-                     attention_mask: Tensor, position_ids: Tensor, context_length: int,
-                     temperature: float, chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
+def forward_logprobs(
+    policy: PolicyWithValueHead | None,
+    lm,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    context_length: int,
+    temperature: float,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Logprobs of the response tokens (and values, when ``policy`` is given), in row chunks.
 
     Logits are divided by the sampling temperature before the log-softmax, so the logprobs are
@@ -113,9 +124,13 @@ def forward_logprobs(policy: PolicyWithValueHead | None, lm, query_responses: Te
                 values.append(v)
         else:
             R = query_responses.shape[1] - context_length
-            logits = lm(input_ids=query_responses[sl], attention_mask=attention_mask[sl],
-                        position_ids=position_ids[sl], use_cache=False,
-                        **logits_to_keep(lm, R + 1)).logits[:, -(R + 1):-1]
+            logits = lm(
+                input_ids=query_responses[sl],
+                attention_mask=attention_mask[sl],
+                position_ids=position_ids[sl],
+                use_cache=False,
+                **logits_to_keep(lm, R + 1),
+            ).logits[:, -(R + 1) : -1]
         if temperature != 1.0:
             logits = logits / temperature
         logps.append(ppo.logprobs_from_logits(logits, responses[sl]))
@@ -123,8 +138,9 @@ def forward_logprobs(policy: PolicyWithValueHead | None, lm, query_responses: Te
 
 
 # ----------------------------------------------------------------------------- decoding
-def decode_prompts_and_responses(tokenizer, input_ids: Tensor, responses: Tensor,
-                                 response_mask: Tensor) -> tuple[list[str], list[str]]:
+def decode_prompts_and_responses(
+    tokenizer, input_ids: Tensor, responses: Tensor, response_mask: Tensor
+) -> tuple[list[str], list[str]]:
     """Prompt and response texts such that ``prompt + response`` is the decoded whole sequence.
 
     A response decoded on its own can lose the space (or other joiner) that the tokenizer only
@@ -140,15 +156,16 @@ def decode_prompts_and_responses(tokenizer, input_ids: Tensor, responses: Tensor
     texts = []
     for i, (p, f) in enumerate(zip(prompts, full)):
         if f.startswith(p):
-            texts.append(f[len(p):])
+            texts.append(f[len(p) :])
         else:  # a tokenizer whose joint decoding rewrites the prompt: fall back to the response alone
             alone = alone or tokenizer.batch_decode(responses, skip_special_tokens=True)
             texts.append(alone[i])
     return prompts, texts
 
 
-def score_responses(reward_fn: Callable, tokenizer, input_ids: Tensor, attention_mask: Tensor,
-                    responses: Tensor, response_mask: Tensor) -> Tensor:
+def score_responses(
+    reward_fn: Callable, tokenizer, input_ids: Tensor, attention_mask: Tensor, responses: Tensor, response_mask: Tensor
+) -> Tensor:
     """The scorer's raw score of each row, float32, on the rollout's device.
 
     A reward model that shares the policy's vocabulary (``RewardModel.token_input``) reads the
@@ -164,8 +181,15 @@ def score_responses(reward_fn: Callable, tokenizer, input_ids: Tensor, attention
 
 
 @torch.no_grad()
-def reference_scores(ref_sampler: GenerationBackend, reward_fn: Callable, tokenizer, params: SamplingParams,
-                     batches, generator: torch.Generator, device) -> Tensor:
+def reference_scores(
+    ref_sampler: GenerationBackend,
+    reward_fn: Callable,
+    tokenizer,
+    params: SamplingParams,
+    batches,
+    generator: torch.Generator,
+    device,
+) -> Tensor:
     """The raw scores of the reference's responses to ``batches`` of prompts, sampled and scored
     as the rollouts are (what reward normalisation is fitted on)."""
     raw = []
@@ -198,10 +222,20 @@ class Samples(_Sequences):
 
 
 @torch.no_grad()
-def sample_and_score(*, sampler: GenerationBackend, params: SamplingParams, ref_lm, reward_fn: Callable,
-                     tokenizer, input_ids: Tensor, attention_mask: Tensor, missing_eos_penalty: float | None = None,
-                     forward_chunk_size: int | None = None, reward_norm: Normalization | None = None,
-                     generator: torch.Generator | None = None) -> Samples:
+def sample_and_score(
+    *,
+    sampler: GenerationBackend,
+    params: SamplingParams,
+    ref_lm,
+    reward_fn: Callable,
+    tokenizer,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    missing_eos_penalty: float | None = None,
+    forward_chunk_size: int | None = None,
+    reward_norm: Normalization | None = None,
+    generator: torch.Generator | None = None,
+) -> Samples:
     """Sample responses to left-padded prompts through ``sampler`` (the policy's backend) as
     ``params`` say; reference logprobs and reward scores for them.
 
@@ -213,22 +247,32 @@ def sample_and_score(*, sampler: GenerationBackend, params: SamplingParams, ref_
     query_responses = torch.cat([input_ids, responses], dim=1)  # [B, T]
     full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
     position_ids = position_ids_from_mask(full_mask)
-    ref_logprobs, _ = forward_logprobs(None, ref_lm, query_responses, full_mask, position_ids, P,
-                                       params.temperature, forward_chunk_size)
+    ref_logprobs, _ = forward_logprobs(
+        None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size
+    )
 
     raw_scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask)
     scores = normalized(raw_scores, reward_norm)
     contains_eos = (stop_hits(responses, tokenizer.eos_token_id, params.stop_sequences) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and params.stop_at_eos:
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
-    return Samples(query_responses=query_responses, attention_mask=full_mask, position_ids=position_ids,
-                   response_mask=response_mask, ref_logprobs=ref_logprobs, scores=scores,
-                   raw_scores=raw_scores, contains_eos=contains_eos, context_length=P)
+    return Samples(
+        query_responses=query_responses,
+        attention_mask=full_mask,
+        position_ids=position_ids,
+        response_mask=response_mask,
+        ref_logprobs=ref_logprobs,
+        scores=scores,
+        raw_scores=raw_scores,
+        contains_eos=contains_eos,
+        context_length=P,
+    )
 
 
 @torch.no_grad()
-def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_coef: float, kl_estimator: str,
-                   cfg) -> Rollout:
+def finish_rollout(
+    s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_coef: float, kl_estimator: str, cfg
+) -> Rollout:
     """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``, with the
     estimator and its options of ``cfg`` (a ``config.PPOConfig``: ``advantage``, ``gamma``,
     ``lam``, ``whiten_rewards``, ``num_generations``, ``scale_by_group_std``): per-token rewards
@@ -258,11 +302,30 @@ def finish_rollout(s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_co
         advantages = ppo.whiten(advantages, mask, distributed=True)
     else:
         advantages, returns = estimators.critic_free_advantages(
-            advantage, s.scores, kl_rewards, mask, group_size=cfg.num_generations, gamma=cfg.gamma,
-            scale_by_std=cfg.scale_by_group_std, distributed=True)
-    return Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask,
-                   position_ids=s.position_ids, response_mask=mask, logprobs=logprobs,
-                   ref_logprobs=ref_logprobs, values=values, kl=kl, rewards=rewards,
-                   non_score_reward=non_score_reward, advantages=advantages, returns=returns,
-                   scores=s.scores, raw_scores=s.raw_scores, contains_eos=s.contains_eos,
-                   context_length=s.context_length)
+            advantage,
+            s.scores,
+            kl_rewards,
+            mask,
+            group_size=cfg.num_generations,
+            gamma=cfg.gamma,
+            scale_by_std=cfg.scale_by_group_std,
+            distributed=True,
+        )
+    return Rollout(
+        query_responses=s.query_responses,
+        attention_mask=s.attention_mask,
+        position_ids=s.position_ids,
+        response_mask=mask,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        values=values,
+        kl=kl,
+        rewards=rewards,
+        non_score_reward=non_score_reward,
+        advantages=advantages,
+        returns=returns,
+        scores=s.scores,
+        raw_scores=s.raw_scores,
+        contains_eos=s.contains_eos,
+        context_length=s.context_length,
+    )

@@ -49,10 +49,13 @@ class FSDP2Strategy(ModelParallelStrategy):
     memory throughout, ``max_new_tokens`` times the communication); see the module docstring.
     """
 
-    def __init__(self, save_distributed_checkpoint: bool = False, gather_for_rollout: bool = True,
-                 **kwargs) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
+    def __init__(self, save_distributed_checkpoint: bool = False, gather_for_rollout: bool = True, **kwargs) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            **kwargs,
+        )
         self.gather_for_rollout = gather_for_rollout
 
     @property
@@ -74,8 +77,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             return super().lightning_module_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                         ignore_frozen_params=True))
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        )
 
     def optimizer_state(self, optimizer) -> dict:
         """The optimizer state keyed by parameter names (not by position), gathered when
@@ -85,8 +89,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-        return get_optimizer_state_dict(self.model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         """A full-state checkpoint file: every rank reads it and takes its own shards of the
@@ -101,8 +106,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             return super().load_checkpoint(path, weights_only=weights_only)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        checkpoint = torch.load(path, map_location="cpu", mmap=True,
-                                weights_only=True if weights_only is None else weights_only)
+        checkpoint = torch.load(
+            path, map_location="cpu", mmap=True, weights_only=True if weights_only is None else weights_only
+        )
         load_full_state_dict(self.model, checkpoint.pop("state_dict"))
         options = StateDictOptions(full_state_dict=True, strict=False)
         for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
@@ -156,8 +162,9 @@ def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
     names = set(getattr(lm, "_no_split_modules", None) or ())
     blocks = [m for m in lm.modules() if type(m).__name__ in names]
     if not blocks:
-        raise ValueError(f"{type(lm).__name__} declares no decoder block classes (_no_split_modules); "
-                         "cannot shard it block by block")
+        raise ValueError(
+            f"{type(lm).__name__} declares no decoder block classes (_no_split_modules); cannot shard it block by block"
+        )
     return blocks
 
 

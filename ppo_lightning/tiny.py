@@ -68,8 +68,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def gpt2_config(n_layer: int = 2, n_head: int = 2, n_embd: int = 64, n_positions: int = 256,
-                num_labels: int | None = None):
+def gpt2_config(
+    n_layer: int = 2, n_head: int = 2, n_embd: int = 64, n_positions: int = 256, num_labels: int | None = None
+):
     """A GPT-2 config over the byte vocabulary, dropout off (PPO wants deterministic forwards)."""
     from transformers import GPT2Config
 
@@ -90,8 +91,6 @@ def gpt2_config(n_layer: int = 2, n_head: int = 2, n_embd: int = 64, n_positions
     )
 
 
-
-
 def causal_lm_config(arch: str, n_layer: int, n_head: int, n_embd: int, n_positions: int):
     """A causal-LM config of architecture ``arch`` over the byte vocabulary, dropout off. GPT-2
     (learned positions, ``Conv1D`` layers, tied head), Llama and Qwen2 (rotary, RMSNorm, gated
@@ -101,21 +100,30 @@ def causal_lm_config(arch: str, n_layer: int, n_head: int, n_embd: int, n_positi
         return gpt2_config(n_layer, n_head, n_embd, n_positions)
     from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config
 
-    common = dict(vocab_size=BYTE_VOCAB_SIZE, hidden_size=n_embd, intermediate_size=2 * n_embd,
-                  num_hidden_layers=n_layer, num_attention_heads=n_head, max_position_embeddings=n_positions,
-                  bos_token_id=256, eos_token_id=256, pad_token_id=257, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=n_embd,
+        intermediate_size=2 * n_embd,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        max_position_embeddings=n_positions,
+        bos_token_id=256,
+        eos_token_id=256,
+        pad_token_id=257,
+        tie_word_embeddings=False,
+    )
     if arch == "llama":
         return LlamaConfig(**common, num_key_value_heads=n_head, attention_dropout=0.0)
     if arch == "qwen2":
         return Qwen2Config(**common, num_key_value_heads=n_head, attention_dropout=0.0)
     if arch == "gpt_neox":
-        return GPTNeoXConfig(**common, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0,
-                             use_parallel_residual=True)
+        return GPTNeoXConfig(
+            **common, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0, use_parallel_residual=True
+        )
     raise ValueError(f"arch={arch!r}: choose one of {ARCHITECTURES}")
 
 
-def save_random_model(path: str | os.PathLike, config, tokenizer, seed: int = 0,
-                      classifier: bool = False) -> Path:
+def save_random_model(path: str | os.PathLike, config, tokenizer, seed: int = 0, classifier: bool = False) -> Path:
     """Write a model of ``config`` initialised from ``seed`` (a causal LM, or with ``classifier`` a
     sequence classifier: ``config.num_labels`` outputs) and ``tokenizer`` to ``path``, atomically
     (``atomic_build``); a ``path`` that already holds a model is kept as it is. Every randomly
@@ -134,13 +142,21 @@ def save_random_model(path: str | os.PathLike, config, tokenizer, seed: int = 0,
     return atomic_build(Path(path), build)
 
 
-def save_tiny_causal_lm(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,
-                        n_embd: int = 64, n_positions: int = 256, seed: int = 0, arch: str = "gpt2") -> Path:
+def save_tiny_causal_lm(
+    path: str | os.PathLike,
+    n_layer: int = 2,
+    n_head: int = 2,
+    n_embd: int = 64,
+    n_positions: int = 256,
+    seed: int = 0,
+    arch: str = "gpt2",
+) -> Path:
     """Write a randomly initialised causal LM (``arch``, see ``causal_lm_config``) + byte tokenizer
     to ``path`` (``save_random_model``: atomically, so concurrent builders, DDP ranks or pytest
     workers, never see a half-written directory)."""
-    return save_random_model(path, causal_lm_config(arch, n_layer, n_head, n_embd, n_positions),
-                             build_byte_tokenizer(), seed)
+    return save_random_model(
+        path, causal_lm_config(arch, n_layer, n_head, n_embd, n_positions), build_byte_tokenizer(), seed
+    )
 
 
 def ensure_tiny_model(model_cfg, cache_dir: str | os.PathLike | None) -> Path | None:
@@ -160,8 +176,9 @@ def ensure_tiny_model(model_cfg, cache_dir: str | os.PathLike | None) -> Path | 
         return None
     arch, n_layer, n_embd = _field(t, "arch", "gpt2"), _field(t, "n_layer", 2), _field(t, "n_embd", 64)
     log.info("building tiny %s (%d layers, %d dims) at %s", arch, n_layer, n_embd, target)
-    return save_tiny_causal_lm(target, n_layer, _field(t, "n_head", 2), n_embd, _field(t, "n_positions", 256),
-                               _field(t, "seed", 0), arch)
+    return save_tiny_causal_lm(
+        target, n_layer, _field(t, "n_head", 2), n_embd, _field(t, "n_positions", 256), _field(t, "seed", 0), arch
+    )
 
 
 def _field(cfg, key: str, default=None):
@@ -169,15 +186,22 @@ def _field(cfg, key: str, default=None):
     return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
 
 
-def save_tiny_reward_model(path: str | os.PathLike, n_layer: int = 2, n_head: int = 2,
-                           n_embd: int = 64, n_positions: int = 256, seed: int = 1) -> Path:
+def save_tiny_reward_model(
+    path: str | os.PathLike, n_layer: int = 2, n_head: int = 2, n_embd: int = 64, n_positions: int = 256, seed: int = 1
+) -> Path:
     """Write a randomly initialised GPT-2 sequence classifier (1 label) + byte tokenizer."""
-    return save_random_model(path, gpt2_config(n_layer, n_head, n_embd, n_positions, num_labels=1),
-                             build_byte_tokenizer(), seed, classifier=True)
+    return save_random_model(
+        path,
+        gpt2_config(n_layer, n_head, n_embd, n_positions, num_labels=1),
+        build_byte_tokenizer(),
+        seed,
+        classifier=True,
+    )
 
 
-def atomic_build(path: Path, build: Callable[[Path], None], done: str = "config.json",
-                 replace_unfinished: bool = False) -> Path:
+def atomic_build(
+    path: Path, build: Callable[[Path], None], done: str = "config.json", replace_unfinished: bool = False
+) -> Path:
     """Run ``build(tmp)`` in a temporary sibling of ``path`` and rename it into place, once: a
     ``path`` holding the file ``done`` is finished and kept as it is.
 

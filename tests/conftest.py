@@ -49,8 +49,9 @@ def compose_cfg(overrides: list[str], output_dir: Path, cache_dir: Path, experim
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=[f"paths.output_dir={output_dir}",
-                                           f"paths.cache_dir={cache_dir}", *overrides])
+        return compose(
+            "train", overrides=[f"paths.output_dir={output_dir}", f"paths.cache_dir={cache_dir}", *overrides]
+        )
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:

@@ -17,16 +17,27 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_train(args: list[str], cache_dir: Path, timeout: float = 600, env_extra: dict | None = None,
-              env_drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str],
+    cache_dir: Path,
+    timeout: float = 600,
+    env_extra: dict | None = None,
+    env_drop: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
     """``python train.py <args>`` as a user runs it, in a subprocess: offline, the test session's
     model cache, one intra-op thread, no ``HYDRA_FULL_ERROR`` (so errors print their one line)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
-           **(env_extra or {})}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PPO_LIGHTNING_CACHE": str(cache_dir),
+        "OMP_NUM_THREADS": "1",
+        **(env_extra or {}),
+    }
     for k in ("HYDRA_FULL_ERROR", *env_drop):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_same_metrics(expected: list[dict], got: list[dict], rel: float = 1e-4, abs: float = 1e-5) -> None:
@@ -67,8 +78,10 @@ class SaveShardLayout(L.Callback):
 
         from torch.distributed.tensor import DTensor
 
-        layout = {n: [p.to_local().numel() if isinstance(p, DTensor) else p.numel(), p.numel()]
-                  for n, p in pl_module.policy.named_parameters()}
+        layout = {
+            n: [p.to_local().numel() if isinstance(p, DTensor) else p.numel(), p.numel()]
+            for n, p in pl_module.policy.named_parameters()
+        }
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(layout))
 
@@ -140,14 +153,28 @@ def greedy_by_full_forward(lm, input_ids: torch.Tensor, attention_mask: torch.Te
         nxt = lm(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits[:, -1].argmax(-1)
         ids = torch.cat([ids, nxt[:, None]], 1)
         am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
-    return ids[:, input_ids.shape[1]:]
+    return ids[:, input_ids.shape[1] :]
 
 
 @torch.no_grad()
-def make_rollout(*, policy, ref_lm, reward_fn, tokenizer, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 kl_coef: float, gen: dict, gamma: float, lam: float, kl_estimator: str = "k1",
-                 missing_eos_penalty: float | None = None, whiten_rewards: bool = False,
-                 forward_chunk_size: int | None = None, generator: torch.Generator | None = None):
+def make_rollout(
+    *,
+    policy,
+    ref_lm,
+    reward_fn,
+    tokenizer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    kl_coef: float,
+    gen: dict,
+    gamma: float,
+    lam: float,
+    kl_estimator: str = "k1",
+    missing_eos_penalty: float | None = None,
+    whiten_rewards: bool = False,
+    forward_chunk_size: int | None = None,
+    generator: torch.Generator | None = None,
+):
     """Sample, score and compute advantages for one batch of left-padded prompts, as
     ``PPOModule.on_train_batch_start`` does with a separate (unfused) old-policy forward.
 
@@ -158,16 +185,38 @@ def make_rollout(*, policy, ref_lm, reward_fn, tokenizer, input_ids: torch.Tenso
     from ppo_lightning.generation.hf import HFBackend
     from ppo_lightning.rollout import finish_rollout, forward_logprobs, sample_and_score
 
-    s = sample_and_score(sampler=HFBackend(policy.lm, tokenizer), params=SamplingParams(**gen), ref_lm=ref_lm,
-                         reward_fn=reward_fn, tokenizer=tokenizer, input_ids=input_ids, attention_mask=attention_mask,
-                         missing_eos_penalty=missing_eos_penalty, forward_chunk_size=forward_chunk_size,
-                         generator=generator)
-    logprobs, values = forward_logprobs(policy, None, s.query_responses, s.attention_mask, s.position_ids,
-                                        s.context_length, gen["temperature"], forward_chunk_size)
+    s = sample_and_score(
+        sampler=HFBackend(policy.lm, tokenizer),
+        params=SamplingParams(**gen),
+        ref_lm=ref_lm,
+        reward_fn=reward_fn,
+        tokenizer=tokenizer,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        missing_eos_penalty=missing_eos_penalty,
+        forward_chunk_size=forward_chunk_size,
+        generator=generator,
+    )
+    logprobs, values = forward_logprobs(
+        policy,
+        None,
+        s.query_responses,
+        s.attention_mask,
+        s.position_ids,
+        s.context_length,
+        gen["temperature"],
+        forward_chunk_size,
+    )
     from ppo_lightning.config import PPOConfig
 
-    return finish_rollout(s, logprobs, values, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                          cfg=PPOConfig(gamma=gamma, lam=lam, whiten_rewards=whiten_rewards))
+    return finish_rollout(
+        s,
+        logprobs,
+        values,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        cfg=PPOConfig(gamma=gamma, lam=lam, whiten_rewards=whiten_rewards),
+    )
 
 
 class FullDisk:

@@ -16,9 +16,18 @@ import pytest
 
 from tests.conftest import ROOT
 
-SMALL = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=1", "sampling.max_new_tokens=4",
-         "trainer.max_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-         "callbacks=none", "export_dir=null"]
+SMALL = [
+    "experiment=tiny_char",
+    "data.batch_size=8",
+    "ppo.minibatch_size=4",
+    "ppo.ppo_epochs=1",
+    "sampling.max_new_tokens=4",
+    "trainer.max_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks=none",
+    "export_dir=null",
+]
 
 
 def _rebind_log_streams() -> None:
@@ -32,8 +41,9 @@ def _rebind_log_streams() -> None:
 def run_main(args: list[str], tmp_path, cache_dir, monkeypatch, capfd) -> tuple[int, str]:
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     _rebind_log_streams()
-    monkeypatch.setattr(sys, "argv", ["train.py", *SMALL, f"hydra.run.dir={tmp_path / 'run'}",
-                                      f"paths.cache_dir={cache_dir}", *args])
+    monkeypatch.setattr(
+        sys, "argv", ["train.py", *SMALL, f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={cache_dir}", *args]
+    )
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     err = capfd.readouterr().err
@@ -54,13 +64,34 @@ CASES = {
     "lam above one": (["ppo.lam=1.5"], ["ppo.lam=1.5: must be in [0, 1]"]),
     "gamma below zero": (["ppo.gamma=-0.1"], ["ppo.gamma=-0.1: must be in [0, 1]"]),
     "minibatch does not divide": (["ppo.minibatch_size=3"], ["ppo.minibatch_size=3: must divide data.batch_size=8"]),
-    "missing model dir": (["model.name_or_path=/no/such/model"], ["model.name_or_path='/no/such/model': no such directory"]),
-    "context too long": (["data.max_prompt_length=250", "sampling.max_new_tokens=16"], ["exceeds the model's context of 256"]),
-    "reward import": (["reward=function", "reward.fn=no_such_pkg.score"], ["reward.fn='no_such_pkg.score'", "cannot import"]),
-    "reward wrong length": (["reward=function", "reward.fn=tests.helpers.wrong_length"], ["tests.helpers.wrong_length returned 7 scores for 8 responses"]),
-    "reward not numbers": (["reward=function", "reward.fn=tests.helpers.not_numbers"], ["returned 'good'", "for prompt 0"]),
-    "reward raises": (["reward=function", "reward.fn=tests.helpers.raises_on_a", "data.shuffle=false"], ["raised ZeroDivisionError", "on prompt"]),
-    "missing reward model": (["reward=model", "reward.name_or_path=/no/such/rm"], ["reward.name_or_path='/no/such/rm'"]),
+    "missing model dir": (
+        ["model.name_or_path=/no/such/model"],
+        ["model.name_or_path='/no/such/model': no such directory"],
+    ),
+    "context too long": (
+        ["data.max_prompt_length=250", "sampling.max_new_tokens=16"],
+        ["exceeds the model's context of 256"],
+    ),
+    "reward import": (
+        ["reward=function", "reward.fn=no_such_pkg.score"],
+        ["reward.fn='no_such_pkg.score'", "cannot import"],
+    ),
+    "reward wrong length": (
+        ["reward=function", "reward.fn=tests.helpers.wrong_length"],
+        ["tests.helpers.wrong_length returned 7 scores for 8 responses"],
+    ),
+    "reward not numbers": (
+        ["reward=function", "reward.fn=tests.helpers.not_numbers"],
+        ["returned 'good'", "for prompt 0"],
+    ),
+    "reward raises": (
+        ["reward=function", "reward.fn=tests.helpers.raises_on_a", "data.shuffle=false"],
+        ["raised ZeroDivisionError", "on prompt"],
+    ),
+    "missing reward model": (
+        ["reward=model", "reward.name_or_path=/no/such/rm"],
+        ["reward.name_or_path='/no/such/rm'"],
+    ),
     "missing ckpt": (["ckpt_path=/no/such.ckpt"], ["ckpt_path='/no/such.ckpt': no such checkpoint"]),
     "unknown logger": (["logger=nope"], ["logger", "nope"]),
     "unknown trainer": (["trainer=nope"], ["trainer", "nope"]),
@@ -90,8 +121,13 @@ def test_malformed_jsonl_names_the_line(tmp_path, cache_dir, monkeypatch, capfd)
 
 def test_prompt_longer_than_limit_with_truncation_error(tmp_path, cache_dir, monkeypatch, capfd):
     f = _write(tmp_path / "p.txt", "short\n" * 10 + "x" * 100 + "\n")
-    code, err = run_main([f"data.path={f}", "data.max_prompt_length=32", "data.truncation=error"],
-                         tmp_path, cache_dir, monkeypatch, capfd)
+    code, err = run_main(
+        [f"data.path={f}", "data.max_prompt_length=32", "data.truncation=error"],
+        tmp_path,
+        cache_dir,
+        monkeypatch,
+        capfd,
+    )
     assert code == 1 and "data.max_prompt_length=32" in err and "prompt 10" in err
 
 
@@ -104,14 +140,14 @@ def test_tokenizer_without_pad_or_eos(tmp_path, cache_dir, monkeypatch, capfd):
     tok.pad_token = None
     tok.bos_token = None
     tok.save_pretrained(d)
-    code, err = run_main([f"model.name_or_path={d}", "model.build_tiny=null"], tmp_path, cache_dir,
-                         monkeypatch, capfd)
+    code, err = run_main([f"model.name_or_path={d}", "model.build_tiny=null"], tmp_path, cache_dir, monkeypatch, capfd)
     assert code == 1 and "no EOS token" in err and "model.name_or_path" in err
 
 
 def test_stage_key_with_wrong_type(tmp_path, cache_dir, monkeypatch, capfd):
-    code, err = run_main(["task=sft", "task.val_fraction=abc", "task.path=x.jsonl"], tmp_path, cache_dir,
-                         monkeypatch, capfd)
+    code, err = run_main(
+        ["task=sft", "task.val_fraction=abc", "task.path=x.jsonl"], tmp_path, cache_dir, monkeypatch, capfd
+    )
     assert code == 1 and "task.val_fraction" in err and "abc" in err
 
 
@@ -120,17 +156,23 @@ def test_the_default_job_checks_its_inputs_before_building_the_recipe(case, tmp_
     """``python train.py data.path=empty.txt`` (the default job: the reviews recipe) says what is
     wrong within seconds, and builds nothing: the recipe's cache directory is never created."""
     empty_cache = tmp_path / "cache"
-    args = {"empty prompts": [f"data.path={_write(tmp_path / 'empty.txt', chr(10) * 3)}"],
-            "malformed prompts": [f"data.path={_write(tmp_path / 'p.jsonl', '{nope' + chr(10))}"],
-            "missing model": ["model.name_or_path=/no/such/model"],
-            "bad range": ["ppo.clip=0"]}[case]
-    expected = {"empty prompts": "holds no prompts", "malformed prompts": "line 1: not valid JSON",
-                "missing model": "model.name_or_path='/no/such/model': no such directory",
-                "bad range": "ppo.clip=0.0: must be > 0"}[case]
+    args = {
+        "empty prompts": [f"data.path={_write(tmp_path / 'empty.txt', chr(10) * 3)}"],
+        "malformed prompts": [f"data.path={_write(tmp_path / 'p.jsonl', '{nope' + chr(10))}"],
+        "missing model": ["model.name_or_path=/no/such/model"],
+        "bad range": ["ppo.clip=0"],
+    }[case]
+    expected = {
+        "empty prompts": "holds no prompts",
+        "malformed prompts": "line 1: not valid JSON",
+        "missing model": "model.name_or_path='/no/such/model': no such directory",
+        "bad range": "ppo.clip=0.0: must be > 0",
+    }[case]
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     _rebind_log_streams()
-    monkeypatch.setattr(sys, "argv", ["train.py", f"hydra.run.dir={tmp_path / 'run'}",
-                                      f"paths.cache_dir={empty_cache}", *args])
+    monkeypatch.setattr(
+        sys, "argv", ["train.py", f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={empty_cache}", *args]
+    )
     t0 = time.monotonic()
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
@@ -146,8 +188,9 @@ def test_a_missing_recipe_output_names_the_recipe(tmp_path, monkeypatch, capfd):
     """Keeping reward=reviews without data=reviews drops the preset (and its recipe): the missing
     reward model's error says which recipe builds it."""
     prompts = _write(tmp_path / "p.txt", "hello\n" * 40)
-    code, err = run_main(["reward=reviews", "data=file", f"data.path={prompts}"], tmp_path, tmp_path / "cache",
-                         monkeypatch, capfd)  # a cache where no recipe has been built
+    code, err = run_main(
+        ["reward=reviews", "data=file", f"data.path={prompts}"], tmp_path, tmp_path / "cache", monkeypatch, capfd
+    )  # a cache where no recipe has been built
     assert code == 1 and "reward.name_or_path=" in err and "built by recipe=reviews" in err, err
 
 
@@ -155,8 +198,13 @@ def test_reward_model_without_a_trained_score_head(tmp_path, cache_dir, monkeypa
     """A directory that is not a reward model (here a causal LM; a sentence-embedding encoder is
     the same case) loads as a sequence classifier with a random score head: refused, naming
     the key and the missing weights, instead of training against noise."""
-    code, err = run_main(["reward=model", f"reward.name_or_path={cache_dir / 'tiny-gpt2-l2-h2-d64'}"],
-                         tmp_path, cache_dir, monkeypatch, capfd)
+    code, err = run_main(
+        ["reward=model", f"reward.name_or_path={cache_dir / 'tiny-gpt2-l2-h2-d64'}"],
+        tmp_path,
+        cache_dir,
+        monkeypatch,
+        capfd,
+    )
     assert code == 1 and "reward.name_or_path=" in err and "is not a trained reward model" in err
     assert "score.weight" in err
 
@@ -170,7 +218,8 @@ def test_the_stages_never_build_the_tiny_model_into_a_users_directory(tmp_path, 
     if exists:
         user.mkdir()
     data = _write(tmp_path / "sft.jsonl", json.dumps({"prompt": "a", "response": "b"}) + "\n")
-    code, err = run_main(["task=sft", f"task.path={data}", f"model.name_or_path={user}"], tmp_path, cache_dir,
-                         monkeypatch, capfd)
+    code, err = run_main(
+        ["task=sft", f"task.path={data}", f"model.name_or_path={user}"], tmp_path, cache_dir, monkeypatch, capfd
+    )
     assert code == 1 and f"model.name_or_path='{user}'" in err, err
     assert (list(user.iterdir()) == []) if exists else not user.exists()

@@ -43,9 +43,25 @@ def test_byte_workloads_keep_their_prompts():
 @pytest.mark.slow
 def test_gpu_check_smoke_on_cpu():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
-                        "--workload", "tiny", "--iterations", "1", "--repeats", "1"],
-                       check=False, capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--workload",
+            "tiny",
+            "--iterations",
+            "1",
+            "--repeats",
+            "1",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["device"] == "cpu" and r["workload"] == "tiny" and r["iterations"] == 1
@@ -55,8 +71,9 @@ def test_gpu_check_smoke_on_cpu():
         assert r[key]["policy/approxkl_avg"] == pytest.approx(0.0, abs=1e-6)
         assert r[key]["objective/kl"] == pytest.approx(0.0, abs=1e-6)
     assert r["generate_tokens_per_s_ours"] > 0 and r["generate_tokens_per_s_hf"] > 0
-    assert math.isclose(r["generate_ratio_ours_over_hf"],
-                        r["generate_tokens_per_s_ours"] / r["generate_tokens_per_s_hf"])
+    assert math.isclose(
+        r["generate_ratio_ours_over_hf"], r["generate_tokens_per_s_ours"] / r["generate_tokens_per_s_hf"]
+    )
     w = WORKLOADS["tiny"]
     assert r["update_tokens_per_iteration"] == w.rollout_batch * (w.prompt_tokens + w.response_tokens) * w.ppo_epochs
     assert len(r["update_s_per_iteration"]) == 1 and r["update_flops_per_s"] > 0

@@ -11,10 +11,16 @@ from tests.helpers import run_train
 
 pytestmark = pytest.mark.slow  # every test runs train.py in a subprocess
 
-TINY_RUN = ["experiment=tiny_char", "trainer.max_steps=2", "sampling.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
-            "ppo.ppo_epochs=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
-
-
+TINY_RUN = [
+    "experiment=tiny_char",
+    "trainer.max_steps=2",
+    "sampling.max_new_tokens=8",
+    "data.batch_size=8",
+    "ppo.minibatch_size=4",
+    "ppo.ppo_epochs=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
 
 
 def test_cfg_job_prints_composed_config(cache_dir):
@@ -33,23 +39,29 @@ def test_hub_model_offline_fails_fast_with_a_fix(cache_dir, tmp_path):
     assert elapsed < 60, f"took {elapsed:.0f}s"  # interpreter + imports; the check itself is < 3 s
 
 
-@pytest.mark.parametrize("override, key", [
-    ("ppo.clip=abc", "ppo.clip"),
-    ("ppo.clpi=0.1", "clpi"),
-    ("trainer=nope", "trainer"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("ppo.clip=abc", "ppo.clip"),
+        ("ppo.clpi=0.1", "clpi"),
+        ("trainer=nope", "trainer"),
+    ],
+)
 def test_bad_overrides_fail_at_composition(cache_dir, override, key):
     p = run_train([override, "--cfg", "job"], cache_dir)
     assert p.returncode == 1
     assert key in p.stderr
 
 
-@pytest.mark.parametrize("override, message", [
-    ("ppo.clip=0", "ppo.clip=0.0: must be > 0"),
-    ("ppo.lam=1.5", "ppo.lam=1.5: must be in [0, 1]"),
-    ("ppo.minibatch_size=5", "ppo.minibatch_size=5: must divide data.batch_size=16"),
-    ("reward.fn=no_such_pkg.fn", "reward.fn='no_such_pkg.fn': cannot import module 'no_such_pkg'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("ppo.clip=0", "ppo.clip=0.0: must be > 0"),
+        ("ppo.lam=1.5", "ppo.lam=1.5: must be in [0, 1]"),
+        ("ppo.minibatch_size=5", "ppo.minibatch_size=5: must divide data.batch_size=16"),
+        ("reward.fn=no_such_pkg.fn", "reward.fn='no_such_pkg.fn': cannot import module 'no_such_pkg'"),
+    ],
+)
 def test_bad_values_fail_before_loading_models(cache_dir, tmp_path, override, message):
     p = run_train(["experiment=tiny_char", override, f"hydra.run.dir={tmp_path}"], cache_dir)
     assert p.returncode == 1, p.stderr[-2000:]

@@ -55,8 +55,15 @@ def test_the_default_job_is_the_reviews_task(tmp_path, cache_dir):
 
 def test_own_model_prompts_and_reward_get_the_library_defaults(tmp_path, cache_dir):
     """The user who swaps the demo's model, data and reward inherits no value of the demo task."""
-    cfg = compose(tmp_path, cache_dir, "model=tiny", "data=file", "data.path=prompts.txt", "reward=function",
-                  "reward.fn=my_pkg.score")
+    cfg = compose(
+        tmp_path,
+        cache_dir,
+        "model=tiny",
+        "data=file",
+        "data.path=prompts.txt",
+        "reward=function",
+        "reward.fn=my_pkg.score",
+    )
     assert cfg.recipe is None
     assert OmegaConf.to_container(cfg.ppo) == schema_defaults(C.PPOConfig)
     assert OmegaConf.to_container(cfg.data) == {**schema_defaults(C.DataConfig), "path": "prompts.txt"}
@@ -80,13 +87,21 @@ def test_a_preset_needs_both_its_reward_and_its_prompts(tmp_path, cache_dir):
         cfg = compose(tmp_path, cache_dir, *overrides)
         assert cfg.recipe is None and cfg.ppo.kl_coef == 0.05 and cfg.sampling.max_new_tokens == 32, overrides
     cfg = compose(tmp_path, cache_dir, "experiment=arithmetic")
-    assert (cfg.recipe, cfg.sampling.max_new_tokens, cfg.ppo.kl_coef, cfg.optimizer.lr) == ("arithmetic", 4, 0.02, 1.0e-4)
+    assert (cfg.recipe, cfg.sampling.max_new_tokens, cfg.ppo.kl_coef, cfg.optimizer.lr) == (
+        "arithmetic",
+        4,
+        0.02,
+        1.0e-4,
+    )
 
 
-@pytest.mark.parametrize("name, advantage, generations, prompts", [
-    ("grpo", "grpo", 4, 8), ("rloo", "rloo", 4, 8), ("reinforce_pp", "reinforce_pp", 1, 32)])
-def test_the_estimator_experiments_are_the_arithmetic_job_with_their_estimator(tmp_path, cache_dir, name,
-                                                                              advantage, generations, prompts):
+@pytest.mark.parametrize(
+    "name, advantage, generations, prompts",
+    [("grpo", "grpo", 4, 8), ("rloo", "rloo", 4, 8), ("reinforce_pp", "reinforce_pp", 1, 32)],
+)
+def test_the_estimator_experiments_are_the_arithmetic_job_with_their_estimator(
+    tmp_path, cache_dir, name, advantage, generations, prompts
+):
     """``experiment=arithmetic_<name>``: the arithmetic recipe and preset, the estimator, and the
     same 32 episodes per iteration (prompts x generations); GRPO takes the KL as a loss term."""
     cfg = compose(tmp_path, cache_dir, f"experiment=arithmetic_{name}")
@@ -116,8 +131,7 @@ def _bad_value(meta):
 @pytest.mark.parametrize("prefix, f", list(_checked_fields()), ids=lambda x: getattr(x, "name", x))
 def test_every_declared_check_is_enforced_and_names_the_key(tmp_path, cache_dir, prefix, f):
     key = f"{prefix}.{f.name}" if prefix else f.name
-    cfg = compose(tmp_path, cache_dir, "model=tiny", "data=file", "data.path=p.txt", "reward=function",
-                  "reward.fn=m.f")
+    cfg = compose(tmp_path, cache_dir, "model=tiny", "data=file", "data.path=p.txt", "reward=function", "reward.fn=m.f")
     bad = _bad_value(f.metadata)
     if prefix == "model.build_tiny":
         cfg.model.build_tiny = OmegaConf.structured(C.TinyModelConfig)
@@ -140,16 +154,36 @@ def test_sharded_trainers_compose_to_fsdp2_and_fsdp1_is_refused(tmp_path, cache_
         validate(compose_cfg(["trainer.strategy=fsdp"], tmp_path, cache_dir))
 
 
-TORCHRUN_ENV = {"TORCHELASTIC_RUN_ID": "job", "WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1",
-                "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "head", "MASTER_PORT": "29500"}
-SLURM_ENV = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NAME": "ppo", "SLURM_JOB_ID": "7",
-             "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NODELIST": "node[1-2]"}
+TORCHRUN_ENV = {
+    "TORCHELASTIC_RUN_ID": "job",
+    "WORLD_SIZE": "4",
+    "RANK": "1",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "0",
+    "MASTER_ADDR": "head",
+    "MASTER_PORT": "29500",
+}
+SLURM_ENV = {
+    "SLURM_NTASKS": "4",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_JOB_NAME": "ppo",
+    "SLURM_JOB_ID": "7",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "node[1-2]",
+}
 
 
-@pytest.mark.parametrize("launcher_env,environment", [(TORCHRUN_ENV, "TorchElasticEnvironment"),
-                                                      (SLURM_ENV, "SLURMEnvironment")], ids=["torchrun", "slurm"])
-def test_two_nodes_of_two_processes_make_one_sharding_mesh_of_four(tmp_path, cache_dir, monkeypatch,
-                                                                   launcher_env, environment):
+@pytest.mark.parametrize(
+    "launcher_env,environment",
+    [(TORCHRUN_ENV, "TorchElasticEnvironment"), (SLURM_ENV, "SLURMEnvironment")],
+    ids=["torchrun", "slurm"],
+)
+def test_two_nodes_of_two_processes_make_one_sharding_mesh_of_four(
+    tmp_path, cache_dir, monkeypatch, launcher_env, environment
+):
     """The README's multi-node lines: ``trainer=fsdp_cpu trainer.num_nodes=2`` under the
     environment torchrun or SLURM sets for rank 1 of 4. Lightning reads the ranks from it (no
     processes of its own), and the FSDP mesh spans all four processes."""
@@ -178,8 +212,13 @@ def test_a_sweep_over_a_multi_process_trainer_is_refused_before_any_job_runs(tmp
     ``-m`` each of them would run the whole sweep (seen: rank 1 printed "Launching 2 jobs")."""
     from ppo_lightning.config import check_sweep_launch, processes_per_job
 
-    for overrides, n in ((["trainer=cpu"], 1), (["trainer=ddp_cpu"], 2), (["trainer=fsdp_cpu"], 2),
-                         (["trainer=gpu", "trainer.num_nodes=2"], 2), (["trainer=fsdp"], None)):
+    for overrides, n in (
+        (["trainer=cpu"], 1),
+        (["trainer=ddp_cpu"], 2),
+        (["trainer=fsdp_cpu"], 2),
+        (["trainer=gpu", "trainer.num_nodes=2"], 2),
+        (["trainer=fsdp"], None),
+    ):
         assert processes_per_job(compose_cfg(overrides, tmp_path, cache_dir).trainer) == n, overrides
     check_sweep_launch(compose_cfg(["trainer=cpu"], tmp_path, cache_dir))
     p = run_train(["-m", "trainer=ddp_cpu", "ppo.clip=0.1,0.2", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cache_dir)
@@ -194,8 +233,10 @@ def test_loading_the_config_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, ppo_lightning.config; "
-            "print(','.join(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, ppo_lightning.config; "
+        "print(','.join(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
 
@@ -218,20 +259,39 @@ def test_every_choice_list_is_what_its_code_implements():
     for agg in choices.LOSS_AGGREGATIONS:
         ppo.aggregate(torch.zeros(2, 3), mask, agg, mask.sum(), 2, 3)
     for est in choices.ESTIMATORS[1:]:
-        estimators.critic_free_advantages(est, torch.zeros(2), torch.zeros(2, 3), mask, group_size=2, gamma=1.0,
-                                          scale_by_std=True)
+        estimators.critic_free_advantages(
+            est, torch.zeros(2), torch.zeros(2, 3), mask, group_size=2, gamma=1.0, scale_by_std=True
+        )
 
 
 def test_keys_a_mode_ignores_get_one_warning_naming_the_key_and_the_mode(tmp_path, cache_dir, caplog):
     """``config.IGNORED_UNLESS``: a key set where it does nothing warns; the shipped jobs set none."""
     import logging
 
-    for experiment in (None, "tiny_char", "arithmetic", "arithmetic_grpo", "arithmetic_rloo",
-                       "arithmetic_reinforce_pp"):
+    for experiment in (
+        None,
+        "tiny_char",
+        "arithmetic",
+        "arithmetic_grpo",
+        "arithmetic_rloo",
+        "arithmetic_reinforce_pp",
+    ):
         assert C.ignored_keys(compose_cfg([], tmp_path, cache_dir, experiment=experiment)) == [], experiment
-    cfg = compose_cfg(["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.minibatch_size=4", "ppo.vf_coef=0.5",
-                       "reward.gain=2.0", "reward.normalize=true", "sampling.stop_at_eos=false",
-                       "sampling.stop_strings=[x]", "trainer.val_check_interval=5"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            "ppo.advantage=grpo",
+            "ppo.num_generations=2",
+            "ppo.minibatch_size=4",
+            "ppo.vf_coef=0.5",
+            "reward.gain=2.0",
+            "reward.normalize=true",
+            "sampling.stop_at_eos=false",
+            "sampling.stop_strings=[x]",
+            "trainer.val_check_interval=5",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     with caplog.at_level(logging.WARNING, logger="ppo_lightning.config"):
         C.validate(cfg)
     assert [r.getMessage() for r in caplog.records] == [
@@ -239,7 +299,8 @@ def test_keys_a_mode_ignores_get_one_warning_naming_the_key_and_the_mode(tmp_pat
         "sampling.stop_strings=['x'] is ignored unless sampling.stop_at_eos=true",
         "reward.gain=2.0 is ignored unless reward.normalize=false (normalisation fits gain and bias)",
         "trainer.val_check_interval=5 is ignored unless task=sft or task=reward_model (a PPO run has no "
-        "validation loop)"]
+        "validation loop)",
+    ]
 
 
 def test_the_trainer_groups_describe_hardware_only(tmp_path, cache_dir):

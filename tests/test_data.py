@@ -11,8 +11,14 @@ import pytest
 import torch
 
 from ppo_lightning.config import DataConfig
-from ppo_lightning.data import (PadCollator, PromptDataModule, load_hf_prompts, read_prompts, read_records,
-                                tokenize_prompts)
+from ppo_lightning.data import (
+    PadCollator,
+    PromptDataModule,
+    load_hf_prompts,
+    read_prompts,
+    read_records,
+    tokenize_prompts,
+)
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.tiny import build_byte_tokenizer
 
@@ -39,8 +45,7 @@ def test_read_txt_skips_blank_lines(tmp_path):
 def test_read_jsonl_custom_field(tmp_path):
     f = tmp_path / "p.jsonl"
     rows = [{"text": "alpha", "prompt": "ignored"}, {"text": "beta é"}, {"text": "gamma"}]
-    f.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2]) + "\n",
-                 encoding="utf-8")
+    f.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2]) + "\n", encoding="utf-8")
     assert read_prompts(f, field="text") == ["alpha", "beta é", "gamma"]
     assert read_prompts(str(f), field="text") == ["alpha", "beta é", "gamma"]  # str path too
     with pytest.raises(ConfigError):
@@ -72,8 +77,7 @@ def test_read_jsonl_non_string_field(tmp_path):
         read_prompts(f)
 
 
-@pytest.mark.parametrize("name, content", [("empty.txt", ""), ("blank.txt", "\n  \n\n"),
-                                           ("empty.jsonl", "\n")])
+@pytest.mark.parametrize("name, content", [("empty.txt", ""), ("blank.txt", "\n  \n\n"), ("empty.jsonl", "\n")])
 def test_read_empty_file(tmp_path, name, content):
     f = tmp_path / name
     f.write_text(content)
@@ -110,8 +114,11 @@ def fake_datasets(monkeypatch, rows: list[dict], fail: bool = False) -> list:
 def test_one_reader_keeps_every_field_in_order_from_each_source(tmp_path, monkeypatch):
     """``read_records``: ``.jsonl``, ``.json`` and a HF dataset give the same dicts, every field
     kept (metadata travels with the prompt); ``.txt`` gives one ``{"prompt": line}`` a line."""
-    rows = [{"prompt": "a", "id": 1, "meta": {"tags": ["x"]}}, {"prompt": "b é", "id": 2},
-            {"prompt": "c", "answer": "3"}]
+    rows = [
+        {"prompt": "a", "id": 1, "meta": {"tags": ["x"]}},
+        {"prompt": "b é", "id": 2},
+        {"prompt": "c", "answer": "3"},
+    ]
     (tmp_path / "r.jsonl").write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
     (tmp_path / "r.json").write_text(json.dumps(rows, indent=1))
     (tmp_path / "r.txt").write_text("a\n\n b é \nc\n")
@@ -131,8 +138,11 @@ def test_one_reader_keeps_every_field_in_order_from_each_source(tmp_path, monkey
     assert read_prompts(tmp_path / "r.json") == ["a", "b é", "c"]
     fake_datasets(monkeypatch, [{"text": "alpha", "n": 1}, {"text": 5, "n": 2}])
     assert load_hf_prompts("org/x", "train", "text") == ["alpha", "5"]
-    with pytest.raises(ConfigError, match=r"data.prompt_field='prompt' is not a column of 'org/x': "
-                                          r"\['text', 'n'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.prompt_field='prompt' is not a column of 'org/x': "
+        r"\['text', 'n'\]",
+    ):
         load_hf_prompts("org/x", "train", "prompt")
 
 
@@ -142,22 +152,33 @@ def test_one_reader_names_the_file_and_line_of_a_bad_record(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=r"lists.jsonl' line 2: expected a JSON object, got list"):
         read_prompts(f)
     f = tmp_path / "bad.json"
-    for text, match in [('[{"prompt": "a"},\n {"prompt": }]', r"bad.json' line 2: not valid JSON"),
-                        ('{"prompt": "a"}', r"bad.json': expected a JSON list of objects, got a dict"),
-                        ('[{"prompt": "a"}, 5]', r"bad.json' record 1: expected a JSON object, got int"),
-                        ('[{"prompt": "a"}, {"prompt": 5}]', r"bad.json' record 1: expected an object with a "
-                                                             r"string 'prompt' field")]:
+    for text, match in [
+        ('[{"prompt": "a"},\n {"prompt": }]', r"bad.json' line 2: not valid JSON"),
+        ('{"prompt": "a"}', r"bad.json': expected a JSON list of objects, got a dict"),
+        ('[{"prompt": "a"}, 5]', r"bad.json' record 1: expected a JSON object, got int"),
+        (
+            '[{"prompt": "a"}, {"prompt": 5}]',
+            r"bad.json' record 1: expected an object with a "
+            r"string 'prompt' field",
+        ),
+    ]:
         f.write_text(text)
         with pytest.raises(ConfigError, match=match):
             read_prompts(f)
     f = tmp_path / "p.csv"
     f.write_text("a\n")
-    with pytest.raises(ConfigError, match=r"task.path='.*p.csv': unsupported extension '.csv'; use "
-                                          r"\.jsonl \(one JSON object a line\) or \.json"):
+    with pytest.raises(
+        ConfigError,
+        match=r"task.path='.*p.csv': unsupported extension '.csv'; use "
+        r"\.jsonl \(one JSON object a line\) or \.json",
+    ):
         list(read_records("task", path=f, suffixes=(".jsonl", ".json")))
     fake_datasets(monkeypatch, [], fail=True)
-    with pytest.raises(ConfigError, match=r"data.hf_dataset='org/x' \(split 'train'\) could not be loaded: "
-                                          r"no dataset org/x. For offline use give a local file with data.path"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.hf_dataset='org/x' \(split 'train'\) could not be loaded: "
+        r"no dataset org/x. For offline use give a local file with data.path",
+    ):
         load_hf_prompts("org/x", "train", "prompt")
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ConfigError, match=r"data.hf_dataset='org/x' needs the 'datasets' package"):
@@ -193,8 +214,7 @@ def test_tokenize_no_warning_when_all_fit(tok, caplog):
 
 def test_tokenize_truncation_error(tok):
     with pytest.raises(ConfigError) as e:
-        tokenize_prompts(["ok", "this is too long"], tok, max_length=4, truncation="error",
-                         source="data.path='x.txt'")
+        tokenize_prompts(["ok", "this is too long"], tok, max_length=4, truncation="error", source="data.path='x.txt'")
     msg = str(e.value)
     assert "data.max_prompt_length" in msg and "prompt 1" in msg and "x.txt" in msg
 
@@ -209,8 +229,7 @@ def test_left_pad_collator():
     ids, mask = out["input_ids"], out["attention_mask"]
     assert ids.dtype == torch.long and mask.dtype == torch.long
     assert ids.shape == mask.shape == (4, 5)
-    assert ids.tolist() == [[PAD, PAD, 1, 2, 3], [PAD, PAD, PAD, PAD, 4], [5, 6, 7, 8, 9],
-                            [PAD, PAD, PAD, 10, 11]]
+    assert ids.tolist() == [[PAD, PAD, 1, 2, 3], [PAD, PAD, PAD, PAD, 4], [5, 6, 7, 8, 9], [PAD, PAD, PAD, 10, 11]]
     assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
     # the mask is 0 exactly on the pads (no real token here equals the pad id)
     assert torch.equal(mask == 0, ids == PAD)
@@ -243,12 +262,21 @@ def test_datamodule_fewer_prompts_than_batch(tmp_path, tok):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_datamodule_batches(tmp_path, tok, shuffle):
-    prompts = ["Once", "upon a time", "x", "the quick brown fox", "hello", "a b c", "é!",
-               "zz", "last one dropped?", "10"]
+    prompts = [
+        "Once",
+        "upon a time",
+        "x",
+        "the quick brown fox",
+        "hello",
+        "a b c",
+        "é!",
+        "zz",
+        "last one dropped?",
+        "10",
+    ]
     f = _write_txt(tmp_path, prompts)
     torch.manual_seed(0)
-    dm = PromptDataModule(DataConfig(path=str(f), batch_size=3, max_prompt_length=64,
-                                     shuffle=shuffle), tok)
+    dm = PromptDataModule(DataConfig(path=str(f), batch_size=3, max_prompt_length=64, shuffle=shuffle), tok)
     dm.setup("fit")
     batches = list(dm.train_dataloader())
     assert len(batches) == 3  # 10 // 3, the partial batch dropped

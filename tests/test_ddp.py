@@ -16,9 +16,19 @@ def ddp_run(tmp_path, cache_dir, name: str, extra: list[str]) -> dict:
     """``trainer=ddp_cpu`` for a few iterations; the ranks' final policy weights must be identical
     (returned once, with the run's metrics rows)."""
     weights = tmp_path / name
-    p = run_train(["trainer=ddp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *extra, f"hydra.run.dir={tmp_path / ('run_' + name)}",
-                   "+callbacks.rank_weights._target_=tests.helpers.SaveRankWeights",
-                   f"+callbacks.rank_weights.dir={weights}"], cache_dir, timeout=600)
+    p = run_train(
+        [
+            "trainer=ddp_cpu",
+            *TINY_RUN,
+            "optimizer.lr=1e-3",
+            *extra,
+            f"hydra.run.dir={tmp_path / ('run_' + name)}",
+            "+callbacks.rank_weights._target_=tests.helpers.SaveRankWeights",
+            f"+callbacks.rank_weights.dir={weights}",
+        ],
+        cache_dir,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     w0 = torch.load(weights / "rank0.pt", weights_only=True)
     w1 = torch.load(weights / "rank1.pt", weights_only=True)
@@ -32,9 +42,11 @@ def test_ddp_cpu_two_ranks_end_with_identical_weights(cache_dir, tmp_path):
     run = ddp_run(tmp_path, cache_dir, "whole", ["trainer.max_steps=3"])
     # the weights moved, so the ranks agree on an update, not just on the initialisation
     from transformers import AutoModelForCausalLM
+
     init = AutoModelForCausalLM.from_pretrained(cache_dir / "tiny-gpt2-l2-h2-d64").state_dict()
-    assert not torch.equal(init["transformer.h.0.attn.c_attn.weight"],
-                           run["weights"]["lm.transformer.h.0.attn.c_attn.weight"])
+    assert not torch.equal(
+        init["transformer.h.0.attn.c_attn.weight"], run["weights"]["lm.transformer.h.0.attn.c_attn.weight"]
+    )
     assert [r["episode"] for r in run["rows"]] == [16.0, 32.0, 48.0]  # 8 prompts x 2 ranks per iteration
 
 
@@ -54,10 +66,12 @@ def test_ddp_lora_ranks_train_identical_adapters(cache_dir, tmp_path):
     run = ddp_run(tmp_path, cache_dir, "lora", ["trainer.max_steps=2", "model.lora.r=4"])
     w = run["weights"]
     from transformers import AutoModelForCausalLM
-    init = AutoModelForCausalLM.from_pretrained(cache_dir / "tiny-gpt2-l2-h2-d64").state_dict()
-    assert torch.equal(init["transformer.h.0.attn.c_attn.weight"], w["lm.transformer.h.0.attn.c_attn.base_layer.weight"])
-    assert w["lm.transformer.h.0.attn.c_attn.lora_B.default.weight"].abs().sum() > 0  # B starts at 0
 
+    init = AutoModelForCausalLM.from_pretrained(cache_dir / "tiny-gpt2-l2-h2-d64").state_dict()
+    assert torch.equal(
+        init["transformer.h.0.attn.c_attn.weight"], w["lm.transformer.h.0.attn.c_attn.base_layer.weight"]
+    )
+    assert w["lm.transformer.h.0.attn.c_attn.lora_B.default.weight"].abs().sum() > 0  # B starts at 0
 
 
 def test_ddp_global_token_mean_keeps_ranks_identical_and_changes_the_update(cache_dir, tmp_path):
@@ -66,5 +80,7 @@ def test_ddp_global_token_mean_keeps_ranks_identical_and_changes_the_update(cach
     gives another update than the per-rank ``token_mean``, and the ranks still end identical.
     (``tests/test_loss_options.py`` checks the gradient against one process's global mean.)"""
     local = ddp_run(tmp_path, cache_dir, "local", ["trainer.max_steps=2"])["weights"]
-    pooled = ddp_run(tmp_path, cache_dir, "global", ["trainer.max_steps=2", "ppo.loss_agg=token_mean_global"])["weights"]
+    pooled = ddp_run(tmp_path, cache_dir, "global", ["trainer.max_steps=2", "ppo.loss_agg=token_mean_global"])[
+        "weights"
+    ]
     assert any(not torch.allclose(local[k], pooled[k], rtol=1e-6, atol=1e-7) for k in local)

@@ -45,9 +45,18 @@ def test_every_config_key_has_a_row_in_docs_config_md():
 
 
 def test_every_logged_metric_has_a_row_in_docs_metrics_md(tmp_path, cache_dir):
-    cfg = compose_cfg(["trainer.max_steps=1", "sampling.max_new_tokens=8", "callbacks=none", "export_dir=null",
-                       "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"],
-                      tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            "trainer.max_steps=1",
+            "sampling.max_new_tokens=8",
+            "callbacks=none",
+            "export_dir=null",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     train(cfg)
     (row,) = read_metrics(tmp_path / "metrics.csv")
     names = [k for k in row if k != "step"]

@@ -27,7 +27,7 @@ def test_grpo_normalises_each_group_by_its_mean_and_std():
     A_i = (r_i - mean(r_group)) / std(r_group); TRL's GRPOTrainer adds 1e-4 to the std."""
     want = []
     for s in range(0, len(REWARDS), G):
-        group = REWARDS[s:s + G]
+        group = REWARDS[s : s + G]
         m, sd = sum(group) / G, _naive_std(group)
         want += [(r - m) / (sd + 1e-4) for r in group]
     got = E.grpo_advantages(torch.tensor(REWARDS), G)
@@ -39,7 +39,7 @@ def test_dr_grpo_only_subtracts_the_group_mean():
     """Liu et al. 2025 (Dr. GRPO): without the std division, A_i = r_i - mean(r_group)."""
     want = []
     for s in range(0, len(REWARDS), G):
-        group = REWARDS[s:s + G]
+        group = REWARDS[s : s + G]
         want += [r - sum(group) / G for r in group]
     got = E.grpo_advantages(torch.tensor(REWARDS), G, scale_by_std=False)
     assert got.tolist() == pytest.approx(want, abs=1e-7)
@@ -50,7 +50,7 @@ def test_rloo_baseline_is_the_mean_of_the_other_samples():
     A_i = r_i - 1/(k-1) * sum_{j != i} r_j."""
     want = []
     for s in range(0, len(REWARDS), G):
-        group = REWARDS[s:s + G]
+        group = REWARDS[s : s + G]
         want += [r - sum(group[j] for j in range(G) if j != i) / (G - 1) for i, r in enumerate(group)]
     got = E.rloo_advantages(torch.tensor(REWARDS), G)
     assert got.tolist() == pytest.approx(want, abs=1e-7)
@@ -77,7 +77,7 @@ def test_reinforce_pp_whitens_the_return_to_go_over_the_batch():
     assert ret.flatten().tolist() == pytest.approx([x for row in returns for x in row], abs=1e-6)
     for b in range(3):
         for t in range(4):
-            want = (returns[b][t] - m) / math.sqrt(sd ** 2 + 1e-8) if mask[b, t] else 0.0
+            want = (returns[b][t] - m) / math.sqrt(sd**2 + 1e-8) if mask[b, t] else 0.0
             assert adv[b, t].item() == pytest.approx(want, abs=1e-5), (b, t)
 
 
@@ -105,9 +105,17 @@ def _samples(scores: list[float], lengths: list[int], R: int = 6, P: int = 2, se
     ref = -1.0 - torch.rand(B, R, generator=torch.Generator().manual_seed(seed))
     ids = torch.zeros(B, P + R, dtype=torch.long)
     am = torch.cat([torch.ones(B, P, dtype=torch.long), mask.long()], 1)
-    return Samples(query_responses=ids, attention_mask=am, position_ids=am.cumsum(1) - 1, response_mask=mask,
-                   ref_logprobs=ref, scores=torch.tensor(scores), raw_scores=torch.tensor(scores),
-                   contains_eos=torch.ones(B, dtype=torch.bool), context_length=P)
+    return Samples(
+        query_responses=ids,
+        attention_mask=am,
+        position_ids=am.cumsum(1) - 1,
+        response_mask=mask,
+        ref_logprobs=ref,
+        scores=torch.tensor(scores),
+        raw_scores=torch.tensor(scores),
+        contains_eos=torch.ones(B, dtype=torch.bool),
+        context_length=P,
+    )
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "rloo"])
@@ -123,10 +131,11 @@ def test_group_estimators_compare_scores_and_add_the_kl_penalty_per_token(advant
     scores, lengths, beta = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [3, 6, 2, 5, 4, 6, 1, 3], 0.05
     s = _samples(scores, lengths)
     logprobs = s.ref_logprobs + 0.05 * torch.randn(s.ref_logprobs.shape, generator=torch.Generator().manual_seed(1))
-    r = finish_rollout(s, logprobs, None, kl_coef=beta, kl_estimator="k1",
-                       cfg=PPOConfig(advantage=advantage, num_generations=4))
+    r = finish_rollout(
+        s, logprobs, None, kl_coef=beta, kl_estimator="k1", cfg=PPOConfig(advantage=advantage, num_generations=4)
+    )
     for g in range(2):
-        group = scores[4 * g:4 * g + 4]
+        group = scores[4 * g : 4 * g + 4]
         for i, score in enumerate(group):
             b = 4 * g + i
             if advantage == "grpo":
@@ -164,14 +173,27 @@ def test_reward_whitening_is_refused_without_a_critic(advantage):
     if advantage != "reinforce_pp":
         assert r.advantages.abs().max() == 0  # no signal in equal scores
     with pytest.raises(ValueError, match="length bias"):
-        finish_rollout(s, s.ref_logprobs.clone(), None, kl_coef=0.0, kl_estimator="k1",
-                       cfg=dataclasses.replace(cfg, whiten_rewards=True))
+        finish_rollout(
+            s,
+            s.ref_logprobs.clone(),
+            None,
+            kl_coef=0.0,
+            kl_estimator="k1",
+            cfg=dataclasses.replace(cfg, whiten_rewards=True),
+        )
 
 
 # ----------------------------------------------------------------------------- in training
-RUN = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "optimizer.lr=1e-3",
-       "ppo.kl_coef=0.01", "data.batch_size=4", "ppo.num_generations=4", "ppo.minibatch_size=8",
-       "sampling.max_new_tokens=16"]
+RUN = [
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "optimizer.lr=1e-3",
+    "ppo.kl_coef=0.01",
+    "data.batch_size=4",
+    "ppo.num_generations=4",
+    "ppo.minibatch_size=8",
+    "sampling.max_new_tokens=16",
+]
 
 
 @pytest.mark.slow  # 40 iterations each
@@ -184,8 +206,12 @@ def test_critic_free_estimators_raise_reward_without_any_value_head(tmp_path, ca
     from ppo_lightning.jobs import train
     from tests.conftest import compose_cfg, read_metrics
 
-    overrides = [*RUN, f"ppo.advantage={advantage}", "trainer.max_steps=40",
-                 "callbacks.model_checkpoint.every_n_train_steps=40"]
+    overrides = [
+        *RUN,
+        f"ppo.advantage={advantage}",
+        "trainer.max_steps=40",
+        "callbacks.model_checkpoint.every_n_train_steps=40",
+    ]
     module, _, _ = build(compose_cfg(overrides, tmp_path / "built", cache_dir))
     assert module.policy.v_head is None
     n_lm_params = len(list(module.policy.lm.parameters()))  # a tied weight once
@@ -229,14 +255,25 @@ def test_each_prompts_samples_are_one_group_on_consecutive_rows(tmp_path, cache_
     from ppo_lightning.factory import build
     from tests.conftest import compose_cfg
 
-    cfg = compose_cfg([*RUN, "ppo.num_generations=3", "ppo.minibatch_size=6", f"ppo.advantage={advantage}",
-                       "trainer.max_steps=1", "callbacks=none", "export_dir=null"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            *RUN,
+            "ppo.num_generations=3",
+            "ppo.minibatch_size=6",
+            f"ppo.advantage={advantage}",
+            "trainer.max_steps=1",
+            "callbacks=none",
+            "export_dir=null",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     module, datamodule, trainer = build(cfg)
     capture = CaptureRollout()
     trainer.callbacks.append(capture)
     trainer.fit(module, datamodule=datamodule)
     r = capture.rollout
-    prompts = r.query_responses[:, :r.context_length].view(4, 3, -1)
+    prompts = r.query_responses[:, : r.context_length].view(4, 3, -1)
     assert r.batch_size == 12 and (prompts == prompts[:, :1]).all()  # three copies of each prompt
     assert len({tuple(p[0].tolist()) for p in prompts}) == 4  # four different prompts
     if advantage == "grpo":
@@ -252,27 +289,45 @@ def test_bad_estimator_settings_name_the_key(tmp_path, cache_dir):
     from tests.conftest import compose_cfg
 
     for overrides, match in (
-            (["ppo.advantage=grpo"], r"^ppo.advantage=grpo: compares the responses to one prompt; set ppo.num_generations"),
-            (["ppo.advantage=rloo", "ppo.num_generations=1"], r"^ppo.advantage=rloo"),
-            (["ppo.advantage=reinforce_pp", "model.value_head_init=reward_model", "reward=model"],
-             r"^model.value_head_init='reward_model' with ppo.advantage=reinforce_pp"),
-            (["ppo.num_generations=3", "data.batch_size=4", "ppo.minibatch_size=8"],
-             r"^ppo.minibatch_size=8: must divide the rollout's 12 rows"),
-            (["ppo.advantage=vtrace"], r"ppo.advantage"),
-            (["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.whiten_rewards=true"],
-             r"^ppo.whiten_rewards=true with ppo.advantage=grpo: reward whitening is GAE's"),
-            (["ppo.advantage=reinforce_pp", "ppo.whiten_rewards=true"], r"^ppo.whiten_rewards=true with ppo.advantage=reinforce_pp"),
-            (["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.gamma=0.9"],
-             r"^ppo.gamma=0.9 with ppo.advantage=grpo: grpo judges each response by its score as a whole"),
-            (["ppo.advantage=rloo", "ppo.num_generations=2", "ppo.gamma=0.99"], r"^ppo.gamma=0.99 with ppo.advantage=rloo"),
-            (["ppo.advantage=rloo", "ppo.num_generations=2", "ppo.scale_by_group_std=false"],
-             r"^ppo.scale_by_group_std=false with ppo.advantage=rloo: only grpo divides"),
-            (["ppo.scale_by_group_std=false"], r"^ppo.scale_by_group_std=false with ppo.advantage=gae"),
-            (["ppo.advantage=reinforce_pp", "ppo.scale_by_group_std=false"],
-             r"^ppo.scale_by_group_std=false with ppo.advantage=reinforce_pp"),
-            (["ppo.kl_in=loss", "ppo.kl_estimator=k1"], r"^ppo.kl_estimator=k1 with ppo.kl_in=loss: as a loss term"),
-            (["trainer=ddp_cpu", "trainer.devices=4", "reward.normalize_samples=3"],
-             r"^reward.normalize_samples=3 with 4 processes")):
+        (["ppo.advantage=grpo"], r"^ppo.advantage=grpo: compares the responses to one prompt; set ppo.num_generations"),
+        (["ppo.advantage=rloo", "ppo.num_generations=1"], r"^ppo.advantage=rloo"),
+        (
+            ["ppo.advantage=reinforce_pp", "model.value_head_init=reward_model", "reward=model"],
+            r"^model.value_head_init='reward_model' with ppo.advantage=reinforce_pp",
+        ),
+        (
+            ["ppo.num_generations=3", "data.batch_size=4", "ppo.minibatch_size=8"],
+            r"^ppo.minibatch_size=8: must divide the rollout's 12 rows",
+        ),
+        (["ppo.advantage=vtrace"], r"ppo.advantage"),
+        (
+            ["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.whiten_rewards=true"],
+            r"^ppo.whiten_rewards=true with ppo.advantage=grpo: reward whitening is GAE's",
+        ),
+        (
+            ["ppo.advantage=reinforce_pp", "ppo.whiten_rewards=true"],
+            r"^ppo.whiten_rewards=true with ppo.advantage=reinforce_pp",
+        ),
+        (
+            ["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.gamma=0.9"],
+            r"^ppo.gamma=0.9 with ppo.advantage=grpo: grpo judges each response by its score as a whole",
+        ),
+        (["ppo.advantage=rloo", "ppo.num_generations=2", "ppo.gamma=0.99"], r"^ppo.gamma=0.99 with ppo.advantage=rloo"),
+        (
+            ["ppo.advantage=rloo", "ppo.num_generations=2", "ppo.scale_by_group_std=false"],
+            r"^ppo.scale_by_group_std=false with ppo.advantage=rloo: only grpo divides",
+        ),
+        (["ppo.scale_by_group_std=false"], r"^ppo.scale_by_group_std=false with ppo.advantage=gae"),
+        (
+            ["ppo.advantage=reinforce_pp", "ppo.scale_by_group_std=false"],
+            r"^ppo.scale_by_group_std=false with ppo.advantage=reinforce_pp",
+        ),
+        (["ppo.kl_in=loss", "ppo.kl_estimator=k1"], r"^ppo.kl_estimator=k1 with ppo.kl_in=loss: as a loss term"),
+        (
+            ["trainer=ddp_cpu", "trainer.devices=4", "reward.normalize_samples=3"],
+            r"^reward.normalize_samples=3 with 4 processes",
+        ),
+    ):
         with pytest.raises(ConfigError, match=match):
             validate(compose_cfg(overrides, tmp_path, cache_dir))
 
@@ -281,10 +336,14 @@ def test_estimator_options_that_are_valid_pass(tmp_path, cache_dir):
     from ppo_lightning.config import validate
     from tests.conftest import compose_cfg
 
-    for overrides in (["ppo.advantage=reinforce_pp", "ppo.gamma=0.9"], ["ppo.gamma=0.99", "ppo.whiten_rewards=true"],
-                      ["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.scale_by_group_std=false"],
-                      ["ppo.kl_in=loss", "ppo.kl_estimator=k2"], ["ppo.kl_estimator=k1"],
-                      ["trainer=ddp_cpu", "reward.normalize_samples=2"]):
+    for overrides in (
+        ["ppo.advantage=reinforce_pp", "ppo.gamma=0.9"],
+        ["ppo.gamma=0.99", "ppo.whiten_rewards=true"],
+        ["ppo.advantage=grpo", "ppo.num_generations=2", "ppo.scale_by_group_std=false"],
+        ["ppo.kl_in=loss", "ppo.kl_estimator=k2"],
+        ["ppo.kl_estimator=k1"],
+        ["trainer=ddp_cpu", "reward.normalize_samples=2"],
+    ):
         validate(compose_cfg(overrides, tmp_path, cache_dir))
 
 
@@ -296,10 +355,24 @@ def test_tied_groups_are_counted_while_the_kl_penalty_moves_the_policy(tmp_path,
     from ppo_lightning.jobs import train
     from tests.conftest import compose_cfg, read_metrics
 
-    train(compose_cfg([*RUN, "ppo.advantage=grpo", "ppo.kl_coef=0.5", "ppo.ent_coef=0.5", "optimizer.lr=1e-2",
-                       "trainer.max_steps=3", "callbacks=none",
-                       "export_dir=null", "logger=csv", "reward.fn=tests.helpers.constant_reward"],
-                      tmp_path, cache_dir))
+    train(
+        compose_cfg(
+            [
+                *RUN,
+                "ppo.advantage=grpo",
+                "ppo.kl_coef=0.5",
+                "ppo.ent_coef=0.5",
+                "optimizer.lr=1e-2",
+                "trainer.max_steps=3",
+                "callbacks=none",
+                "export_dir=null",
+                "logger=csv",
+                "reward.fn=tests.helpers.constant_reward",
+            ],
+            tmp_path,
+            cache_dir,
+        )
+    )
     rows = read_metrics(tmp_path / "metrics.csv")
     assert [r["objective/frac_zero_std_groups"] for r in rows] == [1.0, 1.0, 1.0]
     assert rows[-1]["objective/kl"] != 0.0  # the penalty's rewards differ between responses

@@ -54,7 +54,7 @@ def _corrupt(rng: random.Random, kind: str, words: list[str]) -> str:
             i, j = rng.sample(range(len(words)), 2)
         words[i], words[j] = words[j], words[i]
     elif kind == "truncate":
-        words = words[:rng.randrange(1, len(words))]
+        words = words[: rng.randrange(1, len(words))]
     elif kind == "junk":
         words.append(rng.choice(reviews.VOCAB + ["xyzzy"]))
     elif kind == "repeat":
@@ -71,8 +71,7 @@ def test_corrupted_reviews_are_rejected():
     rng = random.Random(1)
     rates = {}
     for kind in ("drop", "swap", "truncate", "junk", "repeat", "salad"):
-        corrupted = [_corrupt(rng, kind, reviews.sample_review(rng, rng.random()).split(" "))
-                     for _ in range(500)]
+        corrupted = [_corrupt(rng, kind, reviews.sample_review(rng, rng.random()).split(" ")) for _ in range(500)]
         rates[kind] = sum(not reviews.is_well_formed(t) for t in corrupted) / len(corrupted)
     assert rates["drop"] >= 0.9 and rates["swap"] >= 0.9, rates
     assert rates["truncate"] == rates["junk"] == rates["repeat"] == 1.0, rates
@@ -80,33 +79,39 @@ def test_corrupted_reviews_are_rejected():
     assert sum(rates.values()) / len(rates) >= 0.95, rates
 
 
-@pytest.mark.parametrize("text", [
-    "the acting was brilliant and the plot felt fresh .",
-    "the film was dull but the music was lovely .",
-    "the acting was very brilliant and fresh while the jokes were flat .",
-    "the plot felt long and the cast seemed truly dull and weak .",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the acting was brilliant and the plot felt fresh .",
+        "the film was dull but the music was lovely .",
+        "the acting was very brilliant and fresh while the jokes were flat .",
+        "the plot felt long and the cast seemed truly dull and weak .",
+    ],
+)
 def test_handwritten_reviews_are_accepted(text):
     assert reviews.is_well_formed(text)
 
 
-@pytest.mark.parametrize("text", [
-    "the acting was brilliant and the plot felt fresh",        # no final "."
-    "the acting was brilliant and the plot felt fresh.",       # "." glued to the word
-    "the acting was brilliant and the plot felt fresh .  ",    # trailing whitespace
-    " the acting was brilliant and the plot felt fresh .",     # leading space
-    "the acting  was brilliant and the plot felt fresh .",     # double space
-    "the acting was brilliant .",                              # one clause
-    "the acting were brilliant and the plot felt fresh .",     # agreement
-    "the jokes was brilliant and the plot felt fresh .",
-    "the the acting was brilliant and the plot felt fresh .",
-    "the acting was very very brilliant and the plot felt fresh .",
-    "the acting was brilliant and fresh and witty but the plot felt fresh .",  # two coordinations
-    "the acting was brilliant but the plot felt fresh but the music was lovely .",
-    "the acting was brilliant and the plot felt fresh . .",
-    "brilliant brilliant brilliant brilliant .",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the acting was brilliant and the plot felt fresh",  # no final "."
+        "the acting was brilliant and the plot felt fresh.",  # "." glued to the word
+        "the acting was brilliant and the plot felt fresh .  ",  # trailing whitespace
+        " the acting was brilliant and the plot felt fresh .",  # leading space
+        "the acting  was brilliant and the plot felt fresh .",  # double space
+        "the acting was brilliant .",  # one clause
+        "the acting were brilliant and the plot felt fresh .",  # agreement
+        "the jokes was brilliant and the plot felt fresh .",
+        "the the acting was brilliant and the plot felt fresh .",
+        "the acting was very very brilliant and the plot felt fresh .",
+        "the acting was brilliant and fresh and witty but the plot felt fresh .",  # two coordinations
+        "the acting was brilliant but the plot felt fresh but the music was lovely .",
+        "the acting was brilliant and the plot felt fresh . .",
+        "brilliant brilliant brilliant brilliant .",
+        "",
+    ],
+)
 def test_ill_formed_texts_are_rejected(text):
     assert not reviews.is_well_formed(text)
 
@@ -117,7 +122,7 @@ def test_sentiment_ground_truth():
     assert s("the film was dull but the music was lovely .") == 0.0
     assert s("the film was very dull but the music was lovely .") == pytest.approx(-0.25)
     assert s("the film was long but the music was lovely .") == pytest.approx(0.5)  # neutral dilutes
-    assert s("the film was truly lovely but the music was lovely .") == 1.0      # clipped
+    assert s("the film was truly lovely but the music was lovely .") == 1.0  # clipped
     assert s("the film was truly dull but the music was dull .") == -1.0
     assert s("the film was long but the music was quiet .") == 0.0
     assert s("") == 0.0 and s("xyzzy the plot") == 0.0
@@ -161,10 +166,12 @@ def test_sft_corpus_and_preference_pairs():
 def test_reviews_reward_fn():
     good = "the acting was brilliant and the plot felt fresh ."
     prompts = ["the acting was"] * 4
-    responses = [" brilliant and the plot felt fresh .",  # raw response, leading space
-                 "brilliant and the plot felt fresh .",   # decoded alone, no leading space
-                 " brilliant and the plot felt fresh",    # no "."
-                 " brilliant brilliant brilliant ."]
+    responses = [
+        " brilliant and the plot felt fresh .",  # raw response, leading space
+        "brilliant and the plot felt fresh .",  # decoded alone, no leading space
+        " brilliant and the plot felt fresh",  # no "."
+        " brilliant brilliant brilliant .",
+    ]
     assert reviews.reward_fn(prompts, responses) == [1.0, 1.0, -1.0, -1.0]
     assert reviews.reward_fn(["the film was"], [" dull but the music was lovely ."]) == [0.0]
     assert reviews.reward_fn([""], [good]) == [1.0]
@@ -185,7 +192,8 @@ def test_arithmetic_prompts_and_reward():
     assert arithmetic.reward_fn(ps, right) == [1.0] * len(ps)
     assert arithmetic.reward_fn(
         ["12+7=", "12+7=", "12+7=", "12+7=", "3-7=", "3-7=", "3-7=", "12+7="],
-        ["19", " 19 ", "20", "", "-4", "4", "--4", "19+1"]) == [1, 1, 0, 0, 1, 0, 1, 1]
+        ["19", " 19 ", "20", "", "-4", "4", "--4", "19+1"],
+    ) == [1, 1, 0, 0, 1, 0, 1, 1]
     with pytest.raises(ValueError):
         arithmetic.reward_fn(["hello"], ["1"])
     with pytest.raises(ValueError):
@@ -200,8 +208,12 @@ def test_arithmetic_sft_corpus_is_partly_correct():
     errors = [int(r) - arithmetic.answer(p) for p, r in zip(ps, rs)]
     assert {e for e in errors if e} == {-2, -1, 1, 2}
     assert sum(abs(e) == 1 for e in errors) > 2 * sum(abs(e) == 2 for e in errors)
-    assert arithmetic.reward_fn(*zip(*[(e["prompt"], e["response"])
-                                       for e in arithmetic.sft_corpus(rng, 50, accuracy=1.0)])) == [1.0] * 50
+    assert (
+        arithmetic.reward_fn(
+            *zip(*[(e["prompt"], e["response"]) for e in arithmetic.sft_corpus(rng, 50, accuracy=1.0)])
+        )
+        == [1.0] * 50
+    )
 
 
 # ----------------------------------------------------------------------------- tokenizers

@@ -44,8 +44,13 @@ def test_decode_step_logits_equal_the_model_forward(lm_and_tok):
         mask = torch.cat([am, torch.ones(B, steps, dtype=am.dtype)], 1)
         next_pos = pos[:, -1] + 1
         for t in range(steps):
-            want = lm(input_ids=tokens[:, t:t + 1], attention_mask=mask[:, :P + t + 1],
-                      position_ids=next_pos[:, None], use_cache=True, cache=caches[0]).logits[:, -1]
+            want = lm(
+                input_ids=tokens[:, t : t + 1],
+                attention_mask=mask[:, : P + t + 1],
+                position_ids=next_pos[:, None],
+                use_cache=True,
+                cache=caches[0],
+            ).logits[:, -1]
             got = decoder.step(tokens[:, t], next_pos)
             assert torch.equal(got, want), (t, (got - want).abs().max().item())
             next_pos = next_pos + 1
@@ -57,10 +62,19 @@ def test_generate_draws_the_same_tokens_with_and_without_the_fast_path(lm_and_to
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     out = {}
     for fast in (True, False):
-        out[fast] = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=12,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                             temperature=0.8, top_k=40, greedy=greedy,
-                             generator=torch.Generator().manual_seed(5), fast_decode=fast)
+        out[fast] = generate(
+            lm,
+            enc.input_ids,
+            enc.attention_mask,
+            max_new_tokens=12,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            temperature=0.8,
+            top_k=40,
+            greedy=greedy,
+            generator=torch.Generator().manual_seed(5),
+            fast_decode=fast,
+        )
     assert torch.equal(out[True][0], out[False][0])
     assert torch.equal(out[True][1], out[False][1])
 
@@ -83,15 +97,31 @@ def test_models_the_lean_step_does_not_cover_decode_through_their_forward(lm_and
     assert supports_fast_decode(dropout.eval())  # dropout is off in eval mode
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                         max_position_embeddings=64, eos_token_id=tok.eos_token_id,
-                                         pad_token_id=tok.pad_token_id)).eval()
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    ).eval()
     assert not supports_fast_decode(llama)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    resp, mask = generate(llama, enc.input_ids, enc.attention_mask, max_new_tokens=6,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                          stop_at_eos=False, greedy=True)
+    resp, mask = generate(
+        llama,
+        enc.input_ids,
+        enc.attention_mask,
+        max_new_tokens=6,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        stop_at_eos=False,
+        greedy=True,
+    )
     # the fallback is the model's own cached forward: greedy tokens match re-running it whole
     assert torch.equal(greedy_by_full_forward(llama, enc.input_ids, enc.attention_mask, 6), resp)
 
@@ -111,8 +141,9 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
     lm, tok = lm_and_tok
     sharded = copy.deepcopy(lm)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True,
-              stop_at_eos=False)
+    kw = dict(
+        max_new_tokens=8, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True, stop_at_eos=False
+    )
     want, _ = generate(lm, enc.input_ids, enc.attention_mask, **kw)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,8 +175,9 @@ def test_lora_s_adapters_off_view_is_seen_through_but_not_fast_decoded(lm_and_to
     would read the adapted layers' weights directly. The view samples what the base LM samples."""
     peft = pytest.importorskip("peft")
     lm, tok = lm_and_tok
-    adapted = peft.get_peft_model(copy.deepcopy(lm), peft.LoraConfig(r=4, target_modules=["c_attn"],
-                                                                     fan_in_fan_out=True))
+    adapted = peft.get_peft_model(
+        copy.deepcopy(lm), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    )
     with torch.no_grad():
         for name, w in adapted.named_parameters():
             if "lora_B" in name:  # adapters that change the output (peft starts them at zero)
@@ -154,8 +186,9 @@ def test_lora_s_adapters_off_view_is_seen_through_but_not_fast_decoded(lm_and_to
     assert underlying(view) is adapted.get_base_model() and underlying(lm) is lm
     assert model_class(view) is GPT2LMHeadModel and not supports_fast_decode(view)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True,
-              stop_at_eos=False)
+    kw = dict(
+        max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True, stop_at_eos=False
+    )
     base = generate(lm, enc.input_ids, enc.attention_mask, **kw)[0]
     assert torch.equal(generate(view, enc.input_ids, enc.attention_mask, **kw)[0], base)
     assert not torch.equal(generate(adapted, enc.input_ids, enc.attention_mask, **kw)[0], base)

@@ -26,9 +26,19 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
     steps = ["trainer.max_steps=3"]
     ddp = ddp_run(tmp_path, cache_dir, "ddp", steps)
     run_dir, layout_dir = tmp_path / "run_fsdp", tmp_path / "layout"
-    p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *steps, f"hydra.run.dir={run_dir}",
-                   "+callbacks.layout._target_=tests.helpers.SaveShardLayout", f"+callbacks.layout.dir={layout_dir}"],
-                  cache_dir, timeout=600)
+    p = run_train(
+        [
+            "trainer=fsdp_cpu",
+            *TINY_RUN,
+            "optimizer.lr=1e-3",
+            *steps,
+            f"hydra.run.dir={run_dir}",
+            "+callbacks.layout._target_=tests.helpers.SaveShardLayout",
+            f"+callbacks.layout.dir={layout_dir}",
+        ],
+        cache_dir,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
 
     # sharded: each rank holds its half of every decoder-block weight, and of the policy in all
@@ -61,17 +71,37 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
 
     # the rollout kept sharded (weights all-gathered for every token): the same run
     per_token = tmp_path / "run_fsdp_per_token"
-    p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *steps, f"hydra.run.dir={per_token}",
-                   "+trainer.strategy.gather_for_rollout=false", "export_dir=null"], cache_dir, timeout=600)
+    p = run_train(
+        [
+            "trainer=fsdp_cpu",
+            *TINY_RUN,
+            "optimizer.lr=1e-3",
+            *steps,
+            f"hydra.run.dir={per_token}",
+            "+trainer.strategy.gather_for_rollout=false",
+            "export_dir=null",
+        ],
+        cache_dir,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     for a, b in zip(read_metrics(run_dir / "metrics.csv"), read_metrics(per_token / "metrics.csv"), strict=True):
         assert {k: v for k, v in a.items() if not k.startswith("perf/")} == pytest.approx(
-            {k: v for k, v in b.items() if not k.startswith("perf/")}, rel=1e-6, abs=1e-7)
+            {k: v for k, v in b.items() if not k.startswith("perf/")}, rel=1e-6, abs=1e-7
+        )
 
     # task=export from the sharded run's checkpoint (one process): the same files as its own export
     exported_again = tmp_path / "exported_again"
-    p = run_train(["task=export", *TINY_RUN, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
-                   f"export_dir={exported_again}", f"hydra.run.dir={tmp_path / 'export_run'}"], cache_dir)
+    p = run_train(
+        [
+            "task=export",
+            *TINY_RUN,
+            f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+            f"export_dir={exported_again}",
+            f"hydra.run.dir={tmp_path / 'export_run'}",
+        ],
+        cache_dir,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     for name in ("model.safetensors", "value_head.safetensors"):
         a, b = load_file(str(run_dir / "policy" / name)), load_file(str(exported_again / name))
@@ -83,9 +113,21 @@ def test_fsdp_cpu_bf16_mixed_first_update_ratio_is_exactly_one(cache_dir, tmp_pa
     (one minibatch, a fresh forward in the update), gradients of DTensors are clipped with the
     default fused AdamW, and training goes on with finite updates."""
     run_dir = tmp_path / "run"
-    p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "trainer.precision=bf16-mixed", "ppo.fuse_rollout_forward=false",
-                   "data.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1", "export_dir=null",
-                   f"hydra.run.dir={run_dir}"], cache_dir, timeout=600)
+    p = run_train(
+        [
+            "trainer=fsdp_cpu",
+            *TINY_RUN,
+            "trainer.precision=bf16-mixed",
+            "ppo.fuse_rollout_forward=false",
+            "data.batch_size=8",
+            "ppo.minibatch_size=8",
+            "ppo.ppo_epochs=1",
+            "export_dir=null",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cache_dir,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     first, second = read_metrics(run_dir / "metrics.csv")
     for row in (first, second):  # one step per iteration: every update starts at the rollout's policy
@@ -103,8 +145,18 @@ def test_lora_under_fsdp_cpu_matches_lora_under_ddp_cpu(cache_dir, tmp_path):
     runs = {}
     for trainer in ("ddp_cpu", "fsdp_cpu"):
         runs[trainer] = run_dir = tmp_path / trainer
-        p = run_train([f"trainer={trainer}", *TINY_RUN, "model.lora.r=4", "optimizer.lr=1e-3", "trainer.max_steps=3",
-                       f"hydra.run.dir={run_dir}"], cache_dir, timeout=600)
+        p = run_train(
+            [
+                f"trainer={trainer}",
+                *TINY_RUN,
+                "model.lora.r=4",
+                "optimizer.lr=1e-3",
+                "trainer.max_steps=3",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cache_dir,
+            timeout=600,
+        )
         assert p.returncode == 0, p.stderr[-4000:]
     assert_same_metrics(read_metrics(runs["ddp_cpu"] / "metrics.csv"), read_metrics(runs["fsdp_cpu"] / "metrics.csv"))
     for name in ("model.safetensors", "value_head.safetensors", "adapter/adapter_model.safetensors"):
@@ -125,7 +177,8 @@ def test_grpo_keeps_groups_on_their_rank_and_fsdp_matches_ddp(cache_dir, tmp_pat
     assert not any(k.startswith("value/") for k in ddp["rows"][0])
     assert all(0 <= r["objective/frac_zero_std_groups"] <= 1 for r in ddp["rows"])
     run_dir = tmp_path / "run_fsdp_grpo"
-    p = run_train(["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *grpo, f"hydra.run.dir={run_dir}"],
-                  cache_dir, timeout=600)
+    p = run_train(
+        ["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *grpo, f"hydra.run.dir={run_dir}"], cache_dir, timeout=600
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     assert_same_metrics(ddp["rows"], read_metrics(run_dir / "metrics.csv"))

@@ -8,9 +8,18 @@ import pytest
 from ppo_lightning.generation import SamplingParams
 from tests.conftest import compose_cfg
 
-RUN = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none", "export_dir=null",
-       "logger=csv", "data.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1", "sampling.max_new_tokens=8",
-       "trainer.max_steps=2"]
+RUN = [
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks=none",
+    "export_dir=null",
+    "logger=csv",
+    "data.batch_size=8",
+    "ppo.minibatch_size=8",
+    "ppo.ppo_epochs=1",
+    "sampling.max_new_tokens=8",
+    "trainer.max_steps=2",
+]
 
 
 def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(tmp_path, cache_dir):
@@ -24,14 +33,25 @@ def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(
 
     RecordingBackend.calls.clear()
     RecordingBackend.syncs.clear()
-    cfg = compose_cfg([*RUN, "generation._target_=tests.helpers.RecordingBackend", "sampling.top_k=5",
-                       "sampling.stop_strings=['xy']", "reward.normalize=true", "reward.normalize_samples=8"],
-                      tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            *RUN,
+            "generation._target_=tests.helpers.RecordingBackend",
+            "sampling.top_k=5",
+            "sampling.stop_strings=['xy']",
+            "reward.normalize=true",
+            "reward.normalize_samples=8",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule)
     evaluate_before_after(module, ["ab", "cd"], {"length": lambda p, r: [len(x) for x in r]}, seed=0)
-    sampled = ["policy" if lm is module.policy.lm else "reference" if lm is module.ref_lm else "?"
-               for lm, _ in RecordingBackend.calls]
+    sampled = [
+        "policy" if lm is module.policy.lm else "reference" if lm is module.ref_lm else "?"
+        for lm, _ in RecordingBackend.calls
+    ]
     assert sampled == ["reference", "policy", "policy", "reference", "policy"]
     assert all(params is module.sampling for _, params in RecordingBackend.calls)
     assert module.sampling.top_k == 5 and len(module.sampling.stop_sequences) == 1
@@ -39,23 +59,46 @@ def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(
 
 
 def test_sampling_params_come_from_the_sampling_node(tmp_path, cache_dir):
-    cfg = compose_cfg(["sampling.temperature=0.7", "sampling.top_p=0.9", "sampling.chunk_size=4",
-                       "sampling.stop_at_eos=false", "sampling.stop_token_ids=[5]"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            "sampling.temperature=0.7",
+            "sampling.top_p=0.9",
+            "sampling.chunk_size=4",
+            "sampling.stop_at_eos=false",
+            "sampling.stop_token_ids=[5]",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     from omegaconf import OmegaConf
 
     from ppo_lightning.factory import build_module
 
     module, _ = build_module(cfg)
     params = SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), module.tokenizer)
-    assert params == module.sampling == SamplingParams(
-        max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.7, top_p=0.9, stop_at_eos=False,
-        stop_sequences=((5,),), chunk_size=4)
+    assert (
+        params
+        == module.sampling
+        == SamplingParams(
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            temperature=0.7,
+            top_p=0.9,
+            stop_at_eos=False,
+            stop_sequences=((5,),),
+            chunk_size=4,
+        )
+    )
     assert params.replace(greedy=True).greedy and not params.greedy
 
 
-@pytest.mark.parametrize("old, new, value", [("ppo.temperature", "sampling.temperature", "0.7"),
-                                             ("ppo.rollout_generate_batch_size", "sampling.chunk_size", "4"),
-                                             ("ppo.fast_decode", "generation.fast_decode", "false")])
+@pytest.mark.parametrize(
+    "old, new, value",
+    [
+        ("ppo.temperature", "sampling.temperature", "0.7"),
+        ("ppo.rollout_generate_batch_size", "sampling.chunk_size", "4"),
+        ("ppo.fast_decode", "generation.fast_decode", "false"),
+    ],
+)
 def test_a_moved_sampling_key_fails_with_one_line_naming_its_new_home(tmp_path, cache_dir, old, new, value):
     from ppo_lightning.config import validate
     from ppo_lightning.errors import ConfigError

@@ -41,8 +41,15 @@ class ManualModule(L.LightningModule):
 
 def test_step_optimizer_steps_and_count_iteration_counts_once():
     module = ManualModule()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(torch.randn(10, 3), batch_size=2))
     assert len(module.seen) == 3  # max_steps counts iterations, not the 2 optimizer steps in each
     for i, s in enumerate(module.seen):
@@ -53,8 +60,15 @@ def test_step_optimizer_steps_and_count_iteration_counts_once():
 
 def test_count_iteration_does_not_step_the_optimizer():
     module = ManualModule()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     before = {}
 
     def training_step(batch, batch_idx):
@@ -76,8 +90,15 @@ def test_attached_trainer_is_none_until_the_module_is_attached():
     assert attached_trainer(module) is None
     with pytest.raises(RuntimeError):
         module.trainer  # the public property raises on a detached module: why the compat call exists
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(torch.randn(4, 3), batch_size=2))
     assert attached_trainer(module) is trainer
 
@@ -91,8 +112,15 @@ def test_no_gradient_sync_is_ddps_no_sync_through_the_strategy():
 
     assert callable(getattr(DDPStrategy, "block_backward_sync", None))
     module = ManualModule()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(torch.randn(4, 3), batch_size=2))
     x = torch.randn(2, 3)
     module.zero_grad()

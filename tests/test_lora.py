@@ -20,8 +20,13 @@ QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=fals
 
 
 def _overrides(arch: str, *extra: str) -> list[str]:
-    return [*QUIET, "model.lora.r=4", f"model.build_tiny.arch={arch}",
-            f"model.name_or_path=${{paths.cache_dir}}/tiny-{arch}-l2-h2-d64", *extra]
+    return [
+        *QUIET,
+        "model.lora.r=4",
+        f"model.build_tiny.arch={arch}",
+        f"model.name_or_path=${{paths.cache_dir}}/tiny-{arch}-l2-h2-d64",
+        *extra,
+    ]
 
 
 def _base_lm(cfg):
@@ -50,9 +55,11 @@ def test_reference_is_the_base_model_and_only_adapters_and_value_head_train(tmp_
     trainable = [n for n, p in module.policy.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n or n.startswith("v_head.") for n in trainable)
     adapted = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n in trainable if ".lora_A." in n}
-    expected = {"gpt2": {"c_attn", "c_proj", "c_fc"},
-                "llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
-                "gpt_neox": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"}}
+    expected = {
+        "gpt2": {"c_attn", "c_proj", "c_fc"},
+        "llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+        "gpt_neox": {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"},
+    }
     expected["qwen2"] = expected["llama"]
     assert adapted == expected[arch]  # every linear layer but the output head
     assert sum(p.numel() for p in module.ref_lm.parameters()) == 0  # no second copy of the weights
@@ -65,10 +72,16 @@ def test_reference_is_the_base_model_and_only_adapters_and_value_head_train(tmp_
     torch.testing.assert_close(ref_logp, base_logp, rtol=0, atol=1e-6)
     assert (policy_logp - base_logp).abs().max() > 1e-2  # the adapters are on for the policy
     # the reference samples through the same view: the base model's greedy tokens
-    kw = dict(max_new_tokens=6, eos_token_id=module.tokenizer.eos_token_id,
-              pad_token_id=module.tokenizer.pad_token_id, greedy=True, stop_at_eos=False)
-    assert torch.equal(generate(module.ref_lm, ids[:, :P], am[:, :P], **kw)[0],
-                       generate(base, ids[:, :P], am[:, :P], **kw)[0])
+    kw = dict(
+        max_new_tokens=6,
+        eos_token_id=module.tokenizer.eos_token_id,
+        pad_token_id=module.tokenizer.pad_token_id,
+        greedy=True,
+        stop_at_eos=False,
+    )
+    assert torch.equal(
+        generate(module.ref_lm, ids[:, :P], am[:, :P], **kw)[0], generate(base, ids[:, :P], am[:, :P], **kw)[0]
+    )
     # and the adapters are back on afterwards
     torch.testing.assert_close(forward_logprobs(None, lm, ids, am, pos, P, 1.0)[0], policy_logp)
 
@@ -82,12 +95,24 @@ def test_lora_run_checkpoint_and_merged_export(tmp_path, cache_dir, arch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    cfg = compose_cfg(_overrides(arch, "trainer.max_steps=2", "ppo.ppo_epochs=1", "data.batch_size=8",
-                                 "ppo.minibatch_size=8", "sampling.max_new_tokens=8",
-                                 "callbacks.model_checkpoint.every_n_train_steps=2"), tmp_path, cache_dir)
+    cfg = compose_cfg(
+        _overrides(
+            arch,
+            "trainer.max_steps=2",
+            "ppo.ppo_epochs=1",
+            "data.batch_size=8",
+            "ppo.minibatch_size=8",
+            "sampling.max_new_tokens=8",
+            "callbacks.model_checkpoint.every_n_train_steps=2",
+        ),
+        tmp_path,
+        cache_dir,
+    )
     train(cfg)
     rows = read_metrics(tmp_path / "metrics.csv")
-    assert rows[0]["val/ratio"] == pytest.approx(1.0, abs=1e-6) and rows[0]["policy/approxkl_avg"] == pytest.approx(0, abs=1e-7)
+    assert rows[0]["val/ratio"] == pytest.approx(1.0, abs=1e-6) and rows[0]["policy/approxkl_avg"] == pytest.approx(
+        0, abs=1e-7
+    )
     assert rows[0]["objective/kl"] == 0 and rows[1]["objective/kl"] != 0  # the adapters moved the policy
 
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
@@ -106,26 +131,42 @@ def test_lora_run_checkpoint_and_merged_export(tmp_path, cache_dir, arch):
     ids, am, pos, P = _batch(module)
     policy_logp, _ = forward_logprobs(None, module.policy.lm, ids, am, pos, P, 1.0)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
-    torch.testing.assert_close(forward_logprobs(None, merged, ids, am, pos, P, 1.0)[0], policy_logp,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        forward_logprobs(None, merged, ids, am, pos, P, 1.0)[0], policy_logp, rtol=1e-5, atol=1e-5
+    )
     adapter = PeftModel.from_pretrained(_base_lm(cfg), str(tmp_path / "policy" / "adapter")).eval()
-    torch.testing.assert_close(forward_logprobs(None, adapter.get_base_model(), ids, am, pos, P, 1.0)[0],
-                               policy_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        forward_logprobs(None, adapter.get_base_model(), ids, am, pos, P, 1.0)[0], policy_logp, rtol=1e-5, atol=1e-5
+    )
     assert (tmp_path / "policy" / "value_head.safetensors").exists()
 
     if arch == "gpt2":  # task=export from the checkpoint writes the same merged model
-        export(compose_cfg(_overrides(arch, "task=export", f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}",
-                                      f"export_dir={tmp_path / 'exported'}"), tmp_path / "export_run", cache_dir))
+        export(
+            compose_cfg(
+                _overrides(
+                    arch,
+                    "task=export",
+                    f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}",
+                    f"export_dir={tmp_path / 'exported'}",
+                ),
+                tmp_path / "export_run",
+                cache_dir,
+            )
+        )
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").eval()
-        torch.testing.assert_close(forward_logprobs(None, again, ids, am, pos, P, 1.0)[0], policy_logp,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            forward_logprobs(None, again, ids, am, pos, P, 1.0)[0], policy_logp, rtol=1e-5, atol=1e-5
+        )
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["model.lora.dropout=0.05"], r"^model.lora.dropout was removed: PPO needs logprobs that are a deterministic"),
-    (["ref.dtype=bfloat16"], r"^ref.dtype='bfloat16' with model.lora.r=4: with LoRA the reference is the policy"),
-    (["ref.name_or_path=/tmp"], r"^ref.name_or_path='/tmp' with model.lora.r=4"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["model.lora.dropout=0.05"], r"^model.lora.dropout was removed: PPO needs logprobs that are a deterministic"),
+        (["ref.dtype=bfloat16"], r"^ref.dtype='bfloat16' with model.lora.r=4: with LoRA the reference is the policy"),
+        (["ref.name_or_path=/tmp"], r"^ref.name_or_path='/tmp' with model.lora.r=4"),
+    ],
+)
 def test_lora_config_errors(tmp_path, cache_dir, overrides, match):
     from ppo_lightning.config import validate
 

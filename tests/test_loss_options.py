@@ -12,8 +12,9 @@ from ppo_lightning import ppo
 
 torch.manual_seed(0)
 B, R = 4, 6
-MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]],
-                    dtype=torch.float32)
+MASK = torch.tensor(
+    [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]], dtype=torch.float32
+)
 X = torch.randn(B, R)
 MAX_NEW_TOKENS = 10  # the constant seq_mean_token_sum_norm divides by (sampling.max_new_tokens >= R)
 
@@ -38,8 +39,10 @@ def test_aggregation_matches_its_definition_and_micro_batch_shares_add_up(mode):
     whole = ppo.aggregate(X, MASK, mode, norm_length=MAX_NEW_TOKENS)
     assert whole.item() == pytest.approx(_naive_aggregate(X, MASK, mode), rel=1e-6)
     count = ppo.global_token_count(MASK)
-    shares = sum(ppo.aggregate(X[s:s + 2], MASK[s:s + 2], mode, token_count=count, seq_count=B,
-                               norm_length=MAX_NEW_TOKENS) for s in (0, 2))
+    shares = sum(
+        ppo.aggregate(X[s : s + 2], MASK[s : s + 2], mode, token_count=count, seq_count=B, norm_length=MAX_NEW_TOKENS)
+        for s in (0, 2)
+    )
     assert shares.item() == pytest.approx(whole.item(), rel=1e-6)
 
 
@@ -98,8 +101,15 @@ def test_asymmetric_and_dual_clip_follow_the_per_token_formula():
 
 
 # ----------------------------------------------------------------------------- in a run
-QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none",
-         "export_dir=null", "logger=csv", "data.batch_size=8", "sampling.max_new_tokens=8"]
+QUIET = [
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks=none",
+    "export_dir=null",
+    "logger=csv",
+    "data.batch_size=8",
+    "sampling.max_new_tokens=8",
+]
 
 
 def _run(tmp_path, cache_dir, *overrides):
@@ -110,8 +120,15 @@ def _run(tmp_path, cache_dir, *overrides):
     return read_metrics(tmp_path / "metrics.csv")
 
 
-KL_LOSS_RUN = ("ppo.kl_in=loss", "ppo.kl_coef=0.5", "trainer.max_steps=3", "ppo.ppo_epochs=1", "ppo.minibatch_size=8",
-               "ppo.fuse_rollout_forward=false", "optimizer.lr=1e-2")
+KL_LOSS_RUN = (
+    "ppo.kl_in=loss",
+    "ppo.kl_coef=0.5",
+    "trainer.max_steps=3",
+    "ppo.ppo_epochs=1",
+    "ppo.minibatch_size=8",
+    "ppo.fuse_rollout_forward=false",
+    "optimizer.lr=1e-2",
+)
 
 
 def test_kl_in_the_loss_leaves_the_reward_alone_and_grows_from_zero(tmp_path, cache_dir):
@@ -135,17 +152,27 @@ def test_kl_in_the_loss_uses_the_chosen_estimator(tmp_path, cache_dir):
     assert k2[1]["loss/kl_avg"] > 0 and k2[1]["loss/kl_avg"] != pytest.approx(k3[1]["loss/kl_avg"], rel=1e-3)
 
 
-@pytest.mark.parametrize("target, minibatch, epochs, want", [
-    (1e-12, 4, 4, 0.5),  # two minibatches an epoch: the second sees the first's step and stops
-    (1e-12, 8, 2, 1.0),  # one minibatch an epoch: epoch 2's forward sees epoch 1's step and stops
-    (1e9, 4, 4, 4.0)])  # never
+@pytest.mark.parametrize(
+    "target, minibatch, epochs, want",
+    [
+        (1e-12, 4, 4, 0.5),  # two minibatches an epoch: the second sees the first's step and stops
+        (1e-12, 8, 2, 1.0),  # one minibatch an epoch: epoch 2's forward sees epoch 1's step and stops
+        (1e9, 4, 4, 4.0),
+    ],
+)  # never
 def test_target_kl_stops_at_the_first_minibatch_past_it(tmp_path, cache_dir, target, minibatch, epochs, want):
     """The KL is measured by each minibatch's forward, before its step, so it counts every step
     taken before it; the minibatch that passes the target takes no step. (Measured per epoch
     from the minibatches' own pre-step KL, one minibatch an epoch with two epochs could never
     stop: epoch 1's only KL is exactly 0.)"""
-    rows = _run(tmp_path, cache_dir, f"ppo.target_kl={target}", f"ppo.ppo_epochs={epochs}",
-                f"ppo.minibatch_size={minibatch}", "trainer.max_steps=2")
+    rows = _run(
+        tmp_path,
+        cache_dir,
+        f"ppo.target_kl={target}",
+        f"ppo.ppo_epochs={epochs}",
+        f"ppo.minibatch_size={minibatch}",
+        "trainer.max_steps=2",
+    )
     assert [r["policy/epochs"] for r in rows] == [want, want]
 
 
@@ -201,8 +228,10 @@ def _token_mean_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 _RANK_X = [torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(r)) for r in range(2)]
-_RANK_MASK = [torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.float32),  # 9 tokens
-              torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)]  # 3 tokens
+_RANK_MASK = [
+    torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], dtype=torch.float32),  # 9 tokens
+    torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32),
+]  # 3 tokens
 
 
 @pytest.mark.slow  # two processes

@@ -12,8 +12,13 @@ from ppo_lightning.jobs import train
 from tests.conftest import compose_cfg, read_metrics
 from tests.helpers import assert_same_metrics
 
-QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none",
-         "trainer.enable_checkpointing=false", "logger=csv"]
+QUIET = [
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks=none",
+    "trainer.enable_checkpointing=false",
+    "logger=csv",
+]
 
 
 def _policy_and_batch(tiny_lm_dir):
@@ -68,11 +73,22 @@ def test_gradient_checkpointing_leaves_the_run_unchanged(tmp_path, cache_dir, mi
     runs, weights = {}, {}
     for ckpt in (False, True):
         out = tmp_path / str(ckpt)
-        cfg = compose_cfg([*QUIET, "trainer.max_steps=3", "sampling.max_new_tokens=12", f"ppo.minibatch_size={minibatch}",
-                           f"model.gradient_checkpointing={ckpt}", f"export_dir={out / 'policy'}"], out, cache_dir)
+        cfg = compose_cfg(
+            [
+                *QUIET,
+                "trainer.max_steps=3",
+                "sampling.max_new_tokens=12",
+                f"ppo.minibatch_size={minibatch}",
+                f"model.gradient_checkpointing={ckpt}",
+                f"export_dir={out / 'policy'}",
+            ],
+            out,
+            cache_dir,
+        )
         train(cfg)
         runs[ckpt] = read_metrics(out / "metrics.csv")
         from safetensors.torch import load_file
+
         weights[ckpt] = load_file(str(out / "policy" / "model.safetensors"))
     for a, b in zip(runs[False], runs[True]):
         for k in a:
@@ -87,8 +103,11 @@ def _run(tmp_path, cache_dir, name, overrides):
     from safetensors.torch import load_file
 
     out = tmp_path / name
-    cfg = compose_cfg([*QUIET, "trainer.max_steps=2", "sampling.max_new_tokens=12", f"export_dir={out / 'policy'}",
-                       *overrides], out, cache_dir)
+    cfg = compose_cfg(
+        [*QUIET, "trainer.max_steps=2", "sampling.max_new_tokens=12", f"export_dir={out / 'policy'}", *overrides],
+        out,
+        cache_dir,
+    )
     train(cfg)
     return read_metrics(out / "metrics.csv"), load_file(str(out / "policy" / "model.safetensors"))
 
@@ -116,8 +135,7 @@ def test_micro_batch_size_must_divide_the_minibatch(tmp_path, cache_dir):
         validate(cfg)
 
 
-def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chunked(tmp_path, cache_dir,
-                                                                                     monkeypatch):
+def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chunked(tmp_path, cache_dir, monkeypatch):
     """ppo.rollout_forward_batch_size: the reference and old-policy forwards in chunks of 5 rows (of
     16, two minibatches so the old-policy forward is not fused) give the same run. And
     sampling.chunk_size reaches the sampler: 16 prompts sampled 6, 6 and 4 at a time."""
@@ -136,8 +154,7 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
     sampled_rows = []
     loop = hf._sample_loop
     monkeypatch.setattr(hf, "_sample_loop", lambda lm, ids, *a: sampled_rows.append(len(ids)) or loop(lm, ids, *a))
-    _run(tmp_path, cache_dir, "chunked_generation", [*common, "sampling.chunk_size=6",
-                                                      "reward.normalize=false"])
+    _run(tmp_path, cache_dir, "chunked_generation", [*common, "sampling.chunk_size=6", "reward.normalize=false"])
     assert sampled_rows == [6, 6, 4] * 2  # two iterations
 
 
@@ -146,8 +163,9 @@ def test_lora_with_checkpointing_and_micro_batches_gives_the_same_adapters(tmp_p
     trained adapters and the value head (the merged export) equal to plain LoRA's."""
     common = ["model.lora.r=4", "ppo.minibatch_size=8"]
     base_rows, base_w = _run(tmp_path, cache_dir, "lora", common)
-    rows, w = _run(tmp_path, cache_dir, "lora_switches", [*common, "model.gradient_checkpointing=true",
-                                                           "ppo.micro_batch_size=4"])
+    rows, w = _run(
+        tmp_path, cache_dir, "lora_switches", [*common, "model.gradient_checkpointing=true", "ppo.micro_batch_size=4"]
+    )
     for k in base_w:
         torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
     assert_same_metrics(base_rows, rows, abs=1e-6)

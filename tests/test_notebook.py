@@ -35,8 +35,9 @@ def test_quickstart_notebook_trains_and_the_score_rises(tmp_path, cache_dir, mon
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # cwd = notebooks/, as when opened in Jupyter; raises CellExecutionError on the first failing cell
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}
+    ).execute()
 
     assert (run_dir / "metrics.csv").is_file()
     assert (run_dir / "curves.png").stat().st_size > 10_000

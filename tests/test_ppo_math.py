@@ -26,7 +26,7 @@ R = 8
 def make_mask(rows=ROWS, width=R, dtype=F64) -> torch.Tensor:
     mask = torch.zeros(len(rows), width, dtype=dtype)
     for b, (start, n) in enumerate(rows):
-        mask[b, start:start + n] = 1
+        mask[b, start : start + n] = 1
     return mask
 
 
@@ -528,24 +528,29 @@ def naive_mask_after_eos(responses, eos):
 
 def test_mask_after_eos():
     eos = 2
-    responses = torch.tensor([
-        [5, 7, 2, 0, 0, 0],  # EOS in the middle, pad after
-        [2, 0, 0, 0, 0, 0],  # EOS first
-        [5, 6, 7, 8, 9, 2],  # EOS last
-        [5, 6, 7, 8, 9, 4],  # no EOS: all ones
-        [3, 2, 5, 2, 6, 2],  # several EOS: cut at the first
-        [1, 1, 2, 2, 1, 1],
-    ])
+    responses = torch.tensor(
+        [
+            [5, 7, 2, 0, 0, 0],  # EOS in the middle, pad after
+            [2, 0, 0, 0, 0, 0],  # EOS first
+            [5, 6, 7, 8, 9, 2],  # EOS last
+            [5, 6, 7, 8, 9, 4],  # no EOS: all ones
+            [3, 2, 5, 2, 6, 2],  # several EOS: cut at the first
+            [1, 1, 2, 2, 1, 1],
+        ]
+    )
     out = _mask_after_stop(responses, eos)
     assert out.dtype == torch.float32
-    expected = torch.tensor([
-        [1, 1, 1, 0, 0, 0],
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 1, 1, 1],
-        [1, 1, 1, 1, 1, 1],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-    ], dtype=torch.float32)
+    expected = torch.tensor(
+        [
+            [1, 1, 1, 0, 0, 0],
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 1],
+            [1, 1, 1, 1, 1, 1],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+        ],
+        dtype=torch.float32,
+    )
     assert torch.equal(out, expected)
     assert torch.equal(out, naive_mask_after_eos(responses, eos))
 

@@ -16,15 +16,22 @@ from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_token
 from ppo_lightning.jobs import train
 from tests.conftest import compose_cfg, read_metrics
 
-QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "callbacks=none",
-         "export_dir=null", "trainer.enable_checkpointing=false", "logger=csv"]
+QUIET = [
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks=none",
+    "export_dir=null",
+    "trainer.enable_checkpointing=false",
+    "logger=csv",
+]
 
 
 class RolloutDtypes(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         r = pl_module.rollout
-        self.dtypes = {k: getattr(r, k).dtype for k in ("logprobs", "ref_logprobs", "values", "advantages", "returns",
-                                                          "scores")}
+        self.dtypes = {
+            k: getattr(r, k).dtype for k in ("logprobs", "ref_logprobs", "values", "advantages", "returns", "scores")
+        }
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -33,10 +40,20 @@ def test_the_first_update_sees_exactly_the_rollout_numerics(tmp_path, cache_dir,
     """One epoch, one minibatch, the default fused AdamW and gradient clipping. The update's forward
     reproduces the old logprobs (fused: it is the rollout's forward; unfused: a new one in the same
     precision context), and the reference agrees with the untrained policy (KL 0)."""
-    cfg = compose_cfg([*QUIET, f"trainer.precision={precision}", "trainer.max_steps=1", "ppo.ppo_epochs=1",
-                       "data.batch_size=8", "ppo.minibatch_size=8", "sampling.max_new_tokens=12",
-                       f"ppo.fuse_rollout_forward={fused}"],
-                      tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            *QUIET,
+            f"trainer.precision={precision}",
+            "trainer.max_steps=1",
+            "ppo.ppo_epochs=1",
+            "data.batch_size=8",
+            "ppo.minibatch_size=8",
+            "sampling.max_new_tokens=12",
+            f"ppo.fuse_rollout_forward={fused}",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     train(cfg)
     (row,) = read_metrics(tmp_path / "metrics.csv")
     assert (row["val/ratio"], row["val/ratio_var"], row["policy/approxkl_avg"]) == (1.0, 0.0, 0.0)
@@ -47,8 +64,19 @@ def test_the_first_update_sees_exactly_the_rollout_numerics(tmp_path, cache_dir,
 def test_rollout_tensors_are_float32_in_bf16_true(tmp_path, cache_dir):
     from ppo_lightning.factory import build
 
-    cfg = compose_cfg([*QUIET, "trainer.precision=bf16-true", "trainer.max_steps=1", "ppo.ppo_epochs=1",
-                       "data.batch_size=8", "ppo.minibatch_size=4", "sampling.max_new_tokens=8"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            *QUIET,
+            "trainer.precision=bf16-true",
+            "trainer.max_steps=1",
+            "ppo.ppo_epochs=1",
+            "data.batch_size=8",
+            "ppo.minibatch_size=4",
+            "sampling.max_new_tokens=8",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     module, datamodule, trainer = build(cfg)
     cb = RolloutDtypes()
     trainer.callbacks.append(cb)
@@ -68,8 +96,9 @@ def test_the_value_head_computes_in_float32_under_autocast(tiny_lm_dir):
     P = enc.input_ids.shape[1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, values = policy(ids, am, pos, P)
-        hidden = policy.lm(input_ids=ids, attention_mask=am, position_ids=pos,
-                           output_hidden_states=True).hidden_states[-1][:, P - 1:-1]
+        hidden = policy.lm(input_ids=ids, attention_mask=am, position_ids=pos, output_hidden_states=True).hidden_states[
+            -1
+        ][:, P - 1 : -1]
         naive_autocast = policy.v_head(hidden.float()).squeeze(-1)  # what autocast does to nn.Linear
     assert logits.dtype == torch.bfloat16 and values.dtype == torch.float32
     expected = F.linear(hidden.float(), policy.v_head.weight, policy.v_head.bias).squeeze(-1)  # fp32
@@ -85,8 +114,11 @@ def test_float16_is_refused_with_a_pointer_to_bf16(tmp_path, cache_dir, precisio
 
 
 def test_bf16_mixed_training_raises_the_reward(tmp_path, cache_dir):
-    cfg = compose_cfg([*QUIET, "trainer.precision=bf16-mixed", "trainer.max_steps=30", "sampling.max_new_tokens=16"],
-                      tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [*QUIET, "trainer.precision=bf16-mixed", "trainer.max_steps=30", "sampling.max_new_tokens=16"],
+        tmp_path,
+        cache_dir,
+    )
     train(cfg)
     scores = [r["objective/raw_scores"] for r in read_metrics(tmp_path / "metrics.csv")]
     assert sum(scores[-5:]) / 5 > sum(scores[:5]) / 5 + 0.1, scores

@@ -24,8 +24,10 @@ def review_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("review_stages")
     rng = random.Random(0)
     save_base_model(d / "base", reviews.build_tokenizer(), n_layer=2, n_head=4, n_embd=64, n_positions=64)
-    for name, rows in (("sft.jsonl", reviews.sft_corpus(rng, 1500)),
-                       ("prefs.jsonl", reviews.preference_pairs(rng, 1500))):
+    for name, rows in (
+        ("sft.jsonl", reviews.sft_corpus(rng, 1500)),
+        ("prefs.jsonl", reviews.preference_pairs(rng, 1500)),
+    ):
         (d / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "prompts.txt").write_text("\n".join(reviews.prompts(rng, 200)) + "\n")
     return d
@@ -33,29 +35,70 @@ def review_files(tmp_path_factory):
 
 def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path, cache_dir):
     d = review_files
-    common = [*QUIET, "logger=csv", f"model.name_or_path={d / 'base'}", "optimizer.lr=3e-3",
-              "task.batch_size=64", "task.max_length=32", "task.val_fraction=0.1"]
-    sft = run_train(["task=sft", f"task.path={d / 'sft.jsonl'}", "task.max_prompt_length=8", "trainer.max_steps=150", "trainer.val_check_interval=50",
-               *common, f"hydra.run.dir={tmp_path / 'sft'}"], cache_dir)
+    common = [
+        *QUIET,
+        "logger=csv",
+        f"model.name_or_path={d / 'base'}",
+        "optimizer.lr=3e-3",
+        "task.batch_size=64",
+        "task.max_length=32",
+        "task.val_fraction=0.1",
+    ]
+    sft = run_train(
+        [
+            "task=sft",
+            f"task.path={d / 'sft.jsonl'}",
+            "task.max_prompt_length=8",
+            "trainer.max_steps=150",
+            "trainer.val_check_interval=50",
+            *common,
+            f"hydra.run.dir={tmp_path / 'sft'}",
+        ],
+        cache_dir,
+    )
     assert sft.returncode == 0, sft.stderr[-3000:]
     val = [r["val/loss"] for r in read_metrics(tmp_path / "sft" / "metrics.csv") if "val/loss" in r]
     assert len(val) >= 3 and val[-1] < val[0] - 1.0, val  # validation loss fell
 
-    rm = run_train(["task=reward_model", f"task.path={d / 'prefs.jsonl'}", "trainer.max_steps=200",
-              "trainer.val_check_interval=100", *common, "optimizer.lr=1e-3", "task.batch_size=32",
-              f"hydra.run.dir={tmp_path / 'rm'}"], cache_dir)
+    rm = run_train(
+        [
+            "task=reward_model",
+            f"task.path={d / 'prefs.jsonl'}",
+            "trainer.max_steps=200",
+            "trainer.val_check_interval=100",
+            *common,
+            "optimizer.lr=1e-3",
+            "task.batch_size=32",
+            f"hydra.run.dir={tmp_path / 'rm'}",
+        ],
+        cache_dir,
+    )
     assert rm.returncode == 0, rm.stderr[-3000:]
     acc = [r["val/accuracy"] for r in read_metrics(tmp_path / "rm" / "metrics.csv") if "val/accuracy" in r]
     assert acc[-1] >= 0.9, acc  # held-out preference accuracy
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "sft_model")
     AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm" / "reward_model")
 
-    ppo = run_train(["recipe=null", f"model.name_or_path={tmp_path / 'sft' / 'sft_model'}", "reward=model",
-               f"reward.name_or_path={tmp_path / 'rm' / 'reward_model'}", f"data.path={d / 'prompts.txt'}",
-               "data.batch_size=16", "ppo.minibatch_size=8", "trainer.max_steps=3", "logger=csv",
-               "callbacks=none", *QUIET, f"hydra.run.dir={tmp_path / 'ppo'}"], cache_dir)
+    ppo = run_train(
+        [
+            "recipe=null",
+            f"model.name_or_path={tmp_path / 'sft' / 'sft_model'}",
+            "reward=model",
+            f"reward.name_or_path={tmp_path / 'rm' / 'reward_model'}",
+            f"data.path={d / 'prompts.txt'}",
+            "data.batch_size=16",
+            "ppo.minibatch_size=8",
+            "trainer.max_steps=3",
+            "logger=csv",
+            "callbacks=none",
+            *QUIET,
+            f"hydra.run.dir={tmp_path / 'ppo'}",
+        ],
+        cache_dir,
+    )
     assert ppo.returncode == 0, ppo.stderr[-3000:]
     assert len(read_metrics(tmp_path / "ppo" / "metrics.csv")) == 3
 
@@ -65,9 +108,13 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
     writes an offline W&B run with the samples table (nobody is logged in here)."""
     home = tmp_path / "home"
     home.mkdir()
-    p = run_train([*QUIET, "trainer.max_steps=60", f"hydra.run.dir={tmp_path / 'run'}"], cache_dir, timeout=1200,
-                  env_extra={"HOME": str(home), "NETRC": str(home / ".netrc")},
-                  env_drop=("WANDB_MODE", "WANDB_API_KEY"))
+    p = run_train(
+        [*QUIET, "trainer.max_steps=60", f"hydra.run.dir={tmp_path / 'run'}"],
+        cache_dir,
+        timeout=1200,
+        env_extra={"HOME": str(home), "NETRC": str(home / ".netrc")},
+        env_drop=("WANDB_MODE", "WANDB_API_KEY"),
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     assert "reviews: held-out prompts, before and after PPO" in p.stdout
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
@@ -85,8 +132,10 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
 
 
 def test_arithmetic_recipe_raises_accuracy(tmp_path, cache_dir):
-    p = run_train(["experiment=arithmetic", *QUIET, "logger=csv", "trainer.max_steps=60",
-             f"hydra.run.dir={tmp_path / 'run'}"], cache_dir)
+    p = run_train(
+        ["experiment=arithmetic", *QUIET, "logger=csv", "trainer.max_steps=60", f"hydra.run.dir={tmp_path / 'run'}"],
+        cache_dir,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert result["after"]["accuracy"] > result["before"]["accuracy"] + 0.05
@@ -96,9 +145,20 @@ def test_the_headline_command_runs_offline_with_a_local_stand_in(tmp_path, cache
     """``python train.py model=gpt2 ppo.clip=0.2`` with the GPT-2 weights swapped for a local
     GPT-2-architecture directory (no hub here): the reviews task's recipe builds (or reuses) its
     reward model and prompts, PPO runs, and the table is printed."""
-    p = run_train(["model=gpt2", "ppo.clip=0.2", f"model.name_or_path={tiny_lm_dir}", "trainer.max_steps=3",
-                   "logger=csv", "callbacks=none", *QUIET, f"hydra.run.dir={tmp_path / 'run'}"], cache_dir,
-                  timeout=1200)
+    p = run_train(
+        [
+            "model=gpt2",
+            "ppo.clip=0.2",
+            f"model.name_or_path={tiny_lm_dir}",
+            "trainer.max_steps=3",
+            "logger=csv",
+            "callbacks=none",
+            *QUIET,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cache_dir,
+        timeout=1200,
+    )
     assert p.returncode == 0, p.stderr[-4000:]
     assert "reviews: held-out prompts, before and after PPO" in p.stdout
     rows = read_metrics(tmp_path / "run" / "metrics.csv")

@@ -51,8 +51,9 @@ def test_reference_in_bfloat16_halves_its_memory_and_stays_close(tmp_path, cache
     policy_bytes = sum(p.numel() * p.element_size() for p in module.policy.lm.parameters())
     assert ref_bytes * 2 == policy_bytes
     # the reference's logprobs are the fp32 policy's up to bf16 rounding of weights and activations
-    torch.testing.assert_close(_logprobs(module, module.ref_lm).float(), _logprobs(module, module.policy.lm),
-                               rtol=0, atol=0.1)
+    torch.testing.assert_close(
+        _logprobs(module, module.ref_lm).float(), _logprobs(module, module.policy.lm), rtol=0, atol=0.1
+    )
 
 
 def test_reference_with_another_vocabulary_is_refused(tmp_path, cache_dir):

@@ -11,21 +11,37 @@ import torch
 from tests.conftest import compose_cfg, read_metrics
 from tests.helpers import run_train
 
-FAST = ["experiment=tiny_char", "data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=2",
-        "sampling.max_new_tokens=8", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+FAST = [
+    "experiment=tiny_char",
+    "data.batch_size=8",
+    "ppo.minibatch_size=4",
+    "ppo.ppo_epochs=2",
+    "sampling.max_new_tokens=8",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
 
 
-
-
-SWITCHES = {"full": [], "lora": ["model.lora.r=4"], "ddp_cpu": ["trainer=ddp_cpu"], "fsdp_cpu": ["trainer=fsdp_cpu"],
-            "lora_fsdp_cpu": ["model.lora.r=4", "trainer=fsdp_cpu"]}
+SWITCHES = {
+    "full": [],
+    "lora": ["model.lora.r=4"],
+    "ddp_cpu": ["trainer=ddp_cpu"],
+    "fsdp_cpu": ["trainer=fsdp_cpu"],
+    "lora_fsdp_cpu": ["model.lora.r=4", "trainer=fsdp_cpu"],
+}
 _UNINTERRUPTED: dict[str, dict[int, dict[str, float]]] = {}
 
 
 def interruptible(switch: str) -> list[str]:
     """An 8-iteration run that checkpoints every 3 iterations, with one of the SWITCHES."""
-    return [*FAST, "trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3",
-            "callbacks.best_checkpoint.every_n_train_steps=3", "export_dir=null", *SWITCHES[switch]]
+    return [
+        *FAST,
+        "trainer.max_steps=8",
+        "callbacks.model_checkpoint.every_n_train_steps=3",
+        "callbacks.best_checkpoint.every_n_train_steps=3",
+        "export_dir=null",
+        *SWITCHES[switch],
+    ]
 
 
 def uninterrupted(switch: str, tmp_path_factory, cache_dir) -> dict[int, dict[str, float]]:
@@ -59,8 +75,15 @@ def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_
     checkpoint holds every rank's sampling stream (FSDP: the gathered full state, restored after
     the strategy's setup). The trajectory is the same in each case."""
     expected = uninterrupted(switch, tmp_path_factory, cache_dir)
-    killed = run_train([*interruptible(switch), f"hydra.run.dir={tmp_path / 'killed'}",
-                        "+callbacks.kill._target_=tests.helpers.KillAtStep", "+callbacks.kill.step=5"], cache_dir)
+    killed = run_train(
+        [
+            *interruptible(switch),
+            f"hydra.run.dir={tmp_path / 'killed'}",
+            "+callbacks.kill._target_=tests.helpers.KillAtStep",
+            "+callbacks.kill.step=5",
+        ],
+        cache_dir,
+    )
     assert killed.returncode == -9  # SIGKILL, mid-training
     last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 3  # the checkpoint before the kill
@@ -78,8 +101,15 @@ def test_sigterm_checkpoints_the_iteration_exits_143_and_resumes(tmp_path, tmp_p
     holds only the adapters' and value head's gathered state, placed back into shards.)"""
     expected = uninterrupted(switch, tmp_path_factory, cache_dir)
     run_dir = tmp_path / "stopped"
-    stopped = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}",
-                         "+callbacks.term._target_=tests.helpers.SigtermAtStep", "+callbacks.term.step=4"], cache_dir)
+    stopped = run_train(
+        [
+            *interruptible(switch),
+            f"hydra.run.dir={run_dir}",
+            "+callbacks.term._target_=tests.helpers.SigtermAtStep",
+            "+callbacks.term.step=4",
+        ],
+        cache_dir,
+    )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     last = run_dir / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 5  # nothing trained is lost
@@ -93,8 +123,7 @@ def test_sigterm_checkpoints_the_iteration_exits_143_and_resumes(tmp_path, tmp_p
 
 @pytest.mark.slow  # runs in subprocesses
 @pytest.mark.parametrize("switch", ["full", "ddp_cpu", "fsdp_cpu"])
-def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp_path_factory, cache_dir,
-                                                                        switch):
+def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp_path_factory, cache_dir, switch):
     """The disk fills during the checkpoint after iteration 6 (every write from iteration 4 on
     fails with ENOSPC part-way, as a full filesystem does). Every rank stops at once with exit
     status 1 and one line: what failed, the last good checkpoint (``last.ckpt`` after 3
@@ -102,9 +131,16 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path
     resumed run replays the uninterrupted trajectory (on one process; resuming under ddp_cpu and
     fsdp_cpu from such a ``last.ckpt`` is what the SIGKILL and SIGTERM tests check)."""
     run_dir = tmp_path / "full"
-    p = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}",
-                   "+callbacks.full._target_=tests.helpers.DiskFullFromStep", "+callbacks.full.step=4"], cache_dir,
-                  timeout=300)
+    p = run_train(
+        [
+            *interruptible(switch),
+            f"hydra.run.dir={run_dir}",
+            "+callbacks.full._target_=tests.helpers.DiskFullFromStep",
+            "+callbacks.full.step=4",
+        ],
+        cache_dir,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
@@ -116,8 +152,9 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path
     assert torch.load(last, weights_only=True)["global_step"] == 3
     assert not list(last.parent.glob("*.tmp"))
     if switch == "full":
-        assert_resume_replays(switch, last, tmp_path / "resumed", uninterrupted(switch, tmp_path_factory, cache_dir),
-                              3, cache_dir)
+        assert_resume_replays(
+            switch, last, tmp_path / "resumed", uninterrupted(switch, tmp_path_factory, cache_dir), 3, cache_dir
+        )
 
 
 def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_previous_one(tmp_path):
@@ -156,9 +193,14 @@ def test_sigterm_from_outside_stops_a_long_run_within_seconds(tmp_path, cache_di
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.Popen([sys.executable, "train.py", *FAST, "trainer.max_steps=2000", "export_dir=null",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *FAST, "trainer.max_steps=2000", "export_dir=null", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "metrics.csv"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) > 12):  # header + 12 iterations
@@ -189,8 +231,14 @@ def test_sigterm_during_the_recipe_build_leaves_no_temporary_directory(tmp_path)
     cache = tmp_path / "cache"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.Popen([sys.executable, "train.py", f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while not list(cache.glob("*.tmp-*")):
         assert proc.poll() is None and time.monotonic() < deadline, "the build never started"
@@ -234,12 +282,21 @@ def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_pa
     from ppo_lightning.jobs import export, train
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = compose_cfg([*FAST, "trainer.max_steps=4", "callbacks.model_checkpoint.every_n_train_steps=4"],
-                      tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [*FAST, "trainer.max_steps=4", "callbacks.model_checkpoint.every_n_train_steps=4"], tmp_path, cache_dir
+    )
     train(cfg)
     # on demand, from the checkpoint, into a second directory
-    cfg2 = compose_cfg([*FAST, "task=export", f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}",
-                        f"export_dir={tmp_path / 'exported2'}"], tmp_path / "export_run", cache_dir)
+    cfg2 = compose_cfg(
+        [
+            *FAST,
+            "task=export",
+            f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}",
+            f"export_dir={tmp_path / 'exported2'}",
+        ],
+        tmp_path / "export_run",
+        cache_dir,
+    )
     export(cfg2)
     for d in ("policy", "exported2"):
         directory = tmp_path / d
@@ -247,15 +304,31 @@ def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_pa
         hf = AutoModelForCausalLM.from_pretrained(directory)  # no project code involved
         tok = AutoTokenizer.from_pretrained(directory)
         enc = tok(["the cat walks", "a dog"], return_tensors="pt", padding=True)
-        out = hf.generate(**enc, do_sample=False, max_new_tokens=12, min_new_tokens=12,
-                          pad_token_id=tok.pad_token_id)
+        out = hf.generate(**enc, do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=tok.pad_token_id)
         # the trained weights, loaded back through the project's own path
-        module, _, _ = build(compose_cfg([*FAST, f"model.name_or_path={directory}", "model.build_tiny=null",
-                                          f"model.value_head_path={directory}"], tmp_path / "reload", cache_dir))
-        ours, _ = generate(module.policy.lm, enc.input_ids, enc.attention_mask, max_new_tokens=12,
-                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True,
-                           stop_at_eos=False)
-        assert torch.equal(out[:, enc.input_ids.shape[1]:], ours)
+        module, _, _ = build(
+            compose_cfg(
+                [
+                    *FAST,
+                    f"model.name_or_path={directory}",
+                    "model.build_tiny=null",
+                    f"model.value_head_path={directory}",
+                ],
+                tmp_path / "reload",
+                cache_dir,
+            )
+        )
+        ours, _ = generate(
+            module.policy.lm,
+            enc.input_ids,
+            enc.attention_mask,
+            max_new_tokens=12,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            greedy=True,
+            stop_at_eos=False,
+        )
+        assert torch.equal(out[:, enc.input_ids.shape[1] :], ours)
     # the value head reloads into a new run
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert torch.equal(module.policy.v_head.weight, ckpt["policy.v_head.weight"])
@@ -265,8 +338,11 @@ def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_pa
 def test_nan_rewards_skip_those_steps_and_count_them(tmp_path, cache_dir):
     from ppo_lightning.jobs import train
 
-    cfg = compose_cfg([*FAST, "trainer.max_steps=6", "reward=function",
-                       "reward.fn=tests.helpers.nan_on_odd_calls", "callbacks=none"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [*FAST, "trainer.max_steps=6", "reward=function", "reward.fn=tests.helpers.nan_on_odd_calls", "callbacks=none"],
+        tmp_path,
+        cache_dir,
+    )
     metrics = train(cfg)
     rows = read_metrics(tmp_path / "metrics.csv")
     skipped = [math.isnan(r["objective/scores"]) for r in rows]
@@ -274,6 +350,7 @@ def test_nan_rewards_skip_those_steps_and_count_them(tmp_path, cache_dir):
     assert metrics["health/skipped_updates"] == 3 * 2 * 2  # 3 iterations x 2 epochs x 2 minibatches
     assert all(math.isnan(r["loss/policy_avg"]) == s for r, s in zip(rows, skipped))
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert math.isfinite(metrics["objective/kl_coef"])
@@ -282,9 +359,18 @@ def test_nan_rewards_skip_those_steps_and_count_them(tmp_path, cache_dir):
 @pytest.mark.slow  # a subprocess that must exit 1
 def test_persistent_nan_stops_the_run_and_keeps_the_checkpoint(tmp_path, cache_dir):
     # normalize=false: with it, the reference samples' all-NaN scores stop the run before training
-    p = run_train([*FAST, "trainer.max_steps=8", "reward=function", "reward.fn=tests.helpers.always_nan",
-             "reward.normalize=false", "callbacks.model_checkpoint.every_n_train_steps=1",
-             f"hydra.run.dir={tmp_path}"], cache_dir)
+    p = run_train(
+        [
+            *FAST,
+            "trainer.max_steps=8",
+            "reward=function",
+            "reward.fn=tests.helpers.always_nan",
+            "reward.normalize=false",
+            "callbacks.model_checkpoint.every_n_train_steps=1",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cache_dir,
+    )
     assert p.returncode == 1
     assert "3 PPO iterations in a row had non-finite values" in p.stderr
     assert "reward nan for prompt" in p.stderr and "ppo.max_nonfinite_iterations" in p.stderr

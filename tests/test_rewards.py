@@ -26,8 +26,7 @@ NOT_CALLABLE = 42
 
 def recording_fn(prompts, responses, offset=0.0, scale=1.0):
     """Records what it was called with; scores = scale * len(response) + offset."""
-    CALLS.append({"prompts": list(prompts), "responses": list(responses), "offset": offset,
-                  "scale": scale})
+    CALLS.append({"prompts": list(prompts), "responses": list(responses), "offset": offset, "scale": scale})
     return [scale * len(r) + offset for r in responses]
 
 
@@ -58,8 +57,7 @@ def misbehaving_fn(prompts, responses, mode="ok"):
 
 
 def _fn_reward(mode: str) -> FunctionReward:
-    return build_reward(RewardConfig(kind="function", fn=f"{HERE}.misbehaving_fn",
-                                     kwargs={"mode": mode}))
+    return build_reward(RewardConfig(kind="function", fn=f"{HERE}.misbehaving_fn", kwargs={"mode": mode}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +66,9 @@ def _fn_reward(mode: str) -> FunctionReward:
 
 def test_function_reward_calls_fn_with_texts_and_kwargs():
     CALLS.clear()
-    reward = build_reward(RewardConfig(kind="function", fn=f"{HERE}.recording_fn",
-                                       kwargs={"offset": 0.25, "scale": 2.0}))
+    reward = build_reward(
+        RewardConfig(kind="function", fn=f"{HERE}.recording_fn", kwargs={"offset": 0.25, "scale": 2.0})
+    )
     assert isinstance(reward, FunctionReward)
     scores = reward(PROMPTS, RESPONSES)
     assert CALLS == [{"prompts": PROMPTS, "responses": RESPONSES, "offset": 0.25, "scale": 2.0}]
@@ -100,12 +99,15 @@ def test_build_reward_builtin_rule_via_compose(tmp_path, cache_dir):
     torch.testing.assert_close(scores, torch.tensor([1.0, 0.0]))
 
 
-@pytest.mark.parametrize("path, expected", [
-    ("tests.no_such_module_xyz.fn", ["reward.fn", "tests.no_such_module_xyz", "cannot import"]),
-    (f"{HERE}.no_such_attr", ["reward.fn", "no_such_attr", HERE]),
-    (f"{HERE}.NOT_CALLABLE", ["reward.fn", "NOT_CALLABLE", "not a callable"]),
-    ("nodots", ["reward.fn", "nodots", "dotted path"]),
-])
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        ("tests.no_such_module_xyz.fn", ["reward.fn", "tests.no_such_module_xyz", "cannot import"]),
+        (f"{HERE}.no_such_attr", ["reward.fn", "no_such_attr", HERE]),
+        (f"{HERE}.NOT_CALLABLE", ["reward.fn", "NOT_CALLABLE", "not a callable"]),
+        ("nodots", ["reward.fn", "nodots", "dotted path"]),
+    ],
+)
 def test_function_reward_import_errors(path, expected):
     with pytest.raises(ConfigError) as e:
         build_reward(RewardConfig(kind="function", fn=path))
@@ -140,8 +142,7 @@ def test_function_reward_non_number_element(mode, index, shown):
     assert f"prompt {index} {PROMPTS[index]!r}" in msg
 
 
-@pytest.mark.parametrize("mode, index, shown", [("nan", 1, "nan"), ("inf", 2, "inf"),
-                                                ("tensor_nan", 2, "nan")])
+@pytest.mark.parametrize("mode, index, shown", [("nan", 1, "nan"), ("inf", 2, "inf"), ("tensor_nan", 2, "nan")])
 def test_function_reward_nonfinite_refused_when_asked(mode, index, shown):
     with pytest.raises(RewardError) as e:
         FunctionReward(f"{HERE}.misbehaving_fn", {"mode": mode}, allow_nonfinite=False)(PROMPTS, RESPONSES)
@@ -242,9 +243,13 @@ def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_
         ids = tok(r)["input_ids"] + ([tok.eos_token_id] if i else [])
         rows.append(ids + [tok.pad_token_id] * (R - len(ids)))
     resp = torch.tensor(rows)
-    mask = torch.tensor([[1.0] * (len(tok(r)["input_ids"]) + (1 if i else 0))
-                         + [0.0] * (R - len(tok(r)["input_ids"]) - (1 if i else 0))
-                         for i, r in enumerate(responses)])
+    mask = torch.tensor(
+        [
+            [1.0] * (len(tok(r)["input_ids"]) + (1 if i else 0))
+            + [0.0] * (R - len(tok(r)["input_ids"]) - (1 if i else 0))
+            for i, r in enumerate(responses)
+        ]
+    )
     rm = RewardModel(str(tiny_rm_dir), batch_size=2)
     p_text, r_text = decode_prompts_and_responses(tok, enc.input_ids, resp, mask)
     assert (p_text, r_text) == (prompts, responses)
@@ -325,8 +330,15 @@ def test_fit_normalization_pools_ranks_through_reduce():
     def reduce_with(other_scores):
         def reduce(stats):
             finite = other_scores.double()
-            return stats + torch.stack([finite.sum(), (finite ** 2).sum(), torch.tensor(4.0, dtype=torch.float64),
-                                        torch.tensor(4.0, dtype=torch.float64)])
+            return stats + torch.stack(
+                [
+                    finite.sum(),
+                    (finite**2).sum(),
+                    torch.tensor(4.0, dtype=torch.float64),
+                    torch.tensor(4.0, dtype=torch.float64),
+                ]
+            )
+
         return reduce
 
     assert fit_normalization(a, reduce_with(b)) == pytest.approx(fit_normalization(torch.cat([a, b])), rel=1e-12)
@@ -361,10 +373,17 @@ def test_sample_and_score_applies_the_normalisation_and_keeps_the_raw_scores(tin
     params = SamplingParams(max_new_tokens=6)
     out = {}
     for norm in ((1.0, 0.0), (4.0, -0.5)):
-        out[norm] = sample_and_score(sampler=HFBackend(PolicyWithValueHead(lm).lm, tok), params=params,
-                                     ref_lm=make_reference(lm), reward_fn=char_fraction, tokenizer=tok,
-                                     input_ids=enc.input_ids, attention_mask=enc.attention_mask, reward_norm=norm,
-                                     generator=torch.Generator().manual_seed(0))
+        out[norm] = sample_and_score(
+            sampler=HFBackend(PolicyWithValueHead(lm).lm, tok),
+            params=params,
+            ref_lm=make_reference(lm),
+            reward_fn=char_fraction,
+            tokenizer=tok,
+            input_ids=enc.input_ids,
+            attention_mask=enc.attention_mask,
+            reward_norm=norm,
+            generator=torch.Generator().manual_seed(0),
+        )
     plain, scaled = out[(1.0, 0.0)], out[(4.0, -0.5)]
     assert torch.equal(plain.scores, plain.raw_scores) and torch.equal(scaled.raw_scores, plain.raw_scores)
     torch.testing.assert_close(scaled.scores, 4.0 * plain.raw_scores - 0.5)

@@ -24,9 +24,19 @@ def _rollout(tok, policy, ref, eos_bias: float = 0.0, seed: int = 0):
     if eos_bias:  # make EOS likely so some rows stop early and get padded
         policy.lm.lm_head.weight.data[tok.eos_token_id] += eos_bias
     g = torch.Generator().manual_seed(seed)
-    return enc, make_rollout(policy=policy, ref_lm=ref, reward_fn=char_fraction, tokenizer=tok,
-                             input_ids=enc.input_ids, attention_mask=enc.attention_mask,
-                             kl_coef=0.05, gen=GEN, gamma=1.0, lam=0.95, generator=g)
+    return enc, make_rollout(
+        policy=policy,
+        ref_lm=ref,
+        reward_fn=char_fraction,
+        tokenizer=tok,
+        input_ids=enc.input_ids,
+        attention_mask=enc.attention_mask,
+        kl_coef=0.05,
+        gen=GEN,
+        gamma=1.0,
+        lam=0.95,
+        generator=g,
+    )
 
 
 def test_rollout_logprobs_equal_unpadded_fresh_forward(tiny_lm_dir):
@@ -38,11 +48,11 @@ def test_rollout_logprobs_equal_unpadded_fresh_forward(tiny_lm_dir):
         ids = r.query_responses[i][r.attention_mask[i].bool()][None]  # drop left pads and after-EOS
         P = int(enc.attention_mask[i].sum())
         with torch.no_grad():
-            logits = lm(ids).logits[0, P - 1:-1] / GEN["temperature"]
+            logits = lm(ids).logits[0, P - 1 : -1] / GEN["temperature"]
         fresh = torch.log_softmax(logits, -1).gather(1, ids[0, P:, None]).squeeze(1)
         got = r.logprobs[i][r.response_mask[i].bool()]
         torch.testing.assert_close(got, fresh, atol=1e-5, rtol=1e-5)
-        ref_logits = ref(ids).logits[0, P - 1:-1] / GEN["temperature"]
+        ref_logits = ref(ids).logits[0, P - 1 : -1] / GEN["temperature"]
         ref_fresh = torch.log_softmax(ref_logits, -1).gather(1, ids[0, P:, None]).squeeze(1)
         torch.testing.assert_close(r.ref_logprobs[i][r.response_mask[i].bool()], ref_fresh, atol=1e-5, rtol=1e-5)
 
@@ -51,9 +61,16 @@ def test_kv_cache_generation_matches_full_forward_greedy(tiny_lm_dir):
     """Greedy decoding with the cache equals re-running the whole padded sequence each step."""
     tok, lm, _, _ = _setup(tiny_lm_dir)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    resp, mask = generate(lm, enc.input_ids, enc.attention_mask, max_new_tokens=10,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                          greedy=True, stop_at_eos=False)
+    resp, mask = generate(
+        lm,
+        enc.input_ids,
+        enc.attention_mask,
+        max_new_tokens=10,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        greedy=True,
+        stop_at_eos=False,
+    )
     assert torch.equal(greedy_by_full_forward(lm, enc.input_ids, enc.attention_mask, 10), resp)
     assert mask.shape == resp.shape and bool(mask.all())
 
@@ -92,7 +109,7 @@ def test_everything_after_eos_is_masked_and_scored_at_last_token(tiny_lm_dir):
         row, m = r.responses[i], r.response_mask[i]
         n = int(m.sum())
         if r.contains_eos[i]:
-            assert row[n - 1] == eos and not (row[:n - 1] == eos).any()
+            assert row[n - 1] == eos and not (row[: n - 1] == eos).any()
             assert (row[n:] == tok.pad_token_id).all()
         for t in (r.logprobs, r.values, r.rewards, r.advantages, r.returns, r.kl):
             assert (t[i][n:] == 0).all()
@@ -109,9 +126,18 @@ def test_everything_after_eos_is_masked_and_scored_at_last_token(tiny_lm_dir):
 def test_missing_eos_penalty(tiny_lm_dir):
     tok, lm, policy, ref = _setup(tiny_lm_dir)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    common = dict(policy=policy, ref_lm=ref, reward_fn=char_fraction, tokenizer=tok,
-                  input_ids=enc.input_ids, attention_mask=enc.attention_mask, kl_coef=0.0,
-                  gen=GEN, gamma=1.0, lam=0.95)
+    common = dict(
+        policy=policy,
+        ref_lm=ref,
+        reward_fn=char_fraction,
+        tokenizer=tok,
+        input_ids=enc.input_ids,
+        attention_mask=enc.attention_mask,
+        kl_coef=0.0,
+        gen=GEN,
+        gamma=1.0,
+        lam=0.95,
+    )
     a = make_rollout(**common, generator=torch.Generator().manual_seed(3))
     b = make_rollout(**common, generator=torch.Generator().manual_seed(3), missing_eos_penalty=1.0)
     assert torch.equal(a.responses, b.responses)
@@ -162,9 +188,9 @@ def test_values_read_the_final_hidden_state_and_the_reference_has_no_hook(tiny_l
     with torch.no_grad():
         logits, values = policy(ids, am, pos, P)
         out = policy.lm(input_ids=ids, attention_mask=am, position_ids=pos, output_hidden_states=True)
-    expected = policy.v_head(out.hidden_states[-1][:, P - 1:-1]).squeeze(-1)
+    expected = policy.v_head(out.hidden_states[-1][:, P - 1 : -1]).squeeze(-1)
     torch.testing.assert_close(values, expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(logits, out.logits[:, P - 1:-1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, out.logits[:, P - 1 : -1], atol=1e-5, rtol=0)
     assert policy.lm.get_output_embeddings().head_input is None  # nothing held between calls
     with torch.no_grad():
         policy.lm(input_ids=ids)  # a plain LM call (sampling, say) keeps nothing either

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCRIPT = '''
+SCRIPT = """
 import json, sys, warnings
 
 import lightning as L
@@ -49,19 +49,30 @@ if trainer.global_rank == 0:
 if torch.distributed.is_initialized():  # an orderly end: no rank exits while gloo still talks to it
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-'''
+"""
 
 
 def validate(model_dir: Path, devices: int, tmp_path: Path) -> dict:
     script = tmp_path / "validate_sft.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"devices{devices}.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         env.pop(k, None)  # Lightning sets them up (a free port) for the ranks it launches
-    p = subprocess.run([sys.executable, str(script), str(model_dir), str(devices), str(out)], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=180)
+    p = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(devices), str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(out.read_text())
 

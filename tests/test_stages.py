@@ -19,10 +19,23 @@ import torch.nn.functional as F
 from ppo_lightning.config import ModelConfig, OptimizerConfig
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.rewards import RewardModel
-from ppo_lightning.stages import (IGNORE_INDEX, STAGES, PairCollator, RewardModelConfig, SFTCollator,
-                                  SFTConfig, SFTDataModule, bradley_terry_loss, build_reward_model,
-                                  build_sft, prepare_reward_tokenizer, save_reward_model, save_sft,
-                                  tokenize_pairs, tokenize_sft)
+from ppo_lightning.stages import (
+    IGNORE_INDEX,
+    STAGES,
+    PairCollator,
+    RewardModelConfig,
+    SFTCollator,
+    SFTConfig,
+    SFTDataModule,
+    bradley_terry_loss,
+    build_reward_model,
+    build_sft,
+    prepare_reward_tokenizer,
+    save_reward_model,
+    save_sft,
+    tokenize_pairs,
+    tokenize_sft,
+)
 from ppo_lightning.tiny import build_byte_tokenizer
 
 EOS, PAD = 256, 257
@@ -44,9 +57,17 @@ def tok():
 
 
 def trainer(max_steps: int) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, check_val_every_n_epoch=10_000)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=10_000,
+    )
 
 
 def repeat_records(letters: str = "abcdefghij", counts=range(1, 9)) -> list[dict[str, str]]:
@@ -88,8 +109,11 @@ def naive_sft_row(tok, prompt: str, response: str) -> tuple[list[int], list[int]
 
 
 def test_sft_collated_labels_match_naive_construction(tok):
-    records = [{"prompt": "Q: 2+2?\nA:", "response": " 4"}, {"prompt": "hi", "response": "hello there é"},
-               {"prompt": "x", "response": ""}]
+    records = [
+        {"prompt": "Q: 2+2?\nA:", "response": " 4"},
+        {"prompt": "hi", "response": "hello there é"},
+        {"prompt": "x", "response": ""},
+    ]
     examples = tokenize_sft(records, tok, max_length=64, max_prompt_length=32)
     batch = SFTCollator(PAD)(examples)
     T = max(len(naive_sft_row(tok, r["prompt"], r["response"])[0]) for r in records)
@@ -131,9 +155,12 @@ def test_sft_truncation_rule(tok, caplog):
 def test_sft_loss_is_padding_invariant_and_token_averaged(tiny_lm_dir, tok):
     """Left and right padding give the same loss (position ids from the mask), equal to the
     per-example unpadded loss summed over response tokens."""
-    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)), OptimizerConfig(),
-                           SFTConfig(val_fraction=0.0, max_length=64, max_prompt_length=32),
-                           records=[{"prompt": "a" * k, "response": "bc" * k} for k in (1, 4, 9)])
+    module, dm = build_sft(
+        ModelConfig(name_or_path=str(tiny_lm_dir)),
+        OptimizerConfig(),
+        SFTConfig(val_fraction=0.0, max_length=64, max_prompt_length=32),
+        records=[{"prompt": "a" * k, "response": "bc" * k} for k in (1, 4, 9)],
+    )
     module.eval()
     ex = dm.train_examples
     with torch.no_grad():
@@ -182,9 +209,11 @@ def test_sft_learns_and_saves_a_policy(tiny_lm_dir, tmp_path):
     records = repeat_records()
     path = write_jsonl(tmp_path / "sft.jsonl", records)
     L.seed_everything(0, verbose=False)
-    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)),
-                           OptimizerConfig(lr=3e-3, scheduler="linear", warmup_steps=10),
-                           SFTConfig(path=path, val_fraction=0.2, max_length=32, max_prompt_length=8, batch_size=16))
+    module, dm = build_sft(
+        ModelConfig(name_or_path=str(tiny_lm_dir)),
+        OptimizerConfig(lr=3e-3, scheduler="linear", warmup_steps=10),
+        SFTConfig(path=path, val_fraction=0.2, max_length=32, max_prompt_length=8, batch_size=16),
+    )
     t = trainer(max_steps=100)
     before = t.validate(module, datamodule=dm, verbose=False)[0]
     t.fit(module, datamodule=dm)
@@ -200,16 +229,16 @@ def test_sft_learns_and_saves_a_policy(tiny_lm_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tk = AutoTokenizer.from_pretrained(out)
     assert model.generation_config.eos_token_id == EOS and model.generation_config.pad_token_id == PAD
-    train_prompts = {tk.decode(e["input_ids"][:e["labels"].count(IGNORE_INDEX)]) for e in dm.train_examples}
+    train_prompts = {tk.decode(e["input_ids"][: e["labels"].count(IGNORE_INDEX)]) for e in dm.train_examples}
     train_records = [r for r in records if r["prompt"] in train_prompts]
     enc = tk([r["prompt"] for r in train_records], return_tensors="pt", padding=True, add_special_tokens=False)
     assert tk.padding_side == "left"
     gen = model.generate(**enc, max_new_tokens=10, do_sample=False)
-    texts = tk.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = tk.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     exact = sum(t == r["response"] for t, r in zip(texts, train_records)) / len(train_records)
     print(f"SFT greedy exact match on training prompts: {exact:.2f}")
     assert exact >= 0.9
-    assert (gen[:, enc["input_ids"].shape[1]:] == EOS).any(1).float().mean() >= 0.9  # it learned to stop
+    assert (gen[:, enc["input_ids"].shape[1] :] == EOS).any(1).float().mean() >= 0.9  # it learned to stop
 
     # usable as model.name_or_path for PPO: same tokenizer, no resize, value head on top
     ptok = load_tokenizer(str(out))
@@ -236,8 +265,10 @@ def test_pair_tokenization_matches_the_ppo_reward_path(tiny_rm_dir):
     """The ids trained on are the ids RewardModel scores: prompt + response strings, left-truncated."""
     rm = RewardModel(str(tiny_rm_dir), max_length=6)
     tk = prepare_reward_tokenizer(rm.tokenizer)
-    records = [{"prompt": "long prompt:", "chosen": "yes", "rejected": "no"},
-               {"prompt": "q", "chosen": "a", "rejected": "bb"}]
+    records = [
+        {"prompt": "long prompt:", "chosen": "yes", "rejected": "no"},
+        {"prompt": "q", "chosen": "a", "rejected": "bb"},
+    ]
     pairs = tokenize_pairs(records, tk, max_length=6)
     for r, p in zip(records, pairs):
         for side in ("chosen", "rejected"):
@@ -255,9 +286,13 @@ def test_reward_tokenizer_gets_a_pad_distinct_from_eos(tiny_rm_dir, tok):
 
     t = copy.deepcopy(tok)
     t.pad_token = t.eos_token
-    module, _ = build_reward_model(ModelConfig(name_or_path=str(tiny_rm_dir)), None,
-                                   {"val_fraction": 0.0, "max_length": 16},
-                                   tokenizer=t, records=preference_records(4, seed=0))
+    module, _ = build_reward_model(
+        ModelConfig(name_or_path=str(tiny_rm_dir)),
+        None,
+        {"val_fraction": 0.0, "max_length": 16},
+        tokenizer=t,
+        records=preference_records(4, seed=0),
+    )
     assert t.pad_token_id == EOS and t.padding_side == "left"  # the caller's tokenizer is untouched
     tk = module.tokenizer
     assert tk.pad_token_id == PAD and tk.padding_side == "right" and tk.truncation_side == "left"
@@ -269,16 +304,21 @@ def test_reward_model_learns_and_saves(tiny_lm_dir, tmp_path):
     """From the tiny causal LM (new score head): >= 90% val accuracy; the saved directory loads in
     RewardModel, ranks chosen above rejected on new pairs and scores exactly as in training."""
     L.seed_everything(0, verbose=False)
-    module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)), OptimizerConfig(lr=1e-3),
-                                    RewardModelConfig(val_fraction=0.2, max_length=32, batch_size=16),
-                                    records=preference_records(300, seed=0))
+    module, dm = build_reward_model(
+        ModelConfig(name_or_path=str(tiny_lm_dir)),
+        OptimizerConfig(lr=1e-3),
+        RewardModelConfig(val_fraction=0.2, max_length=32, batch_size=16),
+        records=preference_records(300, seed=0),
+    )
     assert len(dm.val_examples) == 60
     t = trainer(max_steps=100)
     before = t.validate(module, datamodule=dm, verbose=False)[0]
     t.fit(module, datamodule=dm)
     after = t.validate(module, datamodule=dm, verbose=False)[0]
-    print(f"RM val/accuracy {before['val/accuracy']:.2f} -> {after['val/accuracy']:.2f}, "
-          f"val/loss {before['val/loss']:.3f} -> {after['val/loss']:.3f}, margin {after['val/margin']:.2f}")
+    print(
+        f"RM val/accuracy {before['val/accuracy']:.2f} -> {after['val/accuracy']:.2f}, "
+        f"val/loss {before['val/loss']:.3f} -> {after['val/loss']:.3f}, margin {after['val/margin']:.2f}"
+    )
     assert after["val/accuracy"] >= 0.9
     assert after["val/loss"] < 0.5 * before["val/loss"] and after["val/margin"] > 1.0
 
@@ -310,10 +350,12 @@ def test_sft_val_loss_is_token_weighted_over_unequal_batches(tiny_lm_dir, recwar
     """val/loss over batches of 5, 5 and 4 examples of unequal token counts is the mean over all
     response tokens (computed here example by example, unpadded) and equals the old hand sums of
     the same batches; the mean of batch means differs."""
-    module, dm = build_sft(ModelConfig(name_or_path=str(tiny_lm_dir)),
-                           OptimizerConfig(), SFTConfig(val_fraction=0.25, val_batch_size=5, max_length=32,
-                                                        max_prompt_length=8, batch_size=4),
-                           records=repeat_records("abcdefg"))
+    module, dm = build_sft(
+        ModelConfig(name_or_path=str(tiny_lm_dir)),
+        OptimizerConfig(),
+        SFTConfig(val_fraction=0.25, val_batch_size=5, max_length=32, max_prompt_length=8, batch_size=4),
+        records=repeat_records("abcdefg"),
+    )
     assert len(dm.val_examples) == 14
     out = trainer(max_steps=1).validate(module, datamodule=dm, verbose=False)[0]
     assert set(out) == {"val/loss", "val/perplexity"}
@@ -351,11 +393,12 @@ def test_sft_val_loss_is_token_weighted_over_unequal_batches(tiny_lm_dir, recwar
 
 @pytest.mark.filterwarnings("ignore:Total length of `list` across ranks is zero")
 def test_validation_without_a_split_logs_nothing(tiny_lm_dir, tiny_rm_dir):
-    for stage, model_dir, records in [("sft", tiny_lm_dir, repeat_records("ab")),
-                                      ("reward_model", tiny_rm_dir, preference_records(6, seed=0))]:
+    for stage, model_dir, records in [
+        ("sft", tiny_lm_dir, repeat_records("ab")),
+        ("reward_model", tiny_rm_dir, preference_records(6, seed=0)),
+    ]:
         cfg_cls, build, _ = STAGES[stage]
-        module, dm = build(ModelConfig(name_or_path=str(model_dir)), None,
-                           cfg_cls(val_fraction=0.0), records=records)
+        module, dm = build(ModelConfig(name_or_path=str(model_dir)), None, cfg_cls(val_fraction=0.0), records=records)
         t = trainer(max_steps=1)
         assert t.validate(module, datamodule=dm, verbose=False) == []
         assert not [k for k in t.callback_metrics if k.startswith("val/")]
@@ -365,10 +408,12 @@ def test_validation_without_a_split_logs_nothing(tiny_lm_dir, tiny_rm_dir):
 def test_reward_model_val_metrics_are_per_pair_over_unequal_batches(tiny_lm_dir, recwarn):
     """val/loss, val/accuracy, val/margin over batches of 4, 4 and 1 pairs are the means over all
     pairs (each pair scored alone here), equal to the old hand sums of the same batches."""
-    module, dm = build_reward_model(ModelConfig(name_or_path=str(tiny_lm_dir)),
-                                    OptimizerConfig(), RewardModelConfig(val_fraction=0.4, val_batch_size=4,
-                                                                         max_length=32, batch_size=4),
-                                    records=preference_records(23, seed=1))
+    module, dm = build_reward_model(
+        ModelConfig(name_or_path=str(tiny_lm_dir)),
+        OptimizerConfig(),
+        RewardModelConfig(val_fraction=0.4, val_batch_size=4, max_length=32, batch_size=4),
+        records=preference_records(23, seed=1),
+    )
     assert len(dm.val_examples) == 9
     out = trainer(max_steps=1).validate(module, datamodule=dm, verbose=False)[0]
     assert set(out) == {"val/loss", "val/accuracy", "val/margin"}
@@ -377,8 +422,9 @@ def test_reward_model_val_metrics_are_per_pair_over_unequal_batches(tiny_lm_dir,
     with torch.no_grad():
         diffs = []
         for p in dm.val_examples:
-            rc, rr = (module(torch.tensor([p[s]]), torch.ones(1, len(p[s]), dtype=torch.long))
-                      for s in ("chosen", "rejected"))
+            rc, rr = (
+                module(torch.tensor([p[s]]), torch.ones(1, len(p[s]), dtype=torch.long)) for s in ("chosen", "rejected")
+            )
             diffs.append((rc - rr).item())
         batched = torch.cat([torch.stack(module.pair_rewards(b)) for b in dm.val_dataloader()], dim=1)
     d = torch.tensor(diffs, dtype=torch.float64)
@@ -386,8 +432,11 @@ def test_reward_model_val_metrics_are_per_pair_over_unequal_batches(tiny_lm_dir,
     for k, v in naive.items():
         assert out[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     rc, rr = batched.double()
-    hand = {"val/loss": bradley_terry_loss(batched[0], batched[1]).double().mean().item(),
-            "val/accuracy": (rc > rr).double().mean().item(), "val/margin": (rc - rr).mean().item()}
+    hand = {
+        "val/loss": bradley_terry_loss(batched[0], batched[1]).double().mean().item(),
+        "val/accuracy": (rc > rr).double().mean().item(),
+        "val/margin": (rc - rr).mean().item(),
+    }
     for k, v in hand.items():
         assert out[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
     assert out["val/accuracy"] * 9 == pytest.approx(round(out["val/accuracy"] * 9))
@@ -420,9 +469,9 @@ def test_val_metric_states_stay_float64_under_a_true_half_precision_cast():
     holder.to(torch.bfloat16)
     assert holder.m.sum_value.dtype == torch.bfloat16
     reset_val_metrics(holder.m)
-    holder.m.update(torch.tensor(1.0 + 2 ** -20))
+    holder.m.update(torch.tensor(1.0 + 2**-20))
     holder.m.update(torch.tensor(256, dtype=torch.long))
-    assert holder.m.sum_value.dtype == torch.float64 and holder.m.compute().item() == 257 + 2 ** -20
+    assert holder.m.sum_value.dtype == torch.float64 and holder.m.compute().item() == 257 + 2**-20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,12 +490,18 @@ def test_malformed_jsonl_names_the_line(tmp_path, tiny_lm_dir, stage):
     assert "bad.jsonl" in msg and "line 4" in msg and "not valid JSON" in msg and "task.path" in msg
 
 
-@pytest.mark.parametrize("stage, row, missing", [
-    ("sft", {"prompt": "p"}, ["'response' (task.response_field='response')"]),
-    ("reward_model", {"prompt": "p", "chosen": "c"}, ["'rejected' (task.rejected_field='rejected')"]),
-    ("reward_model", {"question": "p", "chosen": "c"},
-     ["'prompt'", "'rejected'", "task.prompt_field='prompt'", "task.rejected_field='rejected'"]),
-])
+@pytest.mark.parametrize(
+    "stage, row, missing",
+    [
+        ("sft", {"prompt": "p"}, ["'response' (task.response_field='response')"]),
+        ("reward_model", {"prompt": "p", "chosen": "c"}, ["'rejected' (task.rejected_field='rejected')"]),
+        (
+            "reward_model",
+            {"question": "p", "chosen": "c"},
+            ["'prompt'", "'rejected'", "task.prompt_field='prompt'", "task.rejected_field='rejected'"],
+        ),
+    ],
+)
 def test_missing_fields_are_named(tmp_path, tiny_lm_dir, stage, row, missing):
     cfg_cls, build, _ = STAGES[stage]
     full = {"prompt": "p", "response": "r", "chosen": "c", "rejected": "x"}
@@ -479,8 +534,11 @@ def test_the_stages_read_json_and_hf_datasets_as_they_read_jsonl(tmp_path, tok, 
     with pytest.raises(ConfigError, match=r"task.path='.*r.txt': unsupported extension '.txt'; use .jsonl"):
         SFTDataModule(SFTConfig(path=str(tmp_path / "r.txt")), tok).load()
     fake_datasets(monkeypatch, [{"question": "q"}])
-    with pytest.raises(ConfigError, match=r"task.hf_dataset='org/sft' row 0: missing field\(s\) 'prompt', "
-                                          r"'response' .*; it has \['question'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"task.hf_dataset='org/sft' row 0: missing field\(s\) 'prompt', "
+        r"'response' .*; it has \['question'\]",
+    ):
         SFTDataModule(SFTConfig(hf_dataset="org/sft"), tok).load()
 
 
@@ -497,13 +555,15 @@ def test_the_stages_batch_by_their_own_task_keys(tmp_path, cache_dir, tiny_lm_di
     cfg_cls, build, _ = STAGES[stage]
     d, c = DataConfig(), cfg_cls()
     assert (c.batch_size, c.shuffle, c.num_workers) == (d.batch_size, d.shuffle, 0)
-    cfg = compose_cfg([f"task={stage}", "task.batch_size=3", "task.shuffle=false", "data.batch_size=5"],
-                      tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [f"task={stage}", "task.batch_size=3", "task.shuffle=false", "data.batch_size=5"], tmp_path, cache_dir
+    )
     keys = {k: v for k, v in OmegaConf.to_container(cfg.task).items() if k not in ("name", "save_dir")}
     assert (keys["batch_size"], keys["shuffle"], keys["num_workers"]) == (3, False, 0)
     records = repeat_records("ab") if stage == "sft" else preference_records(16, seed=0)
-    _, dm = build(ModelConfig(name_or_path=str(tiny_lm_dir)), None, {**keys, "val_fraction": 0, "path": None},
-                  records=records)
+    _, dm = build(
+        ModelConfig(name_or_path=str(tiny_lm_dir)), None, {**keys, "val_fraction": 0, "path": None}, records=records
+    )
     loader = dm.train_dataloader()
     assert loader.batch_size == 3 and type(loader.sampler).__name__ == "SequentialSampler"
     rows = [len(b["input_ids"]) for b in loader]  # a reward-model batch holds 2 rows a pair
@@ -518,13 +578,24 @@ def test_data_batch_keys_for_a_stage_are_named_as_doing_nothing(tmp_path, cache_
     (before any data or model loads: here the missing file then stops the job)."""
     from tests.helpers import run_train
 
-    p = run_train(["experiment=tiny_char", "task=sft", f"task.path={tmp_path / 'none.jsonl'}", "data.batch_size=8",
-                   "task.batch_size=4", f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={cache_dir}"],
-                  cache_dir)
+    p = run_train(
+        [
+            "experiment=tiny_char",
+            "task=sft",
+            f"task.path={tmp_path / 'none.jsonl'}",
+            "data.batch_size=8",
+            "task.batch_size=4",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            f"paths.cache_dir={cache_dir}",
+        ],
+        cache_dir,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 1 and "none.jsonl': no such file" in out, out[-2000:]
-    assert ("data.batch_size is PPO's prompt loader's and does nothing for task=sft, which batches by "
-            "task.batch_size (4 here)") in out, out[-2000:]
+    assert (
+        "data.batch_size is PPO's prompt loader's and does nothing for task=sft, which batches by "
+        "task.batch_size (4 here)"
+    ) in out, out[-2000:]
 
 
 def test_custom_field_names_and_type_errors(tmp_path, tok):
@@ -532,22 +603,33 @@ def test_custom_field_names_and_type_errors(tmp_path, tok):
     dm = SFTDataModule(SFTConfig(path=f, prompt_field="q", response_field="a", val_fraction=0), tok)
     with pytest.raises(ConfigError, match=r"line 2: field 'a' \(task.response_field\) must be a string, got int"):
         dm.load()
-    dm = SFTDataModule({"path": write_jsonl(tmp_path / "r.jsonl", [{"q": "in", "a": "out"}]), "prompt_field": "q",
-                        "response_field": "a", "val_fraction": 0}, tok, key_prefix="sft")
+    dm = SFTDataModule(
+        {
+            "path": write_jsonl(tmp_path / "r.jsonl", [{"q": "in", "a": "out"}]),
+            "prompt_field": "q",
+            "response_field": "a",
+            "val_fraction": 0,
+        },
+        tok,
+        key_prefix="sft",
+    )
     dm.load()
     assert dm.train_examples[0]["input_ids"] == list(b"inout") + [EOS]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(), r"task.path and task.hf_dataset are both null"),
-    (dict(path="nope.jsonl"), r"task.path='nope.jsonl': no such file"),
-    (dict(path="{tmp}/p.txt"), r"unsupported extension '.txt'"),
-    (dict(path="{tmp}/empty.jsonl"), r"holds no records"),
-    (dict(path="{tmp}/p.txt", hf_dataset="x"), r"both set"),
-    (dict(max_prompt_length=64, max_length=64), r"task.max_prompt_length=64: must be >= 1 and < task.max_length"),
-    (dict(val_fraction=1.0), r"task.val_fraction=1.0"),
-    (dict(truncation="left"), r"task.truncation=.left.: choose one of truncate \| drop \| error"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(), r"task.path and task.hf_dataset are both null"),
+        (dict(path="nope.jsonl"), r"task.path='nope.jsonl': no such file"),
+        (dict(path="{tmp}/p.txt"), r"unsupported extension '.txt'"),
+        (dict(path="{tmp}/empty.jsonl"), r"holds no records"),
+        (dict(path="{tmp}/p.txt", hf_dataset="x"), r"both set"),
+        (dict(max_prompt_length=64, max_length=64), r"task.max_prompt_length=64: must be >= 1 and < task.max_length"),
+        (dict(val_fraction=1.0), r"task.val_fraction=1.0"),
+        (dict(truncation="left"), r"task.truncation=.left.: choose one of truncate \| drop \| error"),
+    ],
+)
 def test_sft_config_and_source_errors(tmp_path, tiny_lm_dir, kwargs, match):
     (tmp_path / "p.txt").write_text("hello\n")
     (tmp_path / "empty.jsonl").write_text("\n\n")
@@ -563,8 +645,7 @@ def test_other_build_errors(tiny_lm_dir, monkeypatch):
     with pytest.raises(ConfigError, match=r"optimizer.scheduler='step'"):
         build_sft(model, OptimizerConfig(scheduler="step"), SFTConfig(), records=repeat_records())
     with pytest.raises(ConfigError, match=r"task.max_length=1000 exceeds the model's context of 256"):
-        build_reward_model(model, None, RewardModelConfig(max_length=1000),
-                           records=preference_records(10, seed=0))
+        build_reward_model(model, None, RewardModelConfig(max_length=1000), records=preference_records(10, seed=0))
     with pytest.raises(ConfigError, match=r"too few for task.val_fraction"):
         build_sft(model, None, SFTConfig(val_fraction=0.5), records=repeat_records("a", [1]))
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
@@ -573,8 +654,9 @@ def test_other_build_errors(tiny_lm_dir, monkeypatch):
 
 
 def _files(directory) -> dict[str, bytes]:
-    return {str(f.relative_to(directory)): f.read_bytes() if f.is_file() else b"<dir>"
-            for f in sorted(directory.rglob("*"))}
+    return {
+        str(f.relative_to(directory)): f.read_bytes() if f.is_file() else b"<dir>" for f in sorted(directory.rglob("*"))
+    }
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model"])
@@ -593,10 +675,23 @@ def test_model_tiny_never_writes_into_a_users_model_directory(tmp_path, cache_di
     assert not user.resolve().is_relative_to(cache_dir.resolve())
     before = _files(user.parent)
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "response": "b", "chosen": "c", "rejected": "d"}] * 8)
-    cfg = compose_cfg([f"task={stage}", "model=tiny", f"model.name_or_path={user}", f"task.path={data}",
-                       "task.val_fraction=0", "trainer.max_steps=2", "trainer.limit_val_batches=0",
-                       "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-                       "callbacks=none", "logger=none"], tmp_path / "out", cache_dir)
+    cfg = compose_cfg(
+        [
+            f"task={stage}",
+            "model=tiny",
+            f"model.name_or_path={user}",
+            f"task.path={data}",
+            "task.val_fraction=0",
+            "trainer.max_steps=2",
+            "trainer.limit_val_batches=0",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+            "callbacks=none",
+            "logger=none",
+        ],
+        tmp_path / "out",
+        cache_dir,
+    )
     assert cfg.model.build_tiny is not None  # model=tiny: it would build, were the directory in the cache
     run_task(cfg)
     assert _files(user.parent) == before

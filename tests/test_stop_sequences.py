@@ -14,7 +14,7 @@ def _naive_mask(responses, eos, seqs):
     for b, row in enumerate(responses.tolist()):
         for t in range(len(row)):
             out[b, t] = 1.0
-            if row[t] == eos or any(len(s) <= t + 1 and tuple(row[t + 1 - len(s):t + 1]) == s for s in seqs):
+            if row[t] == eos or any(len(s) <= t + 1 and tuple(row[t + 1 - len(s) : t + 1]) == s for s in seqs):
                 break
     return out
 
@@ -39,8 +39,13 @@ def test_sampling_stops_each_row_at_its_first_stop(tiny_lm_dir, fast_decode):
     tok = load_tokenizer(str(tiny_lm_dir))
     lm = load_causal_lm(str(tiny_lm_dir), tok)
     enc = tok(["hello there", "the cat sat on", "xyz"], return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True,
-              fast_decode=fast_decode)
+    kw = dict(
+        max_new_tokens=10,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        greedy=True,
+        fast_decode=fast_decode,
+    )
     free, free_mask = generate(lm, enc.input_ids, enc.attention_mask, **kw)
     row = free[0].tolist()
     for seqs in (((row[4],),), ((row[3], row[4]),)):
@@ -49,7 +54,7 @@ def test_sampling_stops_each_row_at_its_first_stop(tiny_lm_dir, fast_decode):
         n = int(want_mask[0].sum())
         assert n <= 5 and int(mask[0].sum()) == n
         assert got[0, :n].tolist() == row[:n] and (got[0, n:] == tok.pad_token_id).all()
-        assert torch.equal(mask, want_mask[:, :mask.shape[1]])
+        assert torch.equal(mask, want_mask[:, : mask.shape[1]])
 
 
 def test_stop_strings_become_token_sequences_and_bad_ones_name_the_key(tmp_path, cache_dir):
@@ -57,11 +62,15 @@ def test_stop_strings_become_token_sequences_and_bad_ones_name_the_key(tmp_path,
     from ppo_lightning.factory import build_module
     from tests.conftest import compose_cfg
 
-    module, _ = build_module(compose_cfg(["sampling.stop_strings=['ab',' c']", "sampling.stop_token_ids=[5]"],
-                                         tmp_path, cache_dir))
+    module, _ = build_module(
+        compose_cfg(["sampling.stop_strings=['ab',' c']", "sampling.stop_token_ids=[5]"], tmp_path, cache_dir)
+    )
     tok = module.tokenizer
-    assert module.sampling.stop_sequences == ((5,), tuple(tok.encode("ab", add_special_tokens=False)),
-                                              tuple(tok.encode(" c", add_special_tokens=False)))
+    assert module.sampling.stop_sequences == (
+        (5,),
+        tuple(tok.encode("ab", add_special_tokens=False)),
+        tuple(tok.encode(" c", add_special_tokens=False)),
+    )
     with pytest.raises(ConfigError, match=r"^sampling.stop_token_ids: \[99999\] outside"):
         build_module(compose_cfg(["sampling.stop_token_ids=[99999]"], tmp_path, cache_dir))
     with pytest.raises(ConfigError, match=r"^sampling.stop_strings: '' is no token"):

@@ -14,11 +14,19 @@ from tests.helpers import run_train
 pytestmark = pytest.mark.slow  # Hydra sweeps in subprocesses
 
 # Two PPO iterations on the tiny model; metrics.csv only (no W&B run, no checkpoints, no export).
-TINY_RUN = ["trainer.max_steps=2", "sampling.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4",
-            "ppo.ppo_epochs=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-            "callbacks=none", "trainer.enable_checkpointing=false", "logger=csv", "export_dir=null"]
-
-
+TINY_RUN = [
+    "trainer.max_steps=2",
+    "sampling.max_new_tokens=8",
+    "data.batch_size=8",
+    "ppo.minibatch_size=4",
+    "ppo.ppo_epochs=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks=none",
+    "trainer.enable_checkpointing=false",
+    "logger=csv",
+    "export_dir=null",
+]
 
 
 class CrashAtStep(L.Callback):
@@ -34,8 +42,16 @@ class CrashAtStep(L.Callback):
 
 def test_optuna_search_runs_trials_and_writes_the_best(cache_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason='needs pip install -e ".[optuna]"')
-    p = run_train(["hparams_search=ppo_optuna", "experiment=tiny_char", "hydra.sweeper.n_trials=2", *TINY_RUN,
-             f"hydra.sweep.dir={tmp_path}"], cache_dir)
+    p = run_train(
+        [
+            "hparams_search=ppo_optuna",
+            "experiment=tiny_char",
+            "hydra.sweeper.n_trials=2",
+            *TINY_RUN,
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cache_dir,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
 
     results = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
@@ -59,12 +75,22 @@ def test_optuna_search_goes_on_after_a_failed_trial(cache_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason='needs pip install -e ".[optuna]"')
     # ppo.clip=-1 fails validation (in milliseconds); with this seed the sampler draws it for
     # trials 0-2 and 0.2 for trial 3.
-    p = run_train(["hparams_search=ppo_optuna", "experiment=tiny_char", "hydra.sweeper.n_trials=4",
-             "hydra.sweeper.sampler.seed=1234", "ppo.clip=choice(0.2,-1)", *TINY_RUN,
-             f"hydra.sweep.dir={tmp_path}"], cache_dir)
+    p = run_train(
+        [
+            "hparams_search=ppo_optuna",
+            "experiment=tiny_char",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.sampler.seed=1234",
+            "ppo.clip=choice(0.2,-1)",
+            *TINY_RUN,
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cache_dir,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    clips = [yaml.safe_load((tmp_path / str(t) / ".hydra" / "config.yaml").read_text())["ppo"]["clip"]
-             for t in range(4)]
+    clips = [
+        yaml.safe_load((tmp_path / str(t) / ".hydra" / "config.yaml").read_text())["ppo"]["clip"] for t in range(4)
+    ]
     assert -1 in clips and 0.2 in clips, clips
     for t, clip in enumerate(clips):
         if clip == -1:
@@ -77,8 +103,17 @@ def test_sweep_goes_on_after_failing_jobs(cache_dir, tmp_path):
     # 4 jobs, in this order: (clip=-1, step=1) and (clip=-1, step=100) fail validation with a
     # ConfigError; (clip=0.2, step=1) crashes with a RuntimeError in the middle of Trainer.fit;
     # (clip=0.2, step=100) never meets the crash and must train normally in the same process.
-    p = run_train(["-m", "ppo.clip=-1,0.2", "+callbacks.crash._target_=tests.test_sweeps.CrashAtStep",
-             "+callbacks.crash.step=1,100", *TINY_RUN, f"hydra.sweep.dir={tmp_path}"], cache_dir)
+    p = run_train(
+        [
+            "-m",
+            "ppo.clip=-1,0.2",
+            "+callbacks.crash._target_=tests.test_sweeps.CrashAtStep",
+            "+callbacks.crash.step=1,100",
+            *TINY_RUN,
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cache_dir,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
 
     for job in ("0", "1"):

@@ -9,17 +9,27 @@ from omegaconf import OmegaConf
 from ppo_lightning.jobs import train
 from tests.conftest import compose_cfg, read_metrics
 
-FAST = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-        "sampling.max_new_tokens=16"]
+FAST = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "sampling.max_new_tokens=16"]
 
 
 def test_ratio_is_exactly_one_on_first_minibatch(tmp_path, cache_dir):
     """One epoch, one minibatch, old logprobs from the rollout's own no-grad forward: the update's
     forward must reproduce them, so ratio = 1 on every token (mean 1, variance 0) and nothing is
     clipped."""
-    cfg = compose_cfg([*FAST, "trainer.max_steps=1", "ppo.ppo_epochs=1", "data.batch_size=8",
-                       "ppo.minibatch_size=8", "ppo.fuse_rollout_forward=false", "callbacks=none",
-                       "export_dir=null"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            *FAST,
+            "trainer.max_steps=1",
+            "ppo.ppo_epochs=1",
+            "data.batch_size=8",
+            "ppo.minibatch_size=8",
+            "ppo.fuse_rollout_forward=false",
+            "callbacks=none",
+            "export_dir=null",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     train(cfg)
     (row,) = read_metrics(tmp_path / "metrics.csv")
     assert row["val/ratio"] == 1.0
@@ -35,9 +45,20 @@ def test_fused_rollout_forward_gives_the_same_run(tmp_path, cache_dir):
     runs = {}
     for fused in (True, False):
         out = tmp_path / str(fused)
-        cfg = compose_cfg([*FAST, "trainer.max_steps=4", "data.batch_size=8", "ppo.minibatch_size=8",
-                           "optimizer.lr=1e-3", f"ppo.fuse_rollout_forward={fused}", "callbacks=none",
-                           "export_dir=null"], out, cache_dir)
+        cfg = compose_cfg(
+            [
+                *FAST,
+                "trainer.max_steps=4",
+                "data.batch_size=8",
+                "ppo.minibatch_size=8",
+                "optimizer.lr=1e-3",
+                f"ppo.fuse_rollout_forward={fused}",
+                "callbacks=none",
+                "export_dir=null",
+            ],
+            out,
+            cache_dir,
+        )
         train(cfg)
         runs[fused] = read_metrics(out / "metrics.csv")
     assert len(runs[True]) == len(runs[False]) == 4
@@ -51,8 +72,17 @@ def test_fused_rollout_forward_gives_the_same_run(tmp_path, cache_dir):
 
 def test_ppo_raises_reward_and_writes_checkpoint(tmp_path, cache_dir):
     steps = 40
-    cfg = compose_cfg([*FAST, f"trainer.max_steps={steps}", "optimizer.lr=1e-3", "ppo.kl_coef=0.01",
-                       "callbacks.model_checkpoint.every_n_train_steps=20"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            *FAST,
+            f"trainer.max_steps={steps}",
+            "optimizer.lr=1e-3",
+            "ppo.kl_coef=0.01",
+            "callbacks.model_checkpoint.every_n_train_steps=20",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     metrics = train(cfg)
     rows = read_metrics(tmp_path / "metrics.csv")
     assert [int(r["step"]) for r in rows] == list(range(steps))  # one logged row per PPO iteration
@@ -72,6 +102,7 @@ def test_ppo_raises_reward_and_writes_checkpoint(tmp_path, cache_dir):
     assert state["ppo_state"]["episode"] == steps * 16
 
     from transformers import AutoModelForCausalLM
+
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     assert (tmp_path / "policy" / "value_head.safetensors").exists()
     w = exported.state_dict()["transformer.h.0.attn.c_attn.weight"]
@@ -81,9 +112,19 @@ def test_ppo_raises_reward_and_writes_checkpoint(tmp_path, cache_dir):
 def test_any_metric_can_be_a_checkpoint_monitor(tmp_path, cache_dir):
     """Only what callbacks read goes through `self.log`: a monitor on any metric, and the metric
     in the best checkpoint's filename template, still reach trainer.callback_metrics."""
-    cfg = compose_cfg([*FAST, "trainer.max_steps=4", "callbacks.best_checkpoint.monitor=loss/value_avg",
-                       "callbacks.best_checkpoint.mode=min", "callbacks.best_checkpoint.every_n_train_steps=2",
-                       "callbacks.model_checkpoint.every_n_train_steps=2", "export_dir=null"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            *FAST,
+            "trainer.max_steps=4",
+            "callbacks.best_checkpoint.monitor=loss/value_avg",
+            "callbacks.best_checkpoint.mode=min",
+            "callbacks.best_checkpoint.every_n_train_steps=2",
+            "callbacks.model_checkpoint.every_n_train_steps=2",
+            "export_dir=null",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     train(cfg)
     rows = read_metrics(tmp_path / "metrics.csv")
     best = sorted((tmp_path / "checkpoints" / "best").glob("*.ckpt"))
@@ -100,11 +141,13 @@ def test_any_metric_can_be_a_checkpoint_monitor(tmp_path, cache_dir):
 def test_each_logger_works_alone(tmp_path, cache_dir, monkeypatch, logger):
     if logger == "wandb":
         monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = compose_cfg([*FAST, "trainer.max_steps=2", f"logger={logger}", "callbacks=none", "export_dir=null"],
-                      tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [*FAST, "trainer.max_steps=2", f"logger={logger}", "callbacks=none", "export_dir=null"], tmp_path, cache_dir
+    )
     train(cfg)
-    written = {"csv": tmp_path / "metrics.csv", "tensorboard": tmp_path / "tensorboard",
-               "wandb": tmp_path / "wandb"}[logger]
+    written = {"csv": tmp_path / "metrics.csv", "tensorboard": tmp_path / "tensorboard", "wandb": tmp_path / "wandb"}[
+        logger
+    ]
     assert written.exists()
     if logger == "tensorboard":
         assert list(written.rglob("events.out.tfevents.*"))
@@ -121,16 +164,32 @@ def _wrap_check(module, v0):
         fit()
         gain, _ = module.reward_norm
         torch.testing.assert_close(module.policy.v_head.weight, v0 * gain)
+
     return wrapped
 
 
 def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_dir, tiny_rm_dir):
     from ppo_lightning.factory import build
 
-    cfg = compose_cfg([*FAST, "trainer.max_steps=1", "reward=model", f"reward.name_or_path={tiny_rm_dir}",
-                       "reward.normalize=true", "reward.normalize_samples=32", "model.value_head_init=reward_model",
-                       "data.batch_size=8", "ppo.minibatch_size=8", "ppo.ppo_epochs=1", "callbacks=none",
-                       "logger=csv", "export_dir=null"], tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            *FAST,
+            "trainer.max_steps=1",
+            "reward=model",
+            f"reward.name_or_path={tiny_rm_dir}",
+            "reward.normalize=true",
+            "reward.normalize_samples=32",
+            "model.value_head_init=reward_model",
+            "data.batch_size=8",
+            "ppo.minibatch_size=8",
+            "ppo.ppo_epochs=1",
+            "callbacks=none",
+            "logger=csv",
+            "export_dir=null",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     module, datamodule, trainer = build(cfg)
     head = module.reward_fn.score_head().weight.detach().clone()
     assert torch.equal(module.policy.v_head.weight, head)  # before normalisation: gain 1, bias 0
@@ -143,11 +202,19 @@ def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_d
     # the fitted map sends the raw scores of reference samples to mean 0 / std 1
     g = torch.Generator().manual_seed(0)
     from ppo_lightning.generation.hf import generate
+
     batch = next(iter(datamodule.normalization_batches(32)))
-    resp, mask = generate(module.ref_lm, batch["input_ids"], batch["attention_mask"], max_new_tokens=16,
-                          eos_token_id=module.tokenizer.eos_token_id, pad_token_id=module.tokenizer.pad_token_id,
-                          generator=g)
+    resp, mask = generate(
+        module.ref_lm,
+        batch["input_ids"],
+        batch["attention_mask"],
+        max_new_tokens=16,
+        eos_token_id=module.tokenizer.eos_token_id,
+        pad_token_id=module.tokenizer.pad_token_id,
+        generator=g,
+    )
     from ppo_lightning.rollout import decode_prompts_and_responses
+
     p, r = decode_prompts_and_responses(module.tokenizer, batch["input_ids"], resp, mask)
     scores = module.score(p, r)  # the raw scores through the fitted gain and bias
     torch.testing.assert_close(scores, module.reward_fn(p, r) * gain + bias)
@@ -164,14 +231,26 @@ def test_direct_clipping_matches_lightning_clip_gradients(tmp_path, cache_dir, m
     orig = PPOModule.on_fit_start
     weights = {}
     for plain in (True, False):
+
         def on_fit_start(self, plain=plain):
             orig(self)
             assert self.runtime.plain_clipping  # what a CPU fp32 run gets
             self.runtime.plain_clipping = plain
+
         monkeypatch.setattr(PPOModule, "on_fit_start", on_fit_start)
         out = tmp_path / str(plain)
-        cfg = compose_cfg([*FAST, "trainer.max_steps=2", "ppo.max_grad_norm=0.01", "callbacks=none",
-                           "logger=none", f"export_dir={out / 'policy'}"], out, cache_dir)
+        cfg = compose_cfg(
+            [
+                *FAST,
+                "trainer.max_steps=2",
+                "ppo.max_grad_norm=0.01",
+                "callbacks=none",
+                "logger=none",
+                f"export_dir={out / 'policy'}",
+            ],
+            out,
+            cache_dir,
+        )
         train(cfg)
         weights[plain] = load_file(str(out / "policy" / "model.safetensors"))
         # callbacks=none leaves Lightning's default checkpoint on: it lands in the run dir
@@ -188,11 +267,26 @@ def test_a_small_sparse_reward_learns_under_the_defaults(tmp_path, cache_dir):
     the KL penalty is several times the score.)"""
     from ppo_lightning.config import ASSETS, PPOConfig
 
-    cfg = compose_cfg(["model=tiny", "data=file", f"data.path={ASSETS / 'toy_prompts.txt'}", "reward=function",
-                       "reward.fn=ppo_lightning.rewards.rules.char_fraction", "+reward.kwargs.chars=xyz",
-                       "trainer.max_steps=60", "logger=csv", "callbacks=none", "export_dir=null",
-                       "trainer.enable_checkpointing=false", "trainer.enable_progress_bar=false",
-                       "trainer.enable_model_summary=false"], tmp_path, cache_dir, experiment=None)
+    cfg = compose_cfg(
+        [
+            "model=tiny",
+            "data=file",
+            f"data.path={ASSETS / 'toy_prompts.txt'}",
+            "reward=function",
+            "reward.fn=ppo_lightning.rewards.rules.char_fraction",
+            "+reward.kwargs.chars=xyz",
+            "trainer.max_steps=60",
+            "logger=csv",
+            "callbacks=none",
+            "export_dir=null",
+            "trainer.enable_checkpointing=false",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+        ],
+        tmp_path,
+        cache_dir,
+        experiment=None,
+    )
     assert OmegaConf.to_object(cfg.ppo) == PPOConfig() and cfg.reward.normalize
     train(cfg)
     raw = [r["objective/raw_scores"] for r in read_metrics(tmp_path / "metrics.csv")]

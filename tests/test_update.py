@@ -43,11 +43,16 @@ def naive_update(policy, state: dict, r, temperature: float, steps: int) -> tupl
     moments = {}
     for step in range(1, steps + 1):
         policy.zero_grad()
-        out = lm(input_ids=r.query_responses, attention_mask=r.attention_mask, position_ids=r.position_ids,
-                 output_hidden_states=True, use_cache=False)
-        logits = out.logits[:, P - 1:-1].float() / temperature  # position t predicts token t + 1
+        out = lm(
+            input_ids=r.query_responses,
+            attention_mask=r.attention_mask,
+            position_ids=r.position_ids,
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        logits = out.logits[:, P - 1 : -1].float() / temperature  # position t predicts token t + 1
         new_logp = torch.gather(F.log_softmax(logits, -1), 2, r.responses.unsqueeze(-1)).squeeze(-1)
-        new_values = v_head(out.hidden_states[-1][:, P - 1:-1].float()).squeeze(-1)
+        new_values = v_head(out.hidden_states[-1][:, P - 1 : -1].float()).squeeze(-1)
 
         ratio = torch.exp(new_logp - r.logprobs)
         unclipped, clipped = -r.advantages * ratio, -r.advantages * ratio.clamp(1 - CLIP, 1 + CLIP)
@@ -78,13 +83,30 @@ def test_one_training_step_equals_a_hand_written_update(tmp_path, cache_dir, fus
     """Two epochs of one minibatch: two optimizer steps, the second with ratios away from 1 and
     clipping active. With ``fuse_rollout_forward`` the first update reuses the rollout's forward;
     without, it runs its own: both must be the hand-written steps."""
-    cfg = compose_cfg(["trainer.max_steps=1", "ppo.ppo_epochs=2", "data.batch_size=8", "ppo.minibatch_size=8",
-                       "sampling.max_new_tokens=12", f"ppo.clip={CLIP}", f"ppo.vf_clip={VF_CLIP}",
-                       f"ppo.vf_coef={VF_COEF}", f"ppo.max_grad_norm={MAX_NORM}", f"optimizer.lr={LR}",
-                       "sampling.temperature=0.9", f"ppo.fuse_rollout_forward={fused}", "callbacks=none",
-                       "logger=none", "export_dir=null", "trainer.enable_checkpointing=false",
-                       "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"],
-                      tmp_path, cache_dir)
+    cfg = compose_cfg(
+        [
+            "trainer.max_steps=1",
+            "ppo.ppo_epochs=2",
+            "data.batch_size=8",
+            "ppo.minibatch_size=8",
+            "sampling.max_new_tokens=12",
+            f"ppo.clip={CLIP}",
+            f"ppo.vf_clip={VF_CLIP}",
+            f"ppo.vf_coef={VF_COEF}",
+            f"ppo.max_grad_norm={MAX_NORM}",
+            f"optimizer.lr={LR}",
+            "sampling.temperature=0.9",
+            f"ppo.fuse_rollout_forward={fused}",
+            "callbacks=none",
+            "logger=none",
+            "export_dir=null",
+            "trainer.enable_checkpointing=false",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+        ],
+        tmp_path,
+        cache_dir,
+    )
     module, datamodule, trainer = build(cfg)
     cap = Capture()
     trainer.callbacks.append(cap)

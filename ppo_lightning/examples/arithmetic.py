@@ -51,12 +51,12 @@ def prompts(rng: random.Random | int, n: int, ops: str = "+-", max_operand: int 
     if not ops or set(ops) - set(_OPS):
         raise ValueError(f"ops={ops!r}: choose from '+-*'")
     rng = _as_rng(rng)
-    return [f"{rng.randint(0, max_operand)}{rng.choice(ops)}{rng.randint(0, max_operand)}="
-            for _ in range(n)]
+    return [f"{rng.randint(0, max_operand)}{rng.choice(ops)}{rng.randint(0, max_operand)}=" for _ in range(n)]
 
 
-def sft_corpus(rng: random.Random | int, n: int, accuracy: float = 0.6, ops: str = "+-",
-               max_operand: int = 20) -> list[dict[str, str]]:
+def sft_corpus(
+    rng: random.Random | int, n: int, accuracy: float = 0.6, ops: str = "+-", max_operand: int = 20
+) -> list[dict[str, str]]:
     """``n`` ``{"prompt", "response"}`` pairs; a fraction ``accuracy`` of the answers is right.
 
     Each wrong answer is off by -2, -1, +1 or +2 (off-by-one three times as often): plausible

@@ -31,60 +31,223 @@ import random
 
 # ----------------------------------------------------------------------------- the vocabulary
 NOUNS_SINGULAR = (
-    "acting", "plot", "music", "ending", "film", "movie", "cast", "dialogue", "script", "pacing",
-    "story", "score", "soundtrack", "direction", "editing", "cinematography", "lead", "villain",
-    "hero", "humor", "twist", "finale", "premise", "setting", "camera", "romance", "climax",
-    "screenplay", "performance", "opening", "sequel", "director", "writing", "tone", "atmosphere",
+    "acting",
+    "plot",
+    "music",
+    "ending",
+    "film",
+    "movie",
+    "cast",
+    "dialogue",
+    "script",
+    "pacing",
+    "story",
+    "score",
+    "soundtrack",
+    "direction",
+    "editing",
+    "cinematography",
+    "lead",
+    "villain",
+    "hero",
+    "humor",
+    "twist",
+    "finale",
+    "premise",
+    "setting",
+    "camera",
+    "romance",
+    "climax",
+    "screenplay",
+    "performance",
+    "opening",
+    "sequel",
+    "director",
+    "writing",
+    "tone",
+    "atmosphere",
 )
 NOUNS_PLURAL = (
-    "characters", "effects", "visuals", "costumes", "jokes", "performances", "actors", "scenes",
-    "songs", "battles",
+    "characters",
+    "effects",
+    "visuals",
+    "costumes",
+    "jokes",
+    "performances",
+    "actors",
+    "scenes",
+    "songs",
+    "battles",
 )
-VERBS_COMMON = ("seemed", "felt", "looked", "sounded", "remained", "became", "proved", "appeared",
-                "stayed")
+VERBS_COMMON = ("seemed", "felt", "looked", "sounded", "remained", "became", "proved", "appeared", "stayed")
 POSITIVE = (
-    "brilliant", "fresh", "lovely", "wonderful", "superb", "excellent", "great", "charming",
-    "delightful", "gripping", "moving", "stunning", "beautiful", "clever", "witty", "funny",
-    "engaging", "powerful", "memorable", "magical", "thrilling", "touching", "inspired", "elegant",
-    "graceful", "vivid", "smart", "sharp", "tender", "warm", "joyful", "uplifting", "masterful",
-    "compelling", "heartfelt", "hilarious", "polished", "gorgeous", "splendid", "fantastic",
-    "terrific", "marvelous", "fun", "enjoyable", "riveting", "captivating", "rich", "bold",
-    "sincere", "solid",
+    "brilliant",
+    "fresh",
+    "lovely",
+    "wonderful",
+    "superb",
+    "excellent",
+    "great",
+    "charming",
+    "delightful",
+    "gripping",
+    "moving",
+    "stunning",
+    "beautiful",
+    "clever",
+    "witty",
+    "funny",
+    "engaging",
+    "powerful",
+    "memorable",
+    "magical",
+    "thrilling",
+    "touching",
+    "inspired",
+    "elegant",
+    "graceful",
+    "vivid",
+    "smart",
+    "sharp",
+    "tender",
+    "warm",
+    "joyful",
+    "uplifting",
+    "masterful",
+    "compelling",
+    "heartfelt",
+    "hilarious",
+    "polished",
+    "gorgeous",
+    "splendid",
+    "fantastic",
+    "terrific",
+    "marvelous",
+    "fun",
+    "enjoyable",
+    "riveting",
+    "captivating",
+    "rich",
+    "bold",
+    "sincere",
+    "solid",
 )
 NEGATIVE = (
-    "dull", "boring", "awful", "terrible", "bland", "clumsy", "tedious", "weak", "flat", "messy",
-    "lifeless", "stale", "silly", "forgettable", "painful", "annoying", "lazy", "shallow",
-    "predictable", "confusing", "cheap", "wooden", "awkward", "bad", "poor", "dreadful", "horrible",
-    "tiresome", "pointless", "hollow", "sloppy", "dreary", "grating", "stiff", "muddled",
-    "pretentious", "bloated", "mediocre", "lousy", "dismal", "trite", "drab", "insipid", "limp",
-    "overwrought", "uninspired", "derivative", "unfunny", "ugly", "cold",
+    "dull",
+    "boring",
+    "awful",
+    "terrible",
+    "bland",
+    "clumsy",
+    "tedious",
+    "weak",
+    "flat",
+    "messy",
+    "lifeless",
+    "stale",
+    "silly",
+    "forgettable",
+    "painful",
+    "annoying",
+    "lazy",
+    "shallow",
+    "predictable",
+    "confusing",
+    "cheap",
+    "wooden",
+    "awkward",
+    "bad",
+    "poor",
+    "dreadful",
+    "horrible",
+    "tiresome",
+    "pointless",
+    "hollow",
+    "sloppy",
+    "dreary",
+    "grating",
+    "stiff",
+    "muddled",
+    "pretentious",
+    "bloated",
+    "mediocre",
+    "lousy",
+    "dismal",
+    "trite",
+    "drab",
+    "insipid",
+    "limp",
+    "overwrought",
+    "uninspired",
+    "derivative",
+    "unfunny",
+    "ugly",
+    "cold",
 )
 NEUTRAL = (
-    "long", "short", "quiet", "loud", "dark", "simple", "strange", "unusual", "familiar", "modern",
-    "old", "subtle", "serious", "busy", "light", "plain", "brief", "odd", "straightforward",
-    "minimal", "traditional", "colorful",
+    "long",
+    "short",
+    "quiet",
+    "loud",
+    "dark",
+    "simple",
+    "strange",
+    "unusual",
+    "familiar",
+    "modern",
+    "old",
+    "subtle",
+    "serious",
+    "busy",
+    "light",
+    "plain",
+    "brief",
+    "odd",
+    "straightforward",
+    "minimal",
+    "traditional",
+    "colorful",
 )
 INTENSIFIERS = (
-    "very", "truly", "really", "quite", "so", "rather", "deeply", "incredibly", "extremely",
-    "genuinely", "remarkably", "utterly", "thoroughly", "absolutely",
+    "very",
+    "truly",
+    "really",
+    "quite",
+    "so",
+    "rather",
+    "deeply",
+    "incredibly",
+    "extremely",
+    "genuinely",
+    "remarkably",
+    "utterly",
+    "thoroughly",
+    "absolutely",
 )
 CONNECTIVES = ("but", "while", "although", "though", "yet", "whereas", "because", "since", "as")
 # ("and" is a connective too, but it also coordinates adjectives, so it is a class of its own)
 
 # word classes of the automaton; each word belongs to exactly one class
 _CLASSES: dict[str, tuple[str, ...]] = {
-    "the": ("the",), "and": ("and",), ".": (".",),
-    "noun_s": NOUNS_SINGULAR, "noun_p": NOUNS_PLURAL,
-    "verb_s": ("was",) + VERBS_COMMON, "verb_p": ("were",) + VERBS_COMMON,
-    "pos": POSITIVE, "neg": NEGATIVE, "neu": NEUTRAL, "intens": INTENSIFIERS, "conn": CONNECTIVES,
+    "the": ("the",),
+    "and": ("and",),
+    ".": (".",),
+    "noun_s": NOUNS_SINGULAR,
+    "noun_p": NOUNS_PLURAL,
+    "verb_s": ("was",) + VERBS_COMMON,
+    "verb_p": ("were",) + VERBS_COMMON,
+    "pos": POSITIVE,
+    "neg": NEGATIVE,
+    "neu": NEUTRAL,
+    "intens": INTENSIFIERS,
+    "conn": CONNECTIVES,
 }
 _SETS = {name: frozenset(words) for name, words in _CLASSES.items()}
 
 VOCAB: list[str] = list(dict.fromkeys(w for words in _CLASSES.values() for w in words))
 """Every word of the language, in a fixed order (for :func:`build_tokenizer`)."""
 
-POLARITY: dict[str, int] = {**{w: 1 for w in POSITIVE}, **{w: -1 for w in NEGATIVE},
-                            **{w: 0 for w in NEUTRAL}}
+POLARITY: dict[str, int] = {**{w: 1 for w in POSITIVE}, **{w: -1 for w in NEGATIVE}, **{w: 0 for w in NEUTRAL}}
 """Sentiment of each adjective: +1 positive, -1 negative, 0 neutral."""
 
 INTENSIFIER_SCALE = 1.5
@@ -93,9 +256,9 @@ _words = [w for name, ws in _CLASSES.items() if name != "verb_p" for w in ws] + 
 assert len(_words) == len(set(_words)), "a word belongs to two classes"  # only the verbs are shared
 
 # ----------------------------------------------------------------------------- the automaton
-_NEUTRAL_P = 0.2   # chance an adjective is neutral; the rest split by ``positivity``
-_INTENS_P = 0.25   # chance an adjective slot starts with an intensifier
-_PLURAL_P = 0.2    # chance a subject is plural
+_NEUTRAL_P = 0.2  # chance an adjective is neutral; the rest split by ``positivity``
+_INTENS_P = 0.25  # chance an adjective slot starts with an intensifier
+_PLURAL_P = 0.2  # chance a subject is plural
 State = tuple  # (slot, clause index 0/1, coordinated adjective already used)
 START: State = ("start", 0, False)
 END: State = ("end", 1, True)
@@ -104,8 +267,7 @@ END: State = ("end", 1, True)
 def _adj_arcs(nxt: State, weight: float, positivity: float) -> list:
     """Arcs of one adjective: its polarity drawn by ``positivity`` (zero-weight arcs still parse)."""
     polar = weight * (1 - _NEUTRAL_P)
-    return [("pos", nxt, polar * positivity), ("neg", nxt, polar * (1 - positivity)),
-            ("neu", nxt, weight * _NEUTRAL_P)]
+    return [("pos", nxt, polar * positivity), ("neg", nxt, polar * (1 - positivity)), ("neu", nxt, weight * _NEUTRAL_P)]
 
 
 def _arcs(state: State, positivity: float = 0.5) -> list[tuple[str, State, float]]:
@@ -118,8 +280,7 @@ def _arcs(state: State, positivity: float = 0.5) -> list[tuple[str, State, float
     if slot in ("verb_s", "verb_p"):
         return [(slot, ("adj", c, coord), 1.0)]
     if slot == "adj":
-        return ([("intens", ("bare", c, coord), _INTENS_P)]
-                + _adj_arcs(("after", c, coord), 1 - _INTENS_P, positivity))
+        return [("intens", ("bare", c, coord), _INTENS_P)] + _adj_arcs(("after", c, coord), 1 - _INTENS_P, positivity)
     if slot == "bare":  # after an intensifier
         return _adj_arcs(("after", c, coord), 1.0, positivity)
     if slot == "after":  # after an adjective
@@ -131,8 +292,9 @@ def _arcs(state: State, positivity: float = 0.5) -> list[tuple[str, State, float
             return [(".", END, 0.75), ("and", ("adj", 1, True), 0.25)]
         return [(".", END, 1.0)]
     if slot == "and":  # "and" after clause 1's first adjective: a second adjective, or clause 2
-        return ([("the", ("noun", 1, False), 0.4), ("intens", ("bare", 0, True), 0.15)]
-                + _adj_arcs(("after", 0, True), 0.45, positivity))
+        return [("the", ("noun", 1, False), 0.4), ("intens", ("bare", 0, True), 0.15)] + _adj_arcs(
+            ("after", 0, True), 0.45, positivity
+        )
     if slot == "end":
         return []
     raise ValueError(f"unknown grammar state {state!r}")
@@ -198,8 +360,11 @@ def sentiment(text: str) -> float:
     any text (unknown words are ignored), deterministic; well-formedness is checked separately.
     """
     words = text.split()
-    scores = [POLARITY[w] * (INTENSIFIER_SCALE if i and words[i - 1] in _SETS["intens"] else 1.0)
-              for i, w in enumerate(words) if w in POLARITY]
+    scores = [
+        POLARITY[w] * (INTENSIFIER_SCALE if i and words[i - 1] in _SETS["intens"] else 1.0)
+        for i, w in enumerate(words)
+        if w in POLARITY
+    ]
     if not scores:
         return 0.0
     return max(-1.0, min(1.0, sum(scores) / len(scores)))
@@ -224,8 +389,7 @@ def prompts(rng: random.Random | int, n: int, min_words: int = 2, max_words: int
     adjective the policy must write around. Every opening can be completed (:func:`complete`).
     """
     rng = _as_rng(rng)
-    return [" ".join(sample_review(rng, 0.5).split(" ")[:rng.randint(min_words, max_words)])
-            for _ in range(n)]
+    return [" ".join(sample_review(rng, 0.5).split(" ")[: rng.randint(min_words, max_words)]) for _ in range(n)]
 
 
 def sft_corpus(rng: random.Random | int, n: int) -> list[dict[str, str]]:
@@ -288,12 +452,12 @@ def corrupt(rng: random.Random | int, prompt: str, response: str) -> str:
             pool = rng.choice((POSITIVE, INTENSIFIERS, ("and", "the") + CONNECTIVES))
             w.insert(rng.randrange(len(w)), rng.choice(pool))
         elif kind == 7 and len(w) > 2:  # ends too early: cut before the last adjective, then "."
-            w = w[:rng.randrange(1, len(w) - 1)] + ["."]
+            w = w[: rng.randrange(1, len(w) - 1)] + ["."]
         elif kind == 8:  # runs on after the final "."
             for _ in range(rng.randint(1, 3)):
                 w += ([rng.choice(INTENSIFIERS)] if rng.random() < 0.3 else []) + [rng.choice(POSITIVE), "."]
         elif kind == 0 and len(w) > 1:
-            w = w[:rng.randrange(1, len(w))]  # stops early
+            w = w[: rng.randrange(1, len(w))]  # stops early
         elif kind == 1 and len(w) > 1:
             del w[rng.randrange(len(w))]
         elif kind == 2:

@@ -39,8 +39,7 @@ def build_word_tokenizer(words: list[str], *, char_level: bool = False):
     words = list(words)
     if len(set(words)) != len(words):
         raise ValueError("the vocabulary repeats a word")
-    bad = [w for w in words if not w or w != "".join(w.split()) or w in SPECIAL_TOKENS
-           or (char_level and len(w) != 1)]
+    bad = [w for w in words if not w or w != "".join(w.split()) or w in SPECIAL_TOKENS or (char_level and len(w) != 1)]
     if bad:
         raise ValueError(f"not valid {'characters' if char_level else 'words'} for a vocabulary: {bad[:5]}")
 
@@ -48,7 +47,8 @@ def build_word_tokenizer(words: list[str], *, char_level: bool = False):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     if char_level:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex("."), behavior="isolated")])
+            [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex("."), behavior="isolated")]
+        )
         tok.decoder = decoders.Fuse()  # join tokens without spaces
     else:
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # no decoder: tokens joined by " "

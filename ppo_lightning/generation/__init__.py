@@ -25,8 +25,13 @@ from ppo_lightning.generation.params import SamplingParams, StopSequences
 
 
 class GenerationBackend(Protocol):
-    def generate(self, prompt_ids: Tensor, attention_mask: Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        attention_mask: Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """``(responses [B, R], response_mask [B, R])`` for left-padded ``prompt_ids [B, P]``:
         pad after each row's stop, ``R <= params.max_new_tokens``, the mask 1 up to and
         including the stop."""

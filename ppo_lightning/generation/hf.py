@@ -34,22 +34,44 @@ class HFBackend:
         self.lm, self.fast_decode = lm, fast_decode
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    def generate(self, prompt_ids: Tensor, attention_mask: Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        attention_mask: Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """``(responses [B, R], response_mask [B, R])`` for left-padded ``prompt_ids [B, P]``."""
-        return generate(self.lm, prompt_ids, attention_mask, max_new_tokens=params.max_new_tokens,
-                        eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-                        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                        stop_at_eos=params.stop_at_eos, greedy=params.greedy, generator=generator,
-                        fast_decode=self.fast_decode, chunk_size=params.chunk_size,
-                        stop_sequences=params.stop_sequences)
+        return generate(
+            self.lm,
+            prompt_ids,
+            attention_mask,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            stop_at_eos=params.stop_at_eos,
+            greedy=params.greedy,
+            generator=generator,
+            fast_decode=self.fast_decode,
+            chunk_size=params.chunk_size,
+            stop_sequences=params.stop_sequences,
+        )
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Nothing to do: this backend samples the module the optimizer updates."""
 
 
-def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                      generator: torch.Generator | None = None, greedy: bool = False) -> Tensor:
+def sample_next_token(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    greedy: bool = False,
+) -> Tensor:
     """Sample one token per row from ``logits [B, V]`` after temperature, top-k and top-p."""
     if greedy:
         return logits.argmax(-1)
@@ -93,11 +115,24 @@ def logits_to_keep(lm, n: int) -> dict:
     return {"logits_to_keep": n} if "logits_to_keep" in _forward_params(model_class(lm)) else {}
 
 
-def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
-             eos_token_id: int, pad_token_id: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
-             generator: torch.Generator | None = None, fast_decode: bool = True,
-             chunk_size: int | None = None, stop_sequences: StopSequences = ()) -> tuple[Tensor, Tensor]:
+def generate(
+    lm,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_at_eos: bool = True,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+    fast_decode: bool = True,
+    chunk_size: int | None = None,
+    stop_sequences: StopSequences = (),
+) -> tuple[Tensor, Tensor]:
     """Sample responses to left-padded prompts with a KV cache.
 
     Returns ``responses [B, R]`` (pad after the first stop, ``R <= max_new_tokens``: the loop
@@ -125,14 +160,29 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
     B = input_ids.shape[0]
     chunk_size = chunk_size or B
     was_training = lm.training  # a checkpointing policy stays in train mode, where Hugging Face
-    lm.eval()                   # turns the KV cache off: sample in eval mode (dropout is 0 anyway)
+    lm.eval()  # turns the KV cache off: sample in eval mode (dropout is 0 anyway)
     try:
         fast = fast_decode and supports_fast_decode(lm)
         with torch.no_grad() if is_sharded(lm) else torch.inference_mode():
-            parts = [_sample_loop(lm, input_ids[s:s + chunk_size], attention_mask[s:s + chunk_size],
-                                  max_new_tokens, eos_token_id, pad_token_id, temperature, top_k, top_p,
-                                  stop_at_eos, greedy, generator, fast, stop_sequences)
-                     for s in range(0, B, chunk_size)]
+            parts = [
+                _sample_loop(
+                    lm,
+                    input_ids[s : s + chunk_size],
+                    attention_mask[s : s + chunk_size],
+                    max_new_tokens,
+                    eos_token_id,
+                    pad_token_id,
+                    temperature,
+                    top_k,
+                    top_p,
+                    stop_at_eos,
+                    greedy,
+                    generator,
+                    fast,
+                    stop_sequences,
+                )
+                for s in range(0, B, chunk_size)
+            ]
     finally:
         lm.train(was_training)
     if len(parts) == 1:
@@ -144,8 +194,22 @@ def generate(lm, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: i
     return responses, response_mask  # torch.cat made ordinary tensors
 
 
-def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
-                 temperature, top_k, top_p, stop_at_eos, greedy, generator, fast, stop_sequences=()):
+def _sample_loop(
+    lm,
+    input_ids,
+    attention_mask,
+    max_new_tokens,
+    eos_token_id,
+    pad_token_id,
+    temperature,
+    top_k,
+    top_p,
+    stop_at_eos,
+    greedy,
+    generator,
+    fast,
+    stop_sequences=(),
+):
     from transformers import DynamicCache
 
     B, P = input_ids.shape
@@ -157,8 +221,14 @@ def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pa
     position_ids = position_ids_from_mask(attention_mask)
     next_pos = position_ids[:, -1:] + 1  # [B, 1]
     keep = logits_to_keep(lm, 1)
-    out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-             use_cache=True, **{cache_kw: cache}, **keep)
+    out = lm(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        **{cache_kw: cache},
+        **keep,
+    )
     logits = out.logits[:, -1, :]
     decoder = GPT2Decoder(lm, cache, attention_mask, max_new_tokens) if fast else None
     responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -172,7 +242,7 @@ def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pa
         responses[:, t] = token
         n = t + 1
         if stop_at_eos:  # a stop ending at this token: stop_hits' last column over the last tokens
-            finished |= stop_hits(responses[:, max(0, n - window):n], eos_token_id, stop_sequences)[:, -1]
+            finished |= stop_hits(responses[:, max(0, n - window) : n], eos_token_id, stop_sequences)[:, -1]
             # .all() syncs with the device; on GPU checking every few steps would save a little
             if bool(finished.all()):
                 break
@@ -181,8 +251,13 @@ def _sample_loop(lm, input_ids, attention_mask, max_new_tokens, eos_token_id, pa
         if decoder is not None:
             logits = decoder.step(token, next_pos[:, 0])
         else:
-            logits = lm(input_ids=token[:, None], attention_mask=full_mask[:, :P + t + 1],
-                        position_ids=next_pos, use_cache=True, **{cache_kw: cache}).logits[:, -1, :]
+            logits = lm(
+                input_ids=token[:, None],
+                attention_mask=full_mask[:, : P + t + 1],
+                position_ids=next_pos,
+                use_cache=True,
+                **{cache_kw: cache},
+            ).logits[:, -1, :]
         next_pos = next_pos + 1
     responses = responses[:, :n]
     if stop_at_eos:
@@ -200,7 +275,7 @@ def stop_hits(responses: Tensor, eos_token_id: int, stop_sequences: StopSequence
         k = len(seq)
         if k <= responses.shape[1]:
             windows = responses.unfold(1, k, 1)  # [B, R - k + 1, k]: the k tokens ending at k-1 .. R-1
-            hits[:, k - 1:] |= (windows == responses.new_tensor(seq)).all(-1)
+            hits[:, k - 1 :] |= (windows == responses.new_tensor(seq)).all(-1)
     return hits
 
 

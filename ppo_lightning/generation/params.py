@@ -38,9 +38,15 @@ class SamplingParams:
     def from_config(cls, cfg, tokenizer) -> "SamplingParams":
         """The run's sampling: the ``sampling.*`` node (``config.SamplingConfig``), its stop
         token ids and strings tokenised (``stop_sequences``)."""
-        return cls(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                   stop_at_eos=cfg.stop_at_eos, chunk_size=cfg.chunk_size,
-                   stop_sequences=stop_sequences(tokenizer, cfg.stop_token_ids, cfg.stop_strings))
+        return cls(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            stop_at_eos=cfg.stop_at_eos,
+            chunk_size=cfg.chunk_size,
+            stop_sequences=stop_sequences(tokenizer, cfg.stop_token_ids, cfg.stop_strings),
+        )
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)

@@ -39,9 +39,18 @@ def prepare(cfg) -> Path:
         (tmp / "prompts_train.txt").write_text("\n".join(arithmetic.prompts(rng, 2000, max_operand=MAX_OPERAND)) + "\n")
         (tmp / "prompts_eval.txt").write_text("\n".join(arithmetic.prompts(rng, 200, max_operand=MAX_OPERAND)) + "\n")
         log.info("[1/1] SFT policy on 6000 equations, 60%% of them right")
-        sft = fit_stage("sft", tmp / "base", tmp / "sft", arithmetic.sft_corpus(rng, 6000, accuracy=0.6, max_operand=MAX_OPERAND),
-                        steps=600, batch_size=64, lr=3e-3, max_length=16, seed=cfg.seed,
-                        extra={"max_prompt_length": 8})
+        sft = fit_stage(
+            "sft",
+            tmp / "base",
+            tmp / "sft",
+            arithmetic.sft_corpus(rng, 6000, accuracy=0.6, max_operand=MAX_OPERAND),
+            steps=600,
+            batch_size=64,
+            lr=3e-3,
+            max_length=16,
+            seed=cfg.seed,
+            extra={"max_prompt_length": 8},
+        )
         log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
 
     return build_cached(root(cfg), build)

@@ -27,6 +27,7 @@ def build_cached(root: Path, build: Callable[[Path], None]) -> Path:
 
     A killed build leaves no half-made cache: the next run starts it again.
     """
+
     def build_and_mark(tmp: Path) -> None:
         build(tmp)
         (tmp / "DONE").write_text("ok\n")
@@ -34,20 +35,41 @@ def build_cached(root: Path, build: Callable[[Path], None]) -> Path:
     return atomic_build(root, build_and_mark, done="DONE", replace_unfinished=True)
 
 
-def save_base_model(directory: Path, tokenizer, n_layer: int, n_head: int, n_embd: int,
-                    n_positions: int, seed: int = 0) -> Path:
+def save_base_model(
+    directory: Path, tokenizer, n_layer: int, n_head: int, n_embd: int, n_positions: int, seed: int = 0
+) -> Path:
     """A random GPT-2 sized to ``tokenizer`` (the starting point of SFT and the reward model)."""
     from transformers import GPT2Config
 
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=n_positions, n_embd=n_embd,
-                        n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return save_random_model(directory, config, tokenizer, seed)
 
 
-def fit_stage(stage: str, base_dir: Path, out_dir: Path, records: list[dict], *, steps: int,
-              batch_size: int, lr: float, max_length: int, seed: int, extra: dict | None = None) -> dict:
+def fit_stage(
+    stage: str,
+    base_dir: Path,
+    out_dir: Path,
+    records: list[dict],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    max_length: int,
+    seed: int,
+    extra: dict | None = None,
+) -> dict:
     """Train ``stage`` (sft | reward_model) from ``base_dir`` on in-memory ``records``; save it."""
     from ppo_lightning.config import OptimizerConfig
     from ppo_lightning.stages import STAGES
@@ -55,14 +77,32 @@ def fit_stage(stage: str, base_dir: Path, out_dir: Path, records: list[dict], *,
     _, build_fn, save_fn = STAGES[stage]
     model_cfg = {"name_or_path": str(base_dir)}
     optim_cfg = OptimizerConfig(lr=lr, scheduler="cosine", warmup_steps=max(1, steps // 20), min_lr_ratio=0.1)
-    stage_cfg = {"max_length": max_length, "val_fraction": 0.1, "seed": seed, "batch_size": batch_size,
-                 "shuffle": True, "num_workers": 0, **(extra or {})}
+    stage_cfg = {
+        "max_length": max_length,
+        "val_fraction": 0.1,
+        "seed": seed,
+        "batch_size": batch_size,
+        "shuffle": True,
+        "num_workers": 0,
+        **(extra or {}),
+    }
     L.seed_everything(seed, verbose=False)
     module, datamodule = build_fn(model_cfg, optim_cfg, stage_cfg, records=records)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
-                        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=True,
-                        limit_val_batches=1.0, val_check_interval=None, check_val_every_n_epoch=None,
-                        num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=True,
+        limit_val_batches=1.0,
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+    )
     trainer.fit(module, datamodule=datamodule)
     trainer.validate(module, datamodule=datamodule, verbose=False)
     save_fn(module, out_dir)
@@ -71,21 +111,33 @@ def fit_stage(stage: str, base_dir: Path, out_dir: Path, records: list[dict], *,
     return metrics
 
 
-def evaluate_before_after(module, prompts: list[str], scorers: dict[str, Callable], seed: int,
-                          params: SamplingParams | None = None) -> tuple[dict, dict]:
+def evaluate_before_after(
+    module, prompts: list[str], scorers: dict[str, Callable], seed: int, params: SamplingParams | None = None
+) -> tuple[dict, dict]:
     """The reference ("before") and the trained policy ("after") on ``prompts``, each sampled
     through the run's own backends as the run samples (``module.sampling``, or ``params``)."""
     params = params or module.sampling
-    before = sample_and_evaluate(module.ref_sampler, module.ref_lm, module.ref_lm, module.tokenizer, prompts,
-                                 scorers, params, seed)
-    after = sample_and_evaluate(module.sampler, module.policy.lm, module.ref_lm, module.tokenizer, prompts,
-                                scorers, params, seed)
+    before = sample_and_evaluate(
+        module.ref_sampler, module.ref_lm, module.ref_lm, module.tokenizer, prompts, scorers, params, seed
+    )
+    after = sample_and_evaluate(
+        module.sampler, module.policy.lm, module.ref_lm, module.tokenizer, prompts, scorers, params, seed
+    )
     return before, after
 
 
 @torch.no_grad()
-def sample_and_evaluate(sampler: GenerationBackend, lm, ref_lm, tokenizer, prompts: list[str],
-                        scorers: dict[str, Callable], params: SamplingParams, seed: int, batch_size: int = 64) -> dict:
+def sample_and_evaluate(
+    sampler: GenerationBackend,
+    lm,
+    ref_lm,
+    tokenizer,
+    prompts: list[str],
+    scorers: dict[str, Callable],
+    params: SamplingParams,
+    seed: int,
+    batch_size: int = 64,
+) -> dict:
     """Sample one response per prompt through ``sampler`` (which samples ``lm``); score them;
     KL(lm || ref) per sequence (k1)."""
     device = next(lm.parameters()).device
@@ -93,7 +145,7 @@ def sample_and_evaluate(sampler: GenerationBackend, lm, ref_lm, tokenizer, promp
     collate = PadCollator(tokenizer.pad_token_id)
     all_prompts, all_texts, kls = [], [], []
     for s in range(0, len(prompts), batch_size):
-        ids = tokenizer(prompts[s:s + batch_size], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prompts[s : s + batch_size], add_special_tokens=False)["input_ids"]
         batch = collate(ids)
         input_ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         resp, mask = sampler.generate(input_ids, am, params, g)
@@ -107,8 +159,10 @@ def sample_and_evaluate(sampler: GenerationBackend, lm, ref_lm, tokenizer, promp
         p_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, resp, mask)
         all_prompts += p_texts
         all_texts += texts
-    result = {name: float(torch.as_tensor(fn(all_prompts, all_texts), dtype=torch.float64).mean())
-              for name, fn in scorers.items()}
+    result = {
+        name: float(torch.as_tensor(fn(all_prompts, all_texts), dtype=torch.float64).mean())
+        for name, fn in scorers.items()
+    }
     result["KL to reference (nats)"] = float(torch.cat(kls).mean())
     result["samples"] = list(zip(all_prompts, all_texts))
     return result

@@ -37,9 +37,13 @@ def root(cfg) -> Path:
 
 def prepare(cfg) -> Path:
     """Build (first run) or reuse the tokenizer, SFT policy, reward model and prompt files."""
+
     def build(tmp: Path) -> None:
-        log.info("reviews recipe, first run: building the tokenizer, data, SFT policy and reward "
-                 "model under %s (cached for later runs)", root(cfg))
+        log.info(
+            "reviews recipe, first run: building the tokenizer, data, SFT policy and reward "
+            "model under %s (cached for later runs)",
+            root(cfg),
+        )
         rng = random.Random(cfg.seed)
         tokenizer = reviews.build_tokenizer()
         tokenizer.save_pretrained(tmp / "tokenizer")
@@ -47,22 +51,46 @@ def prepare(cfg) -> Path:
         (tmp / "prompts_train.txt").write_text("\n".join(reviews.prompts(rng, 2000)) + "\n")
         (tmp / "prompts_eval.txt").write_text("\n".join(reviews.prompts(rng, 512)) + "\n")
         log.info("[1/3] SFT policy on 6000 generated reviews of mixed sentiment")
-        sft = fit_stage("sft", tmp / "base", tmp / "sft", reviews.sft_corpus(rng, 6000), steps=600,
-                        batch_size=64, lr=3e-3, max_length=32, seed=cfg.seed,
-                        extra={"max_prompt_length": 8})
+        sft = fit_stage(
+            "sft",
+            tmp / "base",
+            tmp / "sft",
+            reviews.sft_corpus(rng, 6000),
+            steps=600,
+            batch_size=64,
+            lr=3e-3,
+            max_length=32,
+            seed=cfg.seed,
+            extra={"max_prompt_length": 8},
+        )
         log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
         pairs = reviews.preference_pairs(rng, 5000, ill_formed_fraction=0.3)
         pairs += drift_pairs(tmp / "sft", rng, 6000, temperature=2.0)
         rng.shuffle(pairs)
-        log.info("[2/3] reward model on %d generated preference pairs (%d against the SFT policy's "
-                 "own broken text)", len(pairs), len(pairs) - 5000)
-        rm = fit_stage("reward_model", tmp / "base", tmp / "reward_model_r1", pairs,
-                       steps=1000, batch_size=32, lr=1e-3, max_length=32, seed=cfg.seed)
+        log.info(
+            "[2/3] reward model on %d generated preference pairs (%d against the SFT policy's own broken text)",
+            len(pairs),
+            len(pairs) - 5000,
+        )
+        rm = fit_stage(
+            "reward_model",
+            tmp / "base",
+            tmp / "reward_model_r1",
+            pairs,
+            steps=1000,
+            batch_size=32,
+            lr=1e-3,
+            max_length=32,
+            seed=cfg.seed,
+        )
         log.info("reward model, round 1: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
         current = tmp / "reward_model_r1"
         for r in range(2, RED_TEAM_ROUNDS + 2):
-            log.info("[3/3] red team %d/%d: a short PPO run against the reward model; its broken "
-                     "outputs become new pairs", r - 1, RED_TEAM_ROUNDS)
+            log.info(
+                "[3/3] red team %d/%d: a short PPO run against the reward model; its broken outputs become new pairs",
+                r - 1,
+                RED_TEAM_ROUNDS,
+            )
             found = red_team_pairs(tmp, current, rng, seed=cfg.seed + r)
             if len(found) < 20:  # nothing left worth another round
                 break
@@ -70,12 +98,25 @@ def prepare(cfg) -> Path:
             mixed = found + rng.sample(pairs, min(len(pairs), 2 * len(found)))
             pairs += found
             rng.shuffle(mixed)
-            rm = fit_stage("reward_model", current, tmp / f"reward_model_r{r}", mixed,
-                           steps=300, batch_size=32, lr=3e-4, max_length=32, seed=cfg.seed)
+            rm = fit_stage(
+                "reward_model",
+                current,
+                tmp / f"reward_model_r{r}",
+                mixed,
+                steps=300,
+                batch_size=32,
+                lr=3e-4,
+                max_length=32,
+                seed=cfg.seed,
+            )
             shutil.rmtree(current)
             current = tmp / f"reward_model_r{r}"
-            log.info("reward model, round %d (%d new pairs): val/accuracy %.3f", r, len(found),
-                     rm.get("val/accuracy", float("nan")))
+            log.info(
+                "reward model, round %d (%d new pairs): val/accuracy %.3f",
+                r,
+                len(found),
+                rm.get("val/accuracy", float("nan")),
+            )
         os.replace(current, tmp / "reward_model")
 
     return build_cached(root(cfg), build)
@@ -96,8 +137,9 @@ def drift_pairs(sft_dir: Path, rng: random.Random, n_prompts: int, temperature: 
     return pairs_against_broken_samples(lm, tok, rng, n_prompts, temperature, batch_size=256)
 
 
-def pairs_against_broken_samples(lm, tok, rng: random.Random, n_prompts: int, temperature: float = 1.0,
-                                 batch_size: int = 256) -> list[dict]:
+def pairs_against_broken_samples(
+    lm, tok, rng: random.Random, n_prompts: int, temperature: float = 1.0, batch_size: int = 256
+) -> list[dict]:
     """Sample one response per fresh prompt from ``lm``; label it with the grammar; pair each
     ill-formed one (rejected) with a well-formed, positive continuation of its prompt (chosen).
 
@@ -117,17 +159,23 @@ def pairs_against_broken_samples(lm, tok, rng: random.Random, n_prompts: int, te
     sampler, params = HFBackend(lm, tok), SamplingParams(max_new_tokens=20, temperature=temperature)
     pairs = []
     for s in range(0, len(ps), batch_size):
-        batch = collate(tok(ps[s:s + batch_size], add_special_tokens=False)["input_ids"])
+        batch = collate(tok(ps[s : s + batch_size], add_special_tokens=False)["input_ids"])
         resp, mask = sampler.generate(batch["input_ids"], batch["attention_mask"], params, g)
         for p, r in zip(*decode_prompts_and_responses(tok, batch["input_ids"], resp, mask)):
             if not reviews.is_well_formed(reviews.join_text(p, r)):
-                pairs.append({"prompt": p, "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
-                              "rejected": " " + r.strip()})
+                pairs.append(
+                    {
+                        "prompt": p,
+                        "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
+                        "rejected": " " + r.strip(),
+                    }
+                )
     return pairs
 
 
-def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int, iterations: int = 40,
-                   n_samples: int = 4096) -> list[dict]:
+def red_team_pairs(
+    tmp: Path, reward_dir: Path, rng: random.Random, seed: int, iterations: int = 40, n_samples: int = 4096
+) -> list[dict]:
     """One round of online preference collection, as iterated RLHF does it.
 
     PPO on a loose leash (β = 0.02) runs ``iterations`` steps from the SFT policy against the
@@ -139,19 +187,35 @@ def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int, i
     """
     from ppo_lightning.factory import build, compose_config
 
-    cfg = compose_config([
-        "logger=none", "callbacks=none", "export_dir=null", f"seed={seed}",
-        "model=reviews", f"model.name_or_path={tmp / 'sft'}",
-        "reward=model", f"reward.name_or_path={reward_dir}", "reward.max_length=32", "reward.normalize=true",
-        "data=file", f"data.path={tmp / 'prompts_train.txt'}", "data.batch_size=32", "data.max_prompt_length=8",
-        "sampling.max_new_tokens=20", "ppo.kl_coef=0.02", f"trainer.max_steps={iterations}",
-        "trainer.enable_checkpointing=false", "trainer.enable_model_summary=false",
-        f"paths.output_dir={tmp / 'red_team'}", f"paths.cache_dir={tmp}"])
+    cfg = compose_config(
+        [
+            "logger=none",
+            "callbacks=none",
+            "export_dir=null",
+            f"seed={seed}",
+            "model=reviews",
+            f"model.name_or_path={tmp / 'sft'}",
+            "reward=model",
+            f"reward.name_or_path={reward_dir}",
+            "reward.max_length=32",
+            "reward.normalize=true",
+            "data=file",
+            f"data.path={tmp / 'prompts_train.txt'}",
+            "data.batch_size=32",
+            "data.max_prompt_length=8",
+            "sampling.max_new_tokens=20",
+            "ppo.kl_coef=0.02",
+            f"trainer.max_steps={iterations}",
+            "trainer.enable_checkpointing=false",
+            "trainer.enable_model_summary=false",
+            f"paths.output_dir={tmp / 'red_team'}",
+            f"paths.cache_dir={tmp}",
+        ]
+    )
     module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule)
 
-    pairs = pairs_against_broken_samples(module.policy.lm.eval(), module.tokenizer, rng, n_samples,
-                                         batch_size=512)
+    pairs = pairs_against_broken_samples(module.policy.lm.eval(), module.tokenizer, rng, n_samples, batch_size=512)
     shutil.rmtree(tmp / "red_team", ignore_errors=True)
     log.info("red team: %d of %d samples ill-formed after %d PPO iterations", len(pairs), n_samples, iterations)
     return pairs
@@ -169,8 +233,10 @@ def evaluate(cfg, module, out_dir: Path | None) -> str:
     """Before (the reference = the SFT policy) and after (the trained policy) on held-out prompts."""
     prompts = (root(cfg) / "prompts_eval.txt").read_text().split("\n")
     prompts = [p for p in prompts if p]
-    scorers = {"reward (training reward)": module.score,
-               "sentiment (ground truth)": true_sentiment,
-               "well-formed fraction": well_formed}
+    scorers = {
+        "reward (training reward)": module.score,
+        "sentiment (ground truth)": true_sentiment,
+        "well-formed fraction": well_formed,
+    }
     before, after = evaluate_before_after(module, prompts, scorers, cfg.seed)
     return report(before, after, out_dir / "eval.json" if out_dir else None)

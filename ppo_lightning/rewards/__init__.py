@@ -12,8 +12,18 @@ from ppo_lightning.rewards.model import RewardModel
 from ppo_lightning.choices import REWARD_KINDS as KINDS
 
 
-__all__ = ["KINDS", "Normalization", "RewardError", "check_scores", "fit_normalization", "normalized",
-           "FunctionReward", "import_callable", "RewardModel", "build_reward"]
+__all__ = [
+    "KINDS",
+    "Normalization",
+    "RewardError",
+    "check_scores",
+    "fit_normalization",
+    "normalized",
+    "FunctionReward",
+    "import_callable",
+    "RewardModel",
+    "build_reward",
+]
 
 
 def build_reward(cfg):
@@ -24,8 +34,16 @@ def build_reward(cfg):
         return FunctionReward(cfg.fn, dict(cfg.kwargs or {}))
     if cfg.kind == "model":
         if not cfg.name_or_path:
-            raise ConfigError("reward.name_or_path is empty: set it to a reward-model directory "
-                              "or hub id (reward=model reward.name_or_path=/path/to/rm)")
-        return RewardModel(cfg.name_or_path, batch_size=cfg.batch_size, max_length=cfg.max_length,
-                           dtype=cfg.dtype, label_index=cfg.label_index, trust_remote_code=cfg.trust_remote_code)
+            raise ConfigError(
+                "reward.name_or_path is empty: set it to a reward-model directory "
+                "or hub id (reward=model reward.name_or_path=/path/to/rm)"
+            )
+        return RewardModel(
+            cfg.name_or_path,
+            batch_size=cfg.batch_size,
+            max_length=cfg.max_length,
+            dtype=cfg.dtype,
+            label_index=cfg.label_index,
+            trust_remote_code=cfg.trust_remote_code,
+        )
     raise ConfigError(f"reward.kind={cfg.kind!r}: choose one of {', '.join(KINDS)}")

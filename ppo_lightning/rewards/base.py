@@ -38,35 +38,46 @@ def check_scores(scores, prompts: list[str], source: str, allow_nonfinite: bool 
     if isinstance(scores, torch.Tensor):
         values = scores.detach().float().flatten().cpu()
         if values.numel() != n:
-            raise RewardError(f"reward {source} returned {values.numel()} scores for {n} responses; "
-                              "return exactly one float per response")
+            raise RewardError(
+                f"reward {source} returned {values.numel()} scores for {n} responses; "
+                "return exactly one float per response"
+            )
     else:
         try:
             items = list(scores)
         except TypeError:
-            raise RewardError(f"reward {source} returned {type(scores).__name__}, not a list of "
-                              f"floats; return one float per response") from None
+            raise RewardError(
+                f"reward {source} returned {type(scores).__name__}, not a list of floats; return one float per response"
+            ) from None
         if len(items) != n:
-            raise RewardError(f"reward {source} returned {len(items)} scores for {n} responses; "
-                              "return exactly one float per response")
+            raise RewardError(
+                f"reward {source} returned {len(items)} scores for {n} responses; return exactly one float per response"
+            )
         for i, x in enumerate(items):
             # numbers.Real covers Python and numpy scalars (numpy registers its types there)
-            if isinstance(x, bool) or not isinstance(x, numbers.Real) and not (
-                    isinstance(x, torch.Tensor) and x.numel() == 1):
-                raise RewardError(f"reward {source} returned {x!r} (a {type(x).__name__}) for prompt "
-                                  f"{i} {prompts[i][:60]!r}; return a float per response")
+            if (
+                isinstance(x, bool)
+                or not isinstance(x, numbers.Real)
+                and not (isinstance(x, torch.Tensor) and x.numel() == 1)
+            ):
+                raise RewardError(
+                    f"reward {source} returned {x!r} (a {type(x).__name__}) for prompt "
+                    f"{i} {prompts[i][:60]!r}; return a float per response"
+                )
         values = torch.tensor([float(x) for x in items], dtype=torch.float32)
     if not allow_nonfinite:
         bad = (~torch.isfinite(values)).nonzero().flatten()
         if bad.numel():
             i = int(bad[0])
-            raise RewardError(f"reward {source} returned {values[i].item()} for prompt {i} "
-                              f"{prompts[i][:60]!r}; scores must be finite")
+            raise RewardError(
+                f"reward {source} returned {values[i].item()} for prompt {i} {prompts[i][:60]!r}; scores must be finite"
+            )
     return values
 
 
-def fit_normalization(raw: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                      source: str = "reward") -> tuple[float, float]:
+def fit_normalization(
+    raw: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, source: str = "reward"
+) -> tuple[float, float]:
     """``(gain, bias)`` that map these raw scores to mean 0 and std 1: ``gain * raw + bias``.
 
     ``raw`` holds the scores of responses sampled from the reference policy ([N+] reward
@@ -79,22 +90,39 @@ def fit_normalization(raw: torch.Tensor, reduce: Callable[[torch.Tensor], torch.
     """
     raw = raw.detach().double().cpu().flatten()
     finite = raw[torch.isfinite(raw)]
-    stats = torch.stack([finite.sum(), (finite ** 2).sum(), torch.tensor(float(len(finite)), dtype=torch.float64),
-                         torch.tensor(float(len(raw)), dtype=torch.float64)])
+    stats = torch.stack(
+        [
+            finite.sum(),
+            (finite**2).sum(),
+            torch.tensor(float(len(finite)), dtype=torch.float64),
+            torch.tensor(float(len(raw)), dtype=torch.float64),
+        ]
+    )
     if reduce is not None:
         stats = reduce(stats).cpu()
     total, sq, n, n_all = stats.tolist()
     if n == 0:
-        raise RewardError(f"reward.normalize: every one of the {int(n_all)} reference samples scored a "
-                          f"non-finite value with {source}; fix the reward or set reward.normalize=false")
+        raise RewardError(
+            f"reward.normalize: every one of the {int(n_all)} reference samples scored a "
+            f"non-finite value with {source}; fix the reward or set reward.normalize=false"
+        )
     if n < n_all:
-        log.warning("reward.normalize: %d of %d reference scores were not finite and are left out of the fit",
-                    int(n_all - n), int(n_all))
+        log.warning(
+            "reward.normalize: %d of %d reference scores were not finite and are left out of the fit",
+            int(n_all - n),
+            int(n_all),
+        )
     mean = total / n
-    var = max(sq / n - mean ** 2, 0.0)
-    if var <= 1e-12 * max(1.0, mean ** 2):
-        log.warning("reward.normalize: all %d reference samples scored %.4g with %s (no variance to scale "
-                    "by); scores are only centred (gain 1, bias %.4g)", int(n), mean, source, -mean)
+    var = max(sq / n - mean**2, 0.0)
+    if var <= 1e-12 * max(1.0, mean**2):
+        log.warning(
+            "reward.normalize: all %d reference samples scored %.4g with %s (no variance to scale "
+            "by); scores are only centred (gain 1, bias %.4g)",
+            int(n),
+            mean,
+            source,
+            -mean,
+        )
         return 1.0, -mean
-    std = var ** 0.5
+    std = var**0.5
     return 1.0 / std, -mean / std

@@ -23,8 +23,10 @@ def import_callable(path: str, key: str = "reward.fn") -> Callable:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"{key}={path!r}: cannot import module {module_name!r} ({e}). Check the "
-                          "spelling and that the module is on PYTHONPATH or installed.") from None
+        raise ConfigError(
+            f"{key}={path!r}: cannot import module {module_name!r} ({e}). Check the "
+            "spelling and that the module is on PYTHONPATH or installed."
+        ) from None
     try:
         fn = getattr(module, attr)
     except AttributeError:
@@ -50,8 +52,9 @@ class FunctionReward:
         try:
             scores = self.fn(prompts, responses)
         except Exception as e:
-            raise RewardError(f"reward {self.name} raised {type(e).__name__}: {e} "
-                              f"({self._culprit(prompts, responses)})") from e
+            raise RewardError(
+                f"reward {self.name} raised {type(e).__name__}: {e} ({self._culprit(prompts, responses)})"
+            ) from e
         return check_scores(scores, prompts, self.name, self.allow_nonfinite)
 
     def _culprit(self, prompts: list[str], responses: list[str]) -> str:

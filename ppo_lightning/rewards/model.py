@@ -12,16 +12,21 @@ import torch
 from torch import nn
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import (TORCH_DTYPES, disable_dropout, fuse_activations, position_ids_from_mask,
-                                  resolve_source)
+from ppo_lightning.policy import TORCH_DTYPES, disable_dropout, fuse_activations, position_ids_from_mask, resolve_source
 from ppo_lightning.rewards.base import check_scores
 from ppo_lightning.choices import REWARD_INPUTS as INPUTS
 
 
-
 class RewardModel(nn.Module):
-    def __init__(self, name_or_path: str, batch_size: int = 32, max_length: int = 512,
-                 dtype: str = "float32", label_index: int = 0, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        name_or_path: str,
+        batch_size: int = 32,
+        max_length: int = 512,
+        dtype: str = "float32",
+        label_index: int = 0,
+        trust_remote_code: bool = False,
+    ):
         super().__init__()
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -34,18 +39,22 @@ class RewardModel(nn.Module):
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token_id is None:
             if self.tokenizer.eos_token_id is None:
-                raise ConfigError(f"{key}={name_or_path!r}: the reward tokenizer has neither a pad "
-                                  "nor an EOS token; set tokenizer.pad_token and save_pretrained")
+                raise ConfigError(
+                    f"{key}={name_or_path!r}: the reward tokenizer has neither a pad "
+                    "nor an EOS token; set tokenizer.pad_token and save_pretrained"
+                )
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model, loading = AutoModelForSequenceClassification.from_pretrained(
-            source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True)
+            source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code, output_loading_info=True
+        )
         missing = sorted(loading["missing_keys"])
         if missing:  # transformers initialised them at random: the run would train against noise
             raise ConfigError(
                 f"{key}={name_or_path!r} is not a trained reward model: its checkpoint lacks "
                 f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} (transformers would start "
                 "them at random); train one with task=reward_model, or point reward.name_or_path at a "
-                "sequence-classification checkpoint with its score head")
+                "sequence-classification checkpoint with its score head"
+            )
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         disable_dropout(self.model)
@@ -62,8 +71,10 @@ class RewardModel(nn.Module):
             head = getattr(self.model, name, None)
             if isinstance(head, nn.Linear):
                 return head
-        raise ConfigError(f"reward.name_or_path={self.name!r}: no linear score head found "
-                          "(looked for .score / .classifier); use model.value_head_init=zeros")
+        raise ConfigError(
+            f"reward.name_or_path={self.name!r}: no linear score head found "
+            "(looked for .score / .classifier); use model.value_head_init=zeros"
+        )
 
     def use_policy_tokens(self, policy_tokenizer, mode: str = "auto") -> bool:
         """Decide whether rollouts are scored from the policy's token ids (``score_tokens``).
@@ -78,13 +89,16 @@ class RewardModel(nn.Module):
         if mode not in INPUTS:
             raise ConfigError(f"reward.input={mode!r}: choose one of {', '.join(INPUTS)}")
         same_vocab = policy_tokenizer.get_vocab() == self.tokenizer.get_vocab()
-        adds_specials = (self.tokenizer("a b")["input_ids"]
-                         != self.tokenizer("a b", add_special_tokens=False)["input_ids"])
+        adds_specials = (
+            self.tokenizer("a b")["input_ids"] != self.tokenizer("a b", add_special_tokens=False)["input_ids"]
+        )
         ok = same_vocab and not adds_specials
         if mode == "tokens" and not ok:
             why = "a different vocabulary" if not same_vocab else "special tokens it adds to every text"
-            raise ConfigError(f"reward.input=tokens, but the reward model {self.name!r} has {why} "
-                              "compared with the policy's tokenizer; use reward.input=text (or auto)")
+            raise ConfigError(
+                f"reward.input=tokens, but the reward model {self.name!r} has {why} "
+                "compared with the policy's tokenizer; use reward.input=text (or auto)"
+            )
         self.token_input = ok and mode != "text"
         self._special_ids = torch.tensor(sorted(set(policy_tokenizer.all_special_ids)), dtype=torch.long)
         return self.token_input
@@ -101,7 +115,7 @@ class RewardModel(nn.Module):
         special = torch.isin(input_ids, self._special_ids.to(input_ids.device))
         real = attention_mask.bool() & ~special
         if input_ids.shape[1] > self.max_length:
-            input_ids, real = input_ids[:, -self.max_length:], real[:, -self.max_length:]
+            input_ids, real = input_ids[:, -self.max_length :], real[:, -self.max_length :]
         ids = input_ids.masked_fill(~real, self.model.config.pad_token_id)  # what the pooling skips
         mask = real.long()
         position_ids = position_ids_from_mask(mask)
@@ -121,8 +135,13 @@ class RewardModel(nn.Module):
         texts = [p + r for p, r in zip(prompts, responses)]
         out = []
         for s in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[s:s + self.batch_size], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=self.max_length).to(device)
+            enc = self.tokenizer(
+                texts[s : s + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+            ).to(device)
             logits = self.model(**enc).logits  # [b, num_labels]
             out.append(logits[:, self.label_index].float())
         return check_scores(torch.cat(out), prompts, f"model {self.name}", allow_nonfinite=True)

@@ -14,13 +14,29 @@ A stage's data and batches are its own ``task.*`` keys (``task.path``, ``task.ba
 ``data.*`` is PPO's prompts. ``STAGES`` maps a stage name to ``(config class, build, save)``.
 """
 
-from ppo_lightning.stages.reward_model import (PairCollator, PreferenceDataModule, RewardModelConfig,
-                                               RewardModelModule, bradley_terry_loss, build_reward_model,
-                                               check_reward_model_config, prepare_reward_tokenizer,
-                                               tokenize_pairs)
+from ppo_lightning.stages.reward_model import (
+    PairCollator,
+    PreferenceDataModule,
+    RewardModelConfig,
+    RewardModelModule,
+    bradley_terry_loss,
+    build_reward_model,
+    check_reward_model_config,
+    prepare_reward_tokenizer,
+    tokenize_pairs,
+)
 from ppo_lightning.stages.reward_model import save as save_reward_model
-from ppo_lightning.stages.sft import (IGNORE_INDEX, SFTCollator, SFTConfig, SFTDataModule, SFTModule,
-                                      build_sft, check_sft_config, sft_loss_sums, tokenize_sft)
+from ppo_lightning.stages.sft import (
+    IGNORE_INDEX,
+    SFTCollator,
+    SFTConfig,
+    SFTDataModule,
+    SFTModule,
+    build_sft,
+    check_sft_config,
+    sft_loss_sums,
+    tokenize_sft,
+)
 from ppo_lightning.stages.sft import save as save_sft
 
 STAGES = {
@@ -28,8 +44,26 @@ STAGES = {
     "reward_model": (RewardModelConfig, build_reward_model, save_reward_model),
 }
 
-__all__ = ["STAGES", "IGNORE_INDEX", "SFTConfig", "SFTModule", "SFTDataModule", "SFTCollator", "build_sft",
-           "save_sft", "check_sft_config", "tokenize_sft", "sft_loss_sums", "RewardModelConfig",
-           "RewardModelModule", "PreferenceDataModule", "PairCollator", "build_reward_model",
-           "save_reward_model", "check_reward_model_config", "prepare_reward_tokenizer", "tokenize_pairs",
-           "bradley_terry_loss"]
+__all__ = [
+    "STAGES",
+    "IGNORE_INDEX",
+    "SFTConfig",
+    "SFTModule",
+    "SFTDataModule",
+    "SFTCollator",
+    "build_sft",
+    "save_sft",
+    "check_sft_config",
+    "tokenize_sft",
+    "sft_loss_sums",
+    "RewardModelConfig",
+    "RewardModelModule",
+    "PreferenceDataModule",
+    "PairCollator",
+    "build_reward_model",
+    "save_reward_model",
+    "check_reward_model_config",
+    "prepare_reward_tokenizer",
+    "tokenize_pairs",
+    "bradley_terry_loss",
+]

@@ -77,8 +77,7 @@ def check_common(cfg, cls: type, key_prefix: str) -> None:
     check_fields(cfg, cls, key_prefix)
     p = key_prefix
     if cfg.path is not None and cfg.hf_dataset is not None:
-        raise ConfigError(f"{p}.path={cfg.path!r} and {p}.hf_dataset={cfg.hf_dataset!r} are both set; "
-                          "choose one")
+        raise ConfigError(f"{p}.path={cfg.path!r} and {p}.hf_dataset={cfg.hf_dataset!r} are both set; choose one")
 
 
 def check_optimizer(optim_cfg) -> None:
@@ -87,9 +86,15 @@ def check_optimizer(optim_cfg) -> None:
 
 
 # ----------------------------------------------------------------------------- records
-def read_role_records(roles: dict[str, tuple[str, str]], *, path: str | None, hf_dataset: str | None,
-                      hf_split: str, records: Sequence[Mapping] | None,
-                      key_prefix: str) -> tuple[list[dict[str, str]], str]:
+def read_role_records(
+    roles: dict[str, tuple[str, str]],
+    *,
+    path: str | None,
+    hf_dataset: str | None,
+    hf_split: str,
+    records: Sequence[Mapping] | None,
+    key_prefix: str,
+) -> tuple[list[dict[str, str]], str]:
     """Records as ``{role: text}`` dicts from exactly one source, and a name for that source.
 
     ``roles`` maps each role to ``(config key, column)``, e.g. ``{"prompt": ("task.prompt_field",
@@ -103,13 +108,16 @@ def read_role_records(roles: dict[str, tuple[str, str]], *, path: str | None, hf
         rows = ((f"records[{i}]", r) for i, r in enumerate(records))
     elif path is not None or hf_dataset is not None:
         source = records_source(key_prefix, path, hf_dataset)
-        rows = read_records(key_prefix, path=path, hf_dataset=hf_dataset, hf_split=hf_split,
-                            suffixes=(".jsonl", ".json"))
+        rows = read_records(
+            key_prefix, path=path, hf_dataset=hf_dataset, hf_split=hf_split, suffixes=(".jsonl", ".json")
+        )
     else:
-        raise ConfigError(f"{key_prefix}.path and {key_prefix}.hf_dataset are both null: set "
-                          f"{key_prefix}.path=data.jsonl (one JSON object a line with "
-                          f"{', '.join(repr(c) for _, c in roles.values())} fields) or "
-                          f"{key_prefix}.hf_dataset=<name>")
+        raise ConfigError(
+            f"{key_prefix}.path and {key_prefix}.hf_dataset are both null: set "
+            f"{key_prefix}.path=data.jsonl (one JSON object a line with "
+            f"{', '.join(repr(c) for _, c in roles.values())} fields) or "
+            f"{key_prefix}.hf_dataset=<name>"
+        )
     out = [_record(r, roles, where) for where, r in rows]
     if not out:
         raise ConfigError(f"{source} holds no records")
@@ -118,8 +126,10 @@ def read_role_records(roles: dict[str, tuple[str, str]], *, path: str | None, hf
 
 def _record(obj: Any, roles: dict[str, tuple[str, str]], where: str) -> dict[str, str]:
     if not isinstance(obj, Mapping):
-        raise ConfigError(f"{where}: expected a JSON object / dict with fields "
-                          f"{[c for _, c in roles.values()]}, got {type(obj).__name__}")
+        raise ConfigError(
+            f"{where}: expected a JSON object / dict with fields "
+            f"{[c for _, c in roles.values()]}, got {type(obj).__name__}"
+        )
     missing = [(k, c) for k, c in roles.values() if c not in obj]
     if missing:
         names = ", ".join(repr(c) for _, c in missing)
@@ -134,16 +144,17 @@ def _record(obj: Any, roles: dict[str, tuple[str, str]], where: str) -> dict[str
     return out
 
 
-def split_indices(n: int, val_fraction: float, seed: int, source: str,
-                  key_prefix: str) -> tuple[list[int], list[int]]:
+def split_indices(n: int, val_fraction: float, seed: int, source: str, key_prefix: str) -> tuple[list[int], list[int]]:
     """Deterministic train / validation indices: a permutation by ``seed``, the first
     ``max(1, round(n * val_fraction))`` go to validation (none when ``val_fraction`` is 0)."""
     if val_fraction <= 0:
         return list(range(n)), []
     n_val = max(1, round(n * val_fraction))
     if n - n_val < 1:
-        raise ConfigError(f"{source} has {n} records: too few for {key_prefix}.val_fraction={val_fraction} "
-                          "to leave any for training; add records or lower it")
+        raise ConfigError(
+            f"{source} has {n} records: too few for {key_prefix}.val_fraction={val_fraction} "
+            "to leave any for training; add records or lower it"
+        )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
@@ -160,8 +171,9 @@ class ShardSampler(DistributedSampler):
         return len(range(self.rank, len(self.dataset), self.num_replicas))
 
 
-def make_loader(dataset: Dataset, batch_size: int, collate, *, train: bool, shuffle: bool, seed: int,
-                num_workers: int, trainer=None) -> DataLoader:
+def make_loader(
+    dataset: Dataset, batch_size: int, collate, *, train: bool, shuffle: bool, seed: int, num_workers: int, trainer=None
+) -> DataLoader:
     """A loader that shards itself over DDP ranks, so it works whatever
     ``trainer.use_distributed_sampler`` says; the training order is fixed by ``seed``."""
     world = trainer.world_size if trainer is not None else 1
@@ -169,15 +181,20 @@ def make_loader(dataset: Dataset, batch_size: int, collate, *, train: bool, shuf
     if world > 1:
         rank = trainer.global_rank
         if train:
-            kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank,
-                                                   shuffle=shuffle, seed=seed)
+            kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
         else:
             kwargs["sampler"] = ShardSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
     elif train and shuffle:
         kwargs["shuffle"] = True
         kwargs["generator"] = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=num_workers > 0, **kwargs)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        collate_fn=collate,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        **kwargs,
+    )
 
 
 # ----------------------------------------------------------------------------- models
@@ -194,8 +211,9 @@ class StageDataModule(L.LightningDataModule):
 
     config_class: type  # the stage's config dataclass
 
-    def __init__(self, stage_cfg, tokenizer, records: Sequence[Mapping[str, Any]] | None = None,
-                 key_prefix: str = "task"):
+    def __init__(
+        self, stage_cfg, tokenizer, records: Sequence[Mapping[str, Any]] | None = None, key_prefix: str = "task"
+    ):
         super().__init__()
         self.cfg = as_config(stage_cfg, self.config_class, key_prefix)
         self.tokenizer, self.records, self.key_prefix = tokenizer, records, key_prefix
@@ -217,8 +235,9 @@ class StageDataModule(L.LightningDataModule):
         if self.train_examples is not None:
             return
         c, p = self.cfg, self.key_prefix
-        records, source = read_role_records(self.roles(), path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split,
-                                            records=self.records, key_prefix=p)
+        records, source = read_role_records(
+            self.roles(), path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p
+        )
         train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
         self.train_examples = self.tokenize([records[i] for i in train_idx], source)
         self.val_examples = self.tokenize([records[i] for i in val_idx], source) if val_idx else []
@@ -228,16 +247,31 @@ class StageDataModule(L.LightningDataModule):
 
     def train_dataloader(self):
         c = self.cfg
-        return make_loader(ListDataset(self.train_examples), c.batch_size, self.collator(), train=True,
-                           shuffle=c.shuffle, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
+        return make_loader(
+            ListDataset(self.train_examples),
+            c.batch_size,
+            self.collator(),
+            train=True,
+            shuffle=c.shuffle,
+            seed=c.seed,
+            num_workers=c.num_workers,
+            trainer=self.trainer,
+        )
 
     def val_dataloader(self):
         if not self.val_examples:
             return []
         c = self.cfg
-        return make_loader(ListDataset(self.val_examples), c.val_batch_size or c.batch_size, self.collator(),
-                           train=False, shuffle=False, seed=c.seed, num_workers=c.num_workers, trainer=self.trainer)
-
+        return make_loader(
+            ListDataset(self.val_examples),
+            c.val_batch_size or c.batch_size,
+            self.collator(),
+            train=False,
+            shuffle=False,
+            seed=c.seed,
+            num_workers=c.num_workers,
+            trainer=self.trainer,
+        )
 
 
 def stage_model(model_cfg, cfg, cache_dir, key_prefix: str = "task"):
@@ -266,8 +300,10 @@ def resolve_max_length(max_length: int | None, source: str, trust_remote_code: b
     if max_length is None:
         return min(DEFAULT_MAX_LENGTH, ctx) if ctx else DEFAULT_MAX_LENGTH
     if ctx is not None and max_length > ctx:
-        raise ConfigError(f"{key}={max_length} exceeds the model's context of {ctx} tokens; lower it "
-                          "(or null: the context, at most 512)")
+        raise ConfigError(
+            f"{key}={max_length} exceeds the model's context of {ctx} tokens; lower it "
+            "(or null: the context, at most 512)"
+        )
     return max_length
 
 
@@ -327,11 +363,11 @@ class StageOptimization:
         return {k: float(v) for k, v in self.trainer.callback_metrics.items()}
 
     def configure_optimizers(self):
-        return configure_optimizers(self, [p for p in self.model.parameters() if p.requires_grad],
-                                    self.optim_cfg)
+        return configure_optimizers(self, [p for p in self.model.parameters() if p.requires_grad], self.optim_cfg)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if gradient_clip_val is None and self.max_grad_norm:
             gradient_clip_val, gradient_clip_algorithm = self.max_grad_norm, "norm"
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
-                            gradient_clip_algorithm=gradient_clip_algorithm)
+        self.clip_gradients(
+            optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+        )

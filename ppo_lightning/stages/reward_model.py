@@ -33,11 +33,26 @@ from torchmetrics.aggregation import MeanMetric, SumMetric
 from ppo_lightning.config import RewardModelConfig
 from ppo_lightning.data import PadCollator
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import enable_activation_checkpointing, DEFAULT_PAD_TOKEN, TORCH_DTYPES, disable_dropout, fuse_activations, resolve_source
-from ppo_lightning.stages.common import (StageDataModule, stage_model, DEFAULT_MAX_LENGTH, as_config, check_common,
-                                         StageOptimization, check_optimizer, get,
-                                         reset_val_metrics,
-                                         synced_value)
+from ppo_lightning.policy import (
+    enable_activation_checkpointing,
+    DEFAULT_PAD_TOKEN,
+    TORCH_DTYPES,
+    disable_dropout,
+    fuse_activations,
+    resolve_source,
+)
+from ppo_lightning.stages.common import (
+    StageDataModule,
+    stage_model,
+    DEFAULT_MAX_LENGTH,
+    as_config,
+    check_common,
+    StageOptimization,
+    check_optimizer,
+    get,
+    reset_val_metrics,
+    synced_value,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +74,16 @@ def prepare_reward_tokenizer(tokenizer):
     return tok
 
 
-def load_reward_tokenizer(name_or_path: str, trust_remote_code: bool = False,
-                          key: str = "model.name_or_path"):
+def load_reward_tokenizer(name_or_path: str, trust_remote_code: bool = False, key: str = "model.name_or_path"):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_source(name_or_path, key), trust_remote_code=trust_remote_code)
     return prepare_reward_tokenizer(tok)
 
 
-def tokenize_pairs(records: Sequence[Mapping[str, str]], tokenizer, max_length: int,
-                   source: str = "records", key_prefix: str = "task") -> list[dict[str, list[int]]]:
+def tokenize_pairs(
+    records: Sequence[Mapping[str, str]], tokenizer, max_length: int, source: str = "records", key_prefix: str = "task"
+) -> list[dict[str, list[int]]]:
     """``{"chosen", "rejected"}`` token ids of ``prompt + chosen`` / ``prompt + rejected``, tokenised
     exactly as ``RewardModel`` does (default special tokens, left truncation to ``max_length``)."""
     if not records:
@@ -81,12 +96,19 @@ def tokenize_pairs(records: Sequence[Mapping[str, str]], tokenizer, max_length: 
     empty = [i for i, x in enumerate(ids) if not x]
     if empty:
         i = empty[0] % n
-        raise ConfigError(f"{source}: record {i}: prompt + {'chosen' if empty[0] < n else 'rejected'} "
-                          "tokenises to nothing; remove empty records")
+        raise ConfigError(
+            f"{source}: record {i}: prompt + {'chosen' if empty[0] < n else 'rejected'} "
+            "tokenises to nothing; remove empty records"
+        )
     at_limit = sum(len(x) >= max_length for x in ids)
     if at_limit:
-        log.warning("%d of %d reward-model texts reach %s.max_length=%d tokens and are cut from the left",
-                    at_limit, len(ids), key_prefix, max_length)
+        log.warning(
+            "%d of %d reward-model texts reach %s.max_length=%d tokens and are cut from the left",
+            at_limit,
+            len(ids),
+            key_prefix,
+            max_length,
+        )
     return [{"chosen": ids[i], "rejected": ids[n + i]} for i in range(n)]
 
 
@@ -109,8 +131,11 @@ class PreferenceDataModule(StageDataModule):
 
     def roles(self) -> dict[str, tuple[str, str]]:
         p, c = self.key_prefix, self.cfg
-        return {"prompt": (f"{p}.prompt_field", c.prompt_field), "chosen": (f"{p}.chosen_field", c.chosen_field),
-                "rejected": (f"{p}.rejected_field", c.rejected_field)}
+        return {
+            "prompt": (f"{p}.prompt_field", c.prompt_field),
+            "chosen": (f"{p}.chosen_field", c.chosen_field),
+            "rejected": (f"{p}.rejected_field", c.rejected_field),
+        }
 
     def tokenize(self, records: list[dict[str, str]], source: str) -> list[dict[str, list[int]]]:
         max_length = DEFAULT_MAX_LENGTH if self.cfg.max_length is None else self.cfg.max_length
@@ -142,8 +167,9 @@ class RewardModelModule(StageOptimization, L.LightningModule):
     ``nan_strategy="disable"``: a NaN reward logs NaN instead of being dropped.
     """
 
-    def __init__(self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0,
-                 center_rewards_coef: float = 0.0):
+    def __init__(
+        self, model, tokenizer, optim_cfg=None, max_grad_norm: Optional[float] = 1.0, center_rewards_coef: float = 0.0
+    ):
         super().__init__(model, tokenizer, optim_cfg, max_grad_norm)
         self.center_rewards_coef = center_rewards_coef
         # module attributes, so Lightning moves them with the model; not in the state dict
@@ -188,18 +214,25 @@ class RewardModelModule(StageOptimization, L.LightningModule):
         reset, or ``{}`` when there were none. Under DDP every rank must call it (the metrics sync)."""
         if synced_value(self.val_pairs).item() == 0:  # the same on every rank: all skip together
             return {}
-        return {"val/loss": synced_value(self.val_loss).item(),
-                "val/accuracy": synced_value(self.val_accuracy).item(),
-                "val/margin": synced_value(self.val_margin).item()}
+        return {
+            "val/loss": synced_value(self.val_loss).item(),
+            "val/accuracy": synced_value(self.val_accuracy).item(),
+            "val/margin": synced_value(self.val_margin).item(),
+        }
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self.update_val_metrics(*self.pair_rewards(batch))
 
 
 # ----------------------------------------------------------------------------- build / save
-def load_sequence_classifier(name_or_path: str, tokenizer, dtype: str = "float32",
-                             trust_remote_code: bool = False, seed: int = 0,
-                             key: str = "model.name_or_path"):
+def load_sequence_classifier(
+    name_or_path: str,
+    tokenizer,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    seed: int = 0,
+    key: str = "model.name_or_path",
+):
     """A one-output classifier from a classifier or causal-LM directory / hub id (a new score head
     is initialised from ``seed``, leaving the global RNG alone), embeddings resized to the tokenizer,
     ``config.pad_token_id`` set, dropout off."""
@@ -212,10 +245,13 @@ def load_sequence_classifier(name_or_path: str, tokenizer, dtype: str = "float32
         torch.manual_seed(seed)
         try:
             model = AutoModelForSequenceClassification.from_pretrained(
-                source, num_labels=1, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code)
+                source, num_labels=1, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code
+            )
         except (ValueError, RuntimeError) as e:
-            raise ConfigError(f"{key}={name_or_path!r} does not load as a one-output sequence classifier "
-                              f"(AutoModelForSequenceClassification, num_labels=1): {e}") from None
+            raise ConfigError(
+                f"{key}={name_or_path!r} does not load as a one-output sequence classifier "
+                f"(AutoModelForSequenceClassification, num_labels=1): {e}"
+            ) from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -224,10 +260,16 @@ def load_sequence_classifier(name_or_path: str, tokenizer, dtype: str = "float32
     return model
 
 
-def build_reward_model(model_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
-                       records: Optional[Sequence[Mapping[str, Any]]] = None,
-                       key_prefix: str = "task",
-                       cache_dir: str | None = None) -> tuple[RewardModelModule, PreferenceDataModule]:
+def build_reward_model(
+    model_cfg,
+    optim_cfg,
+    stage_cfg,
+    tokenizer=None,
+    *,
+    records: Optional[Sequence[Mapping[str, Any]]] = None,
+    key_prefix: str = "task",
+    cache_dir: str | None = None,
+) -> tuple[RewardModelModule, PreferenceDataModule]:
     """The reward-model module and datamodule that the configs describe.
 
     ``model_cfg``: ``model.*`` (name_or_path: a classifier or causal-LM directory / hub id,
@@ -252,8 +294,9 @@ def build_reward_model(model_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     model = load_sequence_classifier(name, tokenizer, get(model_cfg, "dtype", "float32"), trust, seed=cfg.seed)
     if get(model_cfg, "gradient_checkpointing", False):
         enable_activation_checkpointing(model)
-    module = RewardModelModule(model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm,
-                               center_rewards_coef=cfg.center_rewards_coef)
+    module = RewardModelModule(
+        model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm, center_rewards_coef=cfg.center_rewards_coef
+    )
     return module, datamodule
 
 

@@ -33,10 +33,19 @@ from ppo_lightning.config import SFTConfig
 from ppo_lightning.data import PadCollator, pad_rows
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask
-from ppo_lightning.stages.common import (StageDataModule, stage_model, DEFAULT_MAX_LENGTH, as_config, check, check_common,
-                                         StageOptimization, check_optimizer, get,
-                                         reset_val_metrics,
-                                         synced_value)
+from ppo_lightning.stages.common import (
+    StageDataModule,
+    stage_model,
+    DEFAULT_MAX_LENGTH,
+    as_config,
+    check,
+    check_common,
+    StageOptimization,
+    check_optimizer,
+    get,
+    reset_val_metrics,
+    synced_value,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +57,24 @@ def check_sft_config(cfg: SFTConfig, key_prefix: str = "task") -> None:
     p = key_prefix
     check_common(cfg, SFTConfig, p)
     max_length = DEFAULT_MAX_LENGTH if cfg.max_length is None else cfg.max_length
-    check(cfg.max_prompt_length < max_length, f"{p}.max_prompt_length", cfg.max_prompt_length,
-          f"must be >= 1 and < {p}.max_length={max_length} (a response token must fit)")
+    check(
+        cfg.max_prompt_length < max_length,
+        f"{p}.max_prompt_length",
+        cfg.max_prompt_length,
+        f"must be >= 1 and < {p}.max_length={max_length} (a response token must fit)",
+    )
 
 
 # ----------------------------------------------------------------------------- examples
-def tokenize_sft(records: Sequence[Mapping[str, str]], tokenizer, max_length: int, max_prompt_length: int,
-                 truncation: str = "truncate", source: str = "records",
-                 key_prefix: str = "task") -> list[dict[str, list[int]]]:
+def tokenize_sft(
+    records: Sequence[Mapping[str, str]],
+    tokenizer,
+    max_length: int,
+    max_prompt_length: int,
+    truncation: str = "truncate",
+    source: str = "records",
+    key_prefix: str = "task",
+) -> list[dict[str, list[int]]]:
     """``{"input_ids", "labels"}`` per record (``prompt`` / ``response`` keys); see the module doc."""
     if not records:
         raise ConfigError(f"{source} holds no records")
@@ -67,8 +86,10 @@ def tokenize_sft(records: Sequence[Mapping[str, str]], tokenizer, max_length: in
     out, n_long = [], 0
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if not p:
-            raise ConfigError(f"{source}: record {i} has a prompt that tokenises to nothing; "
-                              "the first response token needs a prompt token before it")
+            raise ConfigError(
+                f"{source}: record {i} has a prompt that tokenises to nothing; "
+                "the first response token needs a prompt token before it"
+            )
         r = r + [eos]
         if len(p) > max_prompt_length or len(p) + len(r) > max_length:
             n_long += 1
@@ -77,20 +98,28 @@ def tokenize_sft(records: Sequence[Mapping[str, str]], tokenizer, max_length: in
                     f"{source}: record {i} has {len(p)} prompt + {len(r)} response tokens (with EOS), "
                     f"over {key_prefix}.max_prompt_length={max_prompt_length} or "
                     f"{key_prefix}.max_length={max_length}; raise them or set "
-                    f"{key_prefix}.truncation=truncate or drop")
+                    f"{key_prefix}.truncation=truncate or drop"
+                )
             if truncation == "drop":
                 continue
             p = p[-max_prompt_length:]
-            r = r[:max_length - len(p)]
+            r = r[: max_length - len(p)]
         out.append({"input_ids": p + r, "labels": [IGNORE_INDEX] * len(p) + r})
     if n_long:
-        log.warning("%d of %d SFT examples exceed %s.max_prompt_length=%d / %s.max_length=%d tokens; %s",
-                    n_long, len(records), key_prefix, max_prompt_length, key_prefix, max_length,
-                    "dropped" if truncation == "drop" else "truncated (prompt from the left, response "
-                    "from the right)")
+        log.warning(
+            "%d of %d SFT examples exceed %s.max_prompt_length=%d / %s.max_length=%d tokens; %s",
+            n_long,
+            len(records),
+            key_prefix,
+            max_prompt_length,
+            key_prefix,
+            max_length,
+            "dropped" if truncation == "drop" else "truncated (prompt from the left, response from the right)",
+        )
     if not out:
-        raise ConfigError(f"{source}: every record is over the length limits and "
-                          f"{key_prefix}.truncation=drop dropped them all")
+        raise ConfigError(
+            f"{source}: every record is over the length limits and {key_prefix}.truncation=drop dropped them all"
+        )
     return out
 
 
@@ -119,8 +148,15 @@ class SFTDataModule(StageDataModule):
 
     def tokenize(self, records: list[dict[str, str]], source: str) -> list[dict[str, list[int]]]:
         c = self.cfg
-        return tokenize_sft(records, self.tokenizer, DEFAULT_MAX_LENGTH if c.max_length is None else c.max_length,
-                            c.max_prompt_length, c.truncation, source=source, key_prefix=self.key_prefix)
+        return tokenize_sft(
+            records,
+            self.tokenizer,
+            DEFAULT_MAX_LENGTH if c.max_length is None else c.max_length,
+            c.max_prompt_length,
+            c.truncation,
+            source=source,
+            key_prefix=self.key_prefix,
+        )
 
     def collator(self) -> SFTCollator:
         return SFTCollator(self.tokenizer.pad_token_id, "right")
@@ -164,8 +200,12 @@ class SFTModule(StageOptimization, L.LightningModule):
         reset_val_metrics(self.val_loss_sum, self.val_tokens)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
         return out.logits
 
     def loss_sums(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,9 +240,16 @@ class SFTModule(StageOptimization, L.LightningModule):
 
 
 # ----------------------------------------------------------------------------- build / save
-def build_sft(model_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
-              records: Optional[Sequence[Mapping[str, Any]]] = None,
-              key_prefix: str = "task", cache_dir: str | None = None) -> tuple[SFTModule, SFTDataModule]:
+def build_sft(
+    model_cfg,
+    optim_cfg,
+    stage_cfg,
+    tokenizer=None,
+    *,
+    records: Optional[Sequence[Mapping[str, Any]]] = None,
+    key_prefix: str = "task",
+    cache_dir: str | None = None,
+) -> tuple[SFTModule, SFTDataModule]:
     """The SFT module and datamodule that the configs describe.
 
     ``model_cfg``: ``model.*`` (name_or_path, tokenizer_name_or_path, dtype, trust_remote_code,
@@ -219,11 +266,12 @@ def build_sft(model_cfg, optim_cfg, stage_cfg, tokenizer=None, *,
     name, trust, cfg = stage_model(model_cfg, cfg, cache_dir, key_prefix)
     check_sft_config(cfg, key_prefix)
     if tokenizer is None:
-        tokenizer = load_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name,
-                                   trust_remote_code=trust)
+        tokenizer = load_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust_remote_code=trust)
     elif tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
-        raise ConfigError("the tokenizer passed to build_sft needs an EOS and a pad token "
-                          "(ppo_lightning.policy.load_tokenizer adds a pad)")
+        raise ConfigError(
+            "the tokenizer passed to build_sft needs an EOS and a pad token "
+            "(ppo_lightning.policy.load_tokenizer adds a pad)"
+        )
     datamodule = SFTDataModule(cfg, tokenizer, records=records, key_prefix=key_prefix)
     datamodule.load()
 
