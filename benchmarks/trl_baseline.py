@@ -151,11 +151,7 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, th
     import torch
     import trl.experimental.ppo.ppo_trainer as ppo_trainer_module
     from datasets import Dataset
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-    )
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     episodes = w.episodes if episodes is None else episodes

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ppo_lightning import ppo
 from ppo_lightning.config import PPOConfig
 from ppo_lightning.generation import GenerationBackend, SamplingParams
+from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.policy import PolicyWithValueHead
 from ppo_lightning.rollout import PolicyOutput, Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score
 
@@ -54,14 +55,13 @@ class PPO:
         cfg: PPOConfig,
         sampling: SamplingParams,
         sampler: GenerationBackend,
-        kl_ctl,
         runtime,
-        reward_norm: tuple[float, float] | None,
     ):
         self.policy, self.ref_lm, self.reward_fn, self.tokenizer = policy, ref_lm, reward_fn, tokenizer
-        self.cfg, self.sampling, self.sampler, self.kl_ctl, self.runtime = cfg, sampling, sampler, kl_ctl, runtime
+        self.cfg, self.sampling, self.sampler, self.runtime = cfg, sampling, sampler, runtime
+        self.kl_ctl = build_kl_controller(cfg.kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
         self.kl_estimator = ppo.kl_estimator_for(cfg.kl_in, cfg.kl_estimator)  # null: per placement
-        self.reward_norm = reward_norm
+        self.reward_norm: tuple[float, float] | None = None  # set by the module: configured, fitted or restored
         self.generator: torch.Generator | None = None
 
     # ------------------------------------------------------------------------- part 1: collect

@@ -27,7 +27,6 @@ from ppo_lightning.config import OptimizerConfig, PPOConfig
 from ppo_lightning.distributed import Runtime
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.generation import BackendFactory, SamplingParams, default_backend
-from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.lightning_compat import count_iteration
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
@@ -80,19 +79,8 @@ class PPOModule(L.LightningModule):
         make = backend or default_backend()
         self.sampler, self.ref_sampler = make(policy.lm, tokenizer), make(ref_lm, tokenizer)
         self.runtime = Runtime(self)
-        kl_ctl = build_kl_controller(ppo_cfg.kl_coef, ppo_cfg.adaptive_kl, ppo_cfg.kl_target, ppo_cfg.kl_horizon)
-        self.algo = PPO(
-            policy,
-            ref_lm,
-            reward_fn,
-            tokenizer,
-            ppo_cfg,
-            self.sampling,
-            self.sampler,
-            kl_ctl,
-            self.runtime,
-            reward_norm,
-        )
+        self.algo = PPO(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, self.runtime)
+        self.algo.reward_norm = reward_norm
         self.normalize_reward_samples = normalize_reward_samples
         self.value_head_from_reward = value_head_from_reward
         self.episode = 0  # episodes (sampled responses) so far, summed over ranks

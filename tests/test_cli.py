@@ -40,12 +40,7 @@ def test_hub_model_offline_fails_fast_with_a_fix(cache_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override, key",
-    [
-        ("ppo.clip=abc", "ppo.clip"),
-        ("ppo.clpi=0.1", "clpi"),
-        ("trainer=nope", "trainer"),
-    ],
+    "override, key", [("ppo.clip=abc", "ppo.clip"), ("ppo.clpi=0.1", "clpi"), ("trainer=nope", "trainer")]
 )
 def test_bad_overrides_fail_at_composition(cache_dir, override, key):
     p = run_train([override, "--cfg", "job"], cache_dir)
