@@ -46,18 +46,11 @@ class HFBackend:
             self.lm,
             prompt_ids,
             attention_mask,
-            max_new_tokens=params.max_new_tokens,
+            params,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            stop_at_eos=params.stop_at_eos,
-            greedy=params.greedy,
             generator=generator,
             fast_decode=self.fast_decode,
-            chunk_size=params.chunk_size,
-            stop_sequences=params.stop_sequences,
         )
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
@@ -119,21 +112,16 @@ def generate(
     lm,
     input_ids: Tensor,
     attention_mask: Tensor,
+    params: SamplingParams | None = None,
     *,
-    max_new_tokens: int,
     eos_token_id: int,
     pad_token_id: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop_at_eos: bool = True,
-    greedy: bool = False,
     generator: torch.Generator | None = None,
     fast_decode: bool = True,
-    chunk_size: int | None = None,
-    stop_sequences: StopSequences = (),
+    **sampling,
 ) -> tuple[Tensor, Tensor]:
-    """Sample responses to left-padded prompts with a KV cache.
+    """Sample responses to left-padded prompts with a KV cache, as ``params`` say (or a
+    ``SamplingParams(**sampling)`` built from keywords, for a direct call).
 
     Returns ``responses [B, R]`` (pad after the first stop, ``R <= max_new_tokens``: the loop
     stops once every row has stopped) and ``response_mask [B, R]`` (1 up to and including the
@@ -157,8 +145,9 @@ def generate(
     A sharded LM (FSDP2) samples under ``no_grad``: its all-gather buffers, allocated on the
     first forward, are written in place again by every later one, in or out of the loop.
     """
+    params = params or SamplingParams(**sampling)
     B = input_ids.shape[0]
-    chunk_size = chunk_size or B
+    chunk_size = params.chunk_size or B
     was_training = lm.training  # a checkpointing policy stays in train mode, where Hugging Face
     lm.eval()  # turns the KV cache off: sample in eval mode (dropout is 0 anyway)
     try:
@@ -169,17 +158,11 @@ def generate(
                     lm,
                     input_ids[s : s + chunk_size],
                     attention_mask[s : s + chunk_size],
-                    max_new_tokens,
+                    params,
                     eos_token_id,
                     pad_token_id,
-                    temperature,
-                    top_k,
-                    top_p,
-                    stop_at_eos,
-                    greedy,
                     generator,
                     fast,
-                    stop_sequences,
                 )
                 for s in range(0, B, chunk_size)
             ]
@@ -194,22 +177,8 @@ def generate(
     return responses, response_mask  # torch.cat made ordinary tensors
 
 
-def _sample_loop(
-    lm,
-    input_ids,
-    attention_mask,
-    max_new_tokens,
-    eos_token_id,
-    pad_token_id,
-    temperature,
-    top_k,
-    top_p,
-    stop_at_eos,
-    greedy,
-    generator,
-    fast,
-    stop_sequences=(),
-):
+def _sample_loop(lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast):
+    max_new_tokens, stop_at_eos, stop_sequences = params.max_new_tokens, params.stop_at_eos, params.stop_sequences
     from transformers import DynamicCache
 
     B, P = input_ids.shape
@@ -236,7 +205,7 @@ def _sample_loop(
     window = max((len(seq) for seq in stop_sequences), default=1)  # the tokens a stop can span
     n = 0
     for t in range(max_new_tokens):
-        token = sample_next_token(logits, temperature, top_k, top_p, generator, greedy)
+        token = sample_next_token(logits, params.temperature, params.top_k, params.top_p, generator, params.greedy)
         if stop_at_eos:
             token = token.masked_fill(finished, pad_token_id)
         responses[:, t] = token
