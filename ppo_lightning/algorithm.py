@@ -71,9 +71,11 @@ class PPO:
         scores and KL into advantages. Runs in the update's numerics, weights gathered once."""
         c, t0 = self.cfg, time.perf_counter()
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        prompts, columns = batch.get("prompts"), batch.get("columns")  # as written; each one's metadata
         if c.num_generations > 1:
             input_ids = input_ids.repeat_interleave(c.num_generations, dim=0)
             attention_mask = attention_mask.repeat_interleave(c.num_generations, dim=0)
+            prompts, columns = _repeat(prompts, c.num_generations), _repeat(columns, c.num_generations)
         with self.runtime.rollout_context(self.policy, self.ref_lm):
             samples = sample_and_score(
                 sampler=self.sampler,
@@ -87,6 +89,8 @@ class PPO:
                 forward_chunk_size=c.rollout_forward_batch_size,
                 reward_norm=self.reward_norm,
                 generator=self.generator,
+                prompts=prompts,
+                columns=columns,
             )
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
@@ -265,3 +269,8 @@ class PPO:
         if math.isfinite(kl):
             self.kl_ctl.update(kl, rows)
         self.sampler.sync_weights(self.policy.lm.named_parameters())
+
+
+def _repeat(rows: list | None, n: int) -> list | None:
+    """Each row ``n`` times in a row (as ``repeat_interleave`` repeats a prompt's tensors)."""
+    return None if rows is None else [row for row in rows for _ in range(n)]

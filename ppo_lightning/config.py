@@ -199,8 +199,13 @@ class RewardConfig:
     kind: str = param("function", choices=choices.REWARD_KINDS)
     """function: a Python callable (``fn``); model: an ``AutoModelForSequenceClassification``."""
     fn: Optional[str] = None
-    """(function) ``pkg.module.fn`` or ``pkg.module:fn``, called as
-    ``fn(prompts, responses, **kwargs) -> list[float]``; imported before any model loads."""
+    """(function) ``pkg.module.fn`` or ``pkg.module:fn``, imported before any model loads, returning
+    one float per response. Its parameters choose the call (``rewards/function.py``): with one
+    named ``completions``, TRL's ``fn(prompts=, completions=, completion_ids=, **columns)``
+    (prompts as written, strings or chat messages); else ``fn(prompts, responses, **kwargs)`` on
+    the decoded texts. Any other parameter ``kwargs`` does not set is a column of the prompt
+    records (``answer``, ...), one value per response: without a default, every record must have
+    it (checked before any model loads)."""
     kwargs: Dict[str, Any] = param(factory=dict)
     """(function) Extra keyword arguments for ``fn``: ``+reward.kwargs.<arg>=<value>`` (the ``+``
     adds a key the dict does not have), or ``'reward.kwargs={word:good}'``."""
@@ -483,7 +488,17 @@ class DataConfig:
     hf_split: str = "train"
     """Dataset split."""
     prompt_field: str = "prompt"
-    """JSONL field or dataset column holding the prompt."""
+    """JSONL field or dataset column holding the prompt: a string, or a list of chat messages
+    (``{"role", "content"}`` objects). Every other field of a record is that prompt's metadata
+    (``answer``, ``data_source``, ...): it travels with the prompt, repeated for each of
+    ``ppo.num_generations`` samples, to a reward function that asks for it by name."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template (the string, or a ``.jinja`` / ``.j2`` / ``.txt`` file holding one)
+    for chat prompts, instead of the tokenizer's; with it, a string prompt becomes one user
+    message too. Chat prompts go through the template with ``add_generation_prompt=True``."""
+    system_prompt: Optional[str] = None
+    """Put first as a system message in every chat prompt that has none (and in every string
+    prompt when ``chat_template`` is set)."""
     batch_size: int = param(16, ge=1)
     """Prompts per PPO iteration per rank (the rollout batch; globally ``batch_size * world``).
     Incomplete batches are dropped; the prompt set must fill one batch on every rank."""

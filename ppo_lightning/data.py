@@ -14,10 +14,12 @@ ends at the same column and the response starts right after it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -135,29 +137,115 @@ def _hf_rows(name: str, split: str, source: str, key_prefix: str) -> Iterator[tu
 
 
 # ----------------------------------------------------------------------------- PPO prompts
-def read_prompts(path: str | Path, field: str = "prompt") -> list[str]:
-    """Prompts from ``.txt`` (one per non-empty line), ``.jsonl`` or ``.json`` (the string ``field``
-    of each object)."""
-    prompts = []
-    for where, record in read_records("data", path=path, text_field=field):
-        if not isinstance(record.get(field), str):
-            raise ConfigError(
-                f"{where}: expected an object with a string {field!r} field (data.prompt_field={field!r})"
-            )
-        prompts.append(record[field])
-    if not prompts:
-        raise ConfigError(f"{records_source('data', path)} holds no prompts; add one prompt per line")
-    return prompts
+@dataclasses.dataclass
+class PromptRecord:
+    """One prompt as the user wrote it, with the rest of its record.
+
+    ``prompt`` is a string or a list of chat messages (``{"role", "content"}`` dicts); ``columns``
+    holds every other field of the record (``answer``, ``data_source``, ...): the prompt's
+    metadata, which travels with it through the rollout to the reward."""
+
+    prompt: str | list[dict[str, str]]
+    columns: dict[str, Any]
+    where: str  # how errors name it: data.path='p.jsonl' line 3
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.prompt, list)
 
 
-def load_hf_prompts(name: str, split: str, field: str) -> list[str]:
-    """The ``field`` column of a Hugging Face dataset's ``split``, each value as a string."""
-    prompts = []
-    for _, row in read_records("data", hf_dataset=name, hf_split=split):
+def read_prompt_records(
+    path: str | Path | None = None, field: str = "prompt", hf_dataset: str | None = None, hf_split: str = "train"
+) -> list[PromptRecord]:
+    """PPO's prompt records from ``path`` (``.txt``: one prompt a line; ``.jsonl`` / ``.json``:
+    objects with a ``field``) or ``hf_dataset``. A prompt is a string or a non-empty list of
+    messages, each a ``{"role": str, "content": str}`` object; a dataset's non-string scalar is
+    taken as its string. Errors name the file and line."""
+    records = []
+    for where, row in read_records("data", path=path, hf_dataset=hf_dataset, hf_split=hf_split, text_field=field):
         if field not in row:
-            raise ConfigError(f"data.prompt_field={field!r} is not a column of {name!r}: {list(row)}")
-        prompts.append(str(row[field]))
-    return prompts
+            raise ConfigError(
+                f"{where}: no {field!r} field (data.prompt_field={field!r}); its fields are {sorted(row)}"
+            )
+        prompt = row[field]
+        if hf_dataset is not None and path is None and not isinstance(prompt, (str, list)):
+            prompt = str(prompt)
+        if isinstance(prompt, list):
+            _check_messages(prompt, where, field)
+        elif not isinstance(prompt, str):
+            raise ConfigError(
+                f"{where}: expected an object with a string {field!r} field or a list of chat messages "
+                f"(data.prompt_field={field!r}), got {type(prompt).__name__}"
+            )
+        records.append(PromptRecord(prompt, {k: v for k, v in row.items() if k != field}, where))
+    if not records:
+        raise ConfigError(f"{records_source('data', path, hf_dataset)} holds no prompts; add one prompt per line")
+    return records
+
+
+def _check_messages(messages: list, where: str, field: str) -> None:
+    if not messages:
+        raise ConfigError(f"{where}: {field!r} is an empty list of messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ConfigError(
+                f"{where}: message {i} of {field!r} must be an object with string 'role' and 'content' "
+                f"fields, got {m!r}"
+            )
+
+
+def read_prompts(path: str | Path, field: str = "prompt") -> list[str | list[dict[str, str]]]:
+    """The prompts of a file, as ``read_prompt_records`` reads them."""
+    return [r.prompt for r in read_prompt_records(path, field)]
+
+
+def load_hf_prompts(name: str, split: str, field: str) -> list[str | list[dict[str, str]]]:
+    """The ``field`` column of a Hugging Face dataset's ``split`` (scalars as strings)."""
+    return [r.prompt for r in read_prompt_records(None, field, hf_dataset=name, hf_split=split)]
+
+
+def chat_template_of(value: str | None) -> str | None:
+    """``data.chat_template``: a Jinja string, or the path of a file holding one."""
+    if value is None:
+        return None
+    path = Path(value)
+    if "{" not in value and len(value) < 4096 and path.suffix in (".jinja", ".j2", ".txt", ".jinja2"):
+        if not path.is_file():
+            raise ConfigError(f"data.chat_template={value!r}: no such file (give a Jinja string or a file)")
+        return path.read_text(encoding="utf-8")
+    return value
+
+
+def render_prompts(
+    records: list[PromptRecord], tokenizer, chat_template: str | None = None, system_prompt: str | None = None
+) -> list[str]:
+    """The text the policy continues, per record: a string prompt as it is (or, with
+    ``chat_template``, as one user message), a list of messages through the chat template
+    (``chat_template``, else the tokenizer's) with ``add_generation_prompt=True``, after
+    ``system_prompt`` as a first system message when the messages have none."""
+    texts = []
+    for r in records:
+        if not r.is_chat and chat_template is None:
+            texts.append(r.prompt)
+            continue
+        messages = r.prompt if r.is_chat else [{"role": "user", "content": r.prompt}]
+        if system_prompt is not None and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ConfigError(
+                f"{r.where}: chat messages, but the tokenizer has no chat template; set data.chat_template "
+                "(a Jinja string or a file)"
+            )
+        try:
+            texts.append(
+                tokenizer.apply_chat_template(
+                    messages, chat_template=template, tokenize=False, add_generation_prompt=True
+                )
+            )
+        except Exception as e:  # the template's own checks (a role it rejects, alternation)
+            raise ConfigError(f"{r.where}: the chat template rejects these messages: {e}") from None
+    return texts
 
 
 def tokenize_prompts(prompts: list[str], tokenizer, max_length: int, truncation: str, source: str) -> list[list[int]]:
@@ -226,6 +314,20 @@ class PadCollator:
         return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+class PromptCollator:
+    """A batch of PPO prompts: ``input_ids`` and ``attention_mask`` left-padded, plus each row's
+    ``prompts`` (as the user wrote them) and ``columns`` (its metadata), lists in row order."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad = PadCollator(pad_token_id)
+
+    def __call__(self, items: list[dict]) -> dict:
+        batch = self.pad([item["input_ids"] for item in items])
+        batch["prompts"] = [item["prompt"] for item in items]
+        batch["columns"] = [item["columns"] for item in items]
+        return batch
+
+
 class PromptBatches:
     """Batches of prompts in an order fixed by ``(seed, epoch)``, sharded over ranks.
 
@@ -292,27 +394,27 @@ class PromptDataModule(L.LightningDataModule):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.seed = seed
-        self.dataset: ListDataset | None = None
+        self.dataset: ListDataset | None = None  # {"input_ids", "prompt", "columns"} per prompt
+        self.records: list[PromptRecord] = []
 
     def load(self) -> None:
         """Read and tokenise the prompts; called before fitting so bad data fails early."""
         if self.dataset is not None:
             return
         c = self.cfg
-        if c.path is not None:
-            prompts, source = read_prompts(c.path, c.prompt_field), f"data.path={c.path!r}"
-        else:
-            prompts, source = (
-                load_hf_prompts(c.hf_dataset, c.hf_split, c.prompt_field),
-                f"data.hf_dataset={c.hf_dataset!r}",
-            )
-        ids = tokenize_prompts(prompts, self.tokenizer, c.max_prompt_length, c.truncation, source)
+        source = records_source("data", c.path, c.hf_dataset)
+        records = read_prompt_records(c.path, c.prompt_field, hf_dataset=c.hf_dataset, hf_split=c.hf_split)
+        texts = render_prompts(records, self.tokenizer, chat_template_of(c.chat_template), c.system_prompt)
+        ids = tokenize_prompts(texts, self.tokenizer, c.max_prompt_length, c.truncation, source)
         if len(ids) < c.batch_size:
             raise ConfigError(
                 f"{source} has {len(ids)} prompts, fewer than data.batch_size={c.batch_size}; "
                 "add prompts or lower data.batch_size"
             )
-        self.dataset = ListDataset(ids)
+        self.records = records
+        self.dataset = ListDataset(
+            [{"input_ids": x, "prompt": r.prompt, "columns": r.columns} for x, r in zip(ids, records)]
+        )
 
     def setup(self, stage: str | None = None) -> None:
         self.load()
@@ -323,7 +425,7 @@ class PromptDataModule(L.LightningDataModule):
         rank = self.trainer.global_rank if self.trainer is not None else 0
         g = torch.Generator().manual_seed(self.seed + 17 + rank)
         order = torch.randint(len(self.dataset), (n,), generator=g).tolist()
-        collate = PadCollator(self.tokenizer.pad_token_id)
+        collate = PromptCollator(self.tokenizer.pad_token_id)
         for s in range(0, n, self.cfg.batch_size):
             yield collate([self.dataset[i] for i in order[s : s + self.cfg.batch_size]])
 
@@ -339,7 +441,7 @@ class PromptDataModule(L.LightningDataModule):
         return PromptBatches(
             self.dataset,
             self.cfg.batch_size,
-            PadCollator(self.tokenizer.pad_token_id),
+            PromptCollator(self.tokenizer.pad_token_id),
             shuffle=self.cfg.shuffle,
             seed=self.seed,
             rank=rank,

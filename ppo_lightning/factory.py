@@ -38,6 +38,7 @@ from ppo_lightning.policy import (
 )
 from ppo_lightning.recipes import RECIPES, recipe_root
 from ppo_lightning.rewards import build_reward
+from ppo_lightning.rewards.function import check_reward_columns
 from ppo_lightning.tiny import ensure_tiny_model
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,9 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
         cfg.model.tokenizer_name_or_path or cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
     )
     datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed)
-    datamodule.load()
+    datamodule.load()  # reads, renders (chat templates) and tokenises the prompts
+    if reward_fn is not None:
+        check_reward_columns(reward_fn, datamodule.records)  # the columns it asks for, in every record
 
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
     ctx = context_length(lm.config)

@@ -23,7 +23,7 @@ from ppo_lightning import estimators, ppo
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.generation.hf import logits_to_keep, stop_hits
 from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
-from ppo_lightning.rewards.base import Normalization, normalized
+from ppo_lightning.rewards.base import Normalization, RewardInputs, normalized
 
 
 class _Sequences:
@@ -164,19 +164,34 @@ def decode_prompts_and_responses(
 
 
 def score_responses(
-    reward_fn: Callable, tokenizer, input_ids: Tensor, attention_mask: Tensor, responses: Tensor, response_mask: Tensor
+    reward_fn: Callable,
+    tokenizer,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    prompts: list | None = None,
+    columns: list[dict] | None = None,
 ) -> Tensor:
     """The scorer's raw score of each row, float32, on the rollout's device.
 
     A reward model that shares the policy's vocabulary (``RewardModel.token_input``) reads the
-    token ids directly; every other scorer gets ``(prompts, responses)`` as decoded text.
+    token ids directly. A scorer with a ``score`` method (a reward function) gets ``RewardInputs``:
+    the decoded texts, and each row's prompt as the user wrote it and its record's ``columns``
+    when the batch has them; any other scorer gets ``(prompts, responses)`` as decoded text.
     """
     if getattr(reward_fn, "token_input", False):
         ids = torch.cat([input_ids, responses], dim=1)
         mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
         return reward_fn.score_tokens(ids, mask).float().to(input_ids.device)
     prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
-    scores = reward_fn(prompt_texts, texts)
+    if hasattr(reward_fn, "score"):
+        completion_ids = None
+        if getattr(reward_fn, "trl_style", False):
+            completion_ids = [row[m > 0].tolist() for row, m in zip(responses.cpu(), response_mask.cpu())]
+        scores = reward_fn.score(RewardInputs(prompt_texts, texts, completion_ids, prompts, columns))
+    else:
+        scores = reward_fn(prompt_texts, texts)
     return torch.as_tensor(scores, dtype=torch.float32).to(input_ids.device)
 
 
@@ -196,7 +211,9 @@ def reference_scores(
     for batch in batches:
         ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         resp, mask = ref_sampler.generate(ids, am, params, generator)
-        raw.append(score_responses(reward_fn, tokenizer, ids, am, resp, mask))
+        raw.append(
+            score_responses(reward_fn, tokenizer, ids, am, resp, mask, batch.get("prompts"), batch.get("columns"))
+        )
     return torch.cat(raw)
 
 
@@ -235,6 +252,8 @@ def sample_and_score(
     forward_chunk_size: int | None = None,
     reward_norm: Normalization | None = None,
     generator: torch.Generator | None = None,
+    prompts: list | None = None,
+    columns: list[dict] | None = None,
 ) -> Samples:
     """Sample responses to left-padded prompts through ``sampler`` (the policy's backend) as
     ``params`` say; reference logprobs and reward scores for them.
@@ -251,7 +270,9 @@ def sample_and_score(
         None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size
     )
 
-    raw_scores = score_responses(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask)
+    raw_scores = score_responses(
+        reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
+    )
     scores = normalized(raw_scores, reward_norm)
     contains_eos = (stop_hits(responses, tokenizer.eos_token_id, params.stop_sequences) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and params.stop_at_eos:

@@ -28,8 +28,18 @@ PAD_TOKEN = "<|pad|>"
 BYTE_VOCAB_SIZE = 258  # 256 bytes + EOS + pad
 
 
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role: ' + m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The byte tokenizer's chat template: one ``<|role|>content`` line per message (system, user or
+assistant), then ``<|assistant|>`` to generate after. Written in bytes, like everything else."""
+
+
 def build_byte_tokenizer():
-    """A byte-level ``PreTrainedTokenizerFast``: 256 byte tokens, EOS = 256, pad = 257."""
+    """A byte-level ``PreTrainedTokenizerFast``: 256 byte tokens, EOS = 256, pad = 257, and a
+    small chat template (``TINY_CHAT_TEMPLATE``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -51,6 +61,7 @@ def build_byte_tokenizer():
         pad_token=PAD_TOKEN,
         padding_side="left",
         model_max_length=1_000_000,
+        chat_template=TINY_CHAT_TEMPLATE,
     )
 
 

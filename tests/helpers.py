@@ -277,3 +277,30 @@ class RecordingBackend:
 
     def sync_weights(self, named_tensors) -> None:
         RecordingBackend.syncs.append(len(list(named_tensors)))
+
+
+REWARD_CALLS: list[list] = []  # the qid column of each call to the own_answer rewards (in-process runs)
+
+
+def _item(qid) -> str:
+    return f"item {qid}: what is {qid} + 1?"
+
+
+def own_answer_trl(prompts, completions, completion_ids, answer, qid, **kwargs):
+    """TRL's signature; fails unless every row's columns belong to its own prompt (a list of chat
+    messages whose last one asks about ``qid``, with ``answer`` = qid + 1), completions are
+    assistant messages and completion ids are token ids. Scores a response by its length."""
+    for p, c, ids, a, q in zip(prompts, completions, completion_ids, answer, qid, strict=True):
+        assert p[-1] == {"role": "user", "content": _item(q)} and a == str(q + 1), (p, a, q)
+        assert c[0]["role"] == "assistant" and all(isinstance(t, int) for t in ids)
+    REWARD_CALLS.append(list(qid))
+    return [len(c[0]["content"]) / 8.0 for c in completions]
+
+
+def own_answer_legacy(prompts, responses, answer):
+    """``(prompts, responses, **columns)``: the decoded prompt text (through the chat template)
+    holds the question whose answer is this row's ``answer`` column."""
+    for p, a in zip(prompts, answer, strict=True):
+        assert _item(int(a) - 1) in p, (p, a)
+    REWARD_CALLS.append([int(a) - 1 for a in answer])
+    return [len(r) / 8.0 for r in responses]

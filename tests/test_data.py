@@ -140,8 +140,8 @@ def test_one_reader_keeps_every_field_in_order_from_each_source(tmp_path, monkey
     assert load_hf_prompts("org/x", "train", "text") == ["alpha", "5"]
     with pytest.raises(
         ConfigError,
-        match=r"data.prompt_field='prompt' is not a column of 'org/x': "
-        r"\['text', 'n'\]",
+        match=r"^data.hf_dataset='org/x' row 0: no 'prompt' field \(data.prompt_field='prompt'\); its fields are "
+        r"\['n', 'text'\]",
     ):
         load_hf_prompts("org/x", "train", "prompt")
 

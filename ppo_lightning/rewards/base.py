@@ -9,9 +9,10 @@ the rollout turns a scorer's raw output into ``gain * raw + bias``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +27,23 @@ def normalized(raw: torch.Tensor, norm: Normalization | None) -> torch.Tensor:
     rollouts and for every other caller that scores text as training does."""
     gain, bias = norm or (1.0, 0.0)
     return raw * gain + bias
+
+
+@dataclasses.dataclass
+class RewardInputs:
+    """What a scorer may read about a batch of responses, row by row.
+
+    ``prompt_texts`` and ``responses`` are decoded text such that ``prompt + response`` is the
+    decoded whole sequence (what a reward model with its own tokenizer reads). ``prompts`` are the
+    prompts as the user wrote them (strings, or lists of chat messages), and ``columns`` each
+    row's metadata (the other fields of its record), both repeated for each of a prompt's samples;
+    None when the caller has none (the text alone)."""
+
+    prompt_texts: list[str]
+    responses: list[str]
+    completion_ids: list[list[int]] | None = None
+    prompts: list | None = None
+    columns: list[dict[str, Any]] | None = None
 
 
 class RewardError(RuntimeError):

@@ -1,18 +1,35 @@
-"""A reward from any importable Python callable ``(prompts, responses) -> list[float]``.
+"""A reward from any importable Python callable, with either of two signatures.
 
 Chosen on the command line: ``reward=function reward.fn=my_pkg.my_module.my_fn``; extra keyword
 arguments come from ``reward.kwargs``. The import happens when the run is built, so a typo fails
-before any model is loaded.
+before any model is loaded. The signature is chosen by the function's parameters:
+
+- with a parameter named ``completions``, TRL's: ``fn(prompts=, completions=, completion_ids=,
+  **columns)``, all by keyword. ``prompts`` are as the user wrote them (strings, or lists of chat
+  messages); ``completions`` the response texts (for chat prompts, each as a one-message list
+  ``[{"role": "assistant", "content": text}]``, as TRL gives them); ``completion_ids`` the
+  response token ids.
+- otherwise ``fn(prompts, responses, **kwargs)``: the decoded prompt and response texts
+  (``prompt + response`` is the decoded whole sequence).
+
+Either way, a parameter that ``reward.kwargs`` does not set and that is not one of the call's own
+is a column of the prompt records (``answer``, ``data_source``, ...), one value per response: a
+parameter without a default must exist in every record (checked before any model loads), one
+with a default is passed where the records have it. A TRL-style function that takes ``**kwargs``
+gets every column, as TRL's do.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from typing import Any, Callable
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.rewards.base import RewardError, check_scores
+from ppo_lightning.rewards.base import RewardError, RewardInputs, check_scores
+
+TRL_ARGS = ("prompts", "completions", "completion_ids")  # the TRL-style call's own parameters
 
 
 def import_callable(path: str, key: str = "reward.fn") -> Callable:
@@ -45,23 +62,86 @@ class FunctionReward:
 
     def __init__(self, fn: str, kwargs: dict[str, Any] | None = None, allow_nonfinite: bool = True):
         self.name = fn
-        self.fn = functools.partial(import_callable(fn), **(kwargs or {}))
+        raw, kwargs = import_callable(fn), dict(kwargs or {})
+        self.fn = functools.partial(raw, **kwargs)
         self.allow_nonfinite = allow_nonfinite
+        params = inspect.signature(raw).parameters
+        self.trl_style = "completions" in params
+        named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        own = set(TRL_ARGS) if self.trl_style else {p.name for p in named[:2]}  # (prompts, responses)
+        columns = [p for p in named if p.name not in own and p.name not in kwargs]
+        self.required_columns = tuple(p.name for p in columns if p.default is p.empty)
+        self.optional_columns = tuple(p.name for p in columns if p.default is not p.empty)
+        self.every_column = self.trl_style and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
     def __call__(self, prompts: list[str], responses: list[str]):
+        """Scores of decoded texts alone (no records): the columns a function needs are missing."""
+        return self.score(RewardInputs(prompts, responses))
+
+    def score(self, inputs: RewardInputs):
+        """One checked score per response (``check_scores``), the call chosen by the signature."""
+        columns = self._columns(inputs)
         try:
-            scores = self.fn(prompts, responses)
+            if self.trl_style:
+                chat = inputs.prompts is not None and any(isinstance(p, list) for p in inputs.prompts)
+                completions = (
+                    [[{"role": "assistant", "content": r}] for r in inputs.responses] if chat else inputs.responses
+                )
+                scores = self.fn(
+                    prompts=inputs.prompts if inputs.prompts is not None else inputs.prompt_texts,
+                    completions=completions,
+                    completion_ids=inputs.completion_ids,
+                    **columns,
+                )
+            else:
+                scores = self.fn(inputs.prompt_texts, inputs.responses, **columns)
         except Exception as e:
             raise RewardError(
-                f"reward {self.name} raised {type(e).__name__}: {e} ({self._culprit(prompts, responses)})"
+                f"reward {self.name} raised {type(e).__name__}: {e} "
+                f"({self._culprit(inputs.prompt_texts, inputs.responses, columns)})"
             ) from e
-        return check_scores(scores, prompts, self.name, self.allow_nonfinite)
+        return check_scores(scores, inputs.prompt_texts, self.name, self.allow_nonfinite)
 
-    def _culprit(self, prompts: list[str], responses: list[str]) -> str:
+    def _columns(self, inputs: RewardInputs) -> dict[str, list]:
+        """The columns this function takes, one list each (a value per response)."""
+        rows = inputs.columns or [{} for _ in inputs.responses]
+        present = set(rows[0]) if rows else set()
+        missing = [c for c in self.required_columns if c not in present]
+        if missing:
+            raise RewardError(
+                f"reward {self.name} asks for column(s) {missing}, which the prompt records do not have "
+                f"(their columns: {sorted(present)})"
+            )
+        names = (
+            sorted(present)
+            if self.every_column
+            else [*self.required_columns, *(c for c in self.optional_columns if c in present)]
+        )
+        return {c: [row.get(c) for row in rows] for c in names}
+
+    def _culprit(self, prompts: list[str], responses: list[str], columns: dict[str, list]) -> str:
         """Find the first row that fails on its own, so the message can name the prompt."""
         for i, (p, r) in enumerate(zip(prompts, responses)):
+            row = {c: v[i : i + 1] for c, v in columns.items()}
             try:
-                self.fn([p], [r])
+                if self.trl_style:
+                    self.fn(prompts=[p], completions=[r], completion_ids=None, **row)
+                else:
+                    self.fn([p], [r], **row)
             except Exception:
                 return f"on prompt {i} {p[:60]!r} with response {r[:60]!r}"
         return f"on a batch of {len(prompts)} that fails only as a whole"
+
+
+def check_reward_columns(reward_fn, records) -> None:
+    """Before any model loads: every column a reward function needs is in every prompt record;
+    else a ``ConfigError`` naming the first record without it and the columns that exist."""
+    needed = getattr(reward_fn, "required_columns", ())
+    for record in records if needed else ():
+        missing = [c for c in needed if c not in record.columns]
+        if missing:
+            raise ConfigError(
+                f"{record.where}: reward {reward_fn.name} asks for column(s) {missing}, which this record does "
+                f"not have (its columns: {sorted(record.columns)}); add them to the data, or set them in "
+                "reward.kwargs"
+            )

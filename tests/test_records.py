@@ -1,0 +1,175 @@
+"""Prompt records: chat messages through the chat template, and each prompt's other fields (its
+metadata) reaching the reward, row by row, with every one of its samples."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ppo_lightning.data import PromptRecord, read_prompt_records, render_prompts
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.tiny import build_byte_tokenizer
+from tests import helpers
+from tests.conftest import compose_cfg, read_metrics
+
+SYSTEM = "Answer with a number."
+
+
+def _write_chat_records(path, n: int = 8):
+    rows = [
+        {"prompt": [{"role": "user", "content": helpers._item(q)}], "answer": str(q + 1), "qid": q} for q in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_chat_prompts_render_as_the_tokenizers_chat_template(tmp_path):
+    """Messages go through ``apply_chat_template(add_generation_prompt=True)``: the tokenizer's
+    template, or ``data.chat_template`` (a string or a file); ``data.system_prompt`` comes first
+    where the messages have no system message; a string prompt stays as written unless a template
+    is given. Every other field is the record's metadata."""
+    tok = build_byte_tokenizer()
+    rows = _write_chat_records(tmp_path / "chat.jsonl", 3)
+    with_system = {"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "hi"}], "k": 1}
+    (tmp_path / "chat.jsonl").open("a").write(json.dumps(with_system) + "\n")
+    records = read_prompt_records(tmp_path / "chat.jsonl")
+    assert [r.columns for r in records] == [{"answer": str(q + 1), "qid": q} for q in range(3)] + [{"k": 1}]
+    texts = render_prompts(records, tok, system_prompt=SYSTEM)
+    naive = [
+        tok.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, *r["prompt"]], tokenize=False, add_generation_prompt=True
+        )
+        for r in rows
+    ]
+    naive.append(tok.apply_chat_template(with_system["prompt"], tokenize=False, add_generation_prompt=True))
+    assert texts == naive and texts[0] == f"<|system|>{SYSTEM}\n<|user|>item 0: what is 0 + 1?\n<|assistant|>"
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}=>"
+    (tmp_path / "t.jinja").write_text(template)
+    plain = PromptRecord("just text", {}, "here")
+    from ppo_lightning.data import chat_template_of
+
+    for given in (template, str(tmp_path / "t.jinja")):
+        out = render_prompts([records[0], plain], tok, chat_template_of(given))
+        assert out == ["[user] item 0: what is 0 + 1? =>", "[user] just text =>"]
+    assert render_prompts([plain], tok) == ["just text"]
+
+
+def test_bad_chat_records_are_named_by_file_and_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"prompt": [{"role": "user"}]}) + "\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl' line 1: message 0 of 'prompt' must be an object with string"):
+        read_prompt_records(f)
+    f.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": [{"role": "tool", "content": "x"}]}))
+    records = read_prompt_records(f)
+    with pytest.raises(ConfigError, match=r"bad.jsonl' line 2: the chat template rejects these messages: unknown role"):
+        render_prompts(records, build_byte_tokenizer())
+    tok = build_byte_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(
+        ConfigError,
+        match=r"line 2: chat messages, but the tokenizer has no chat template; set "
+        r"data.chat_template",
+    ):
+        render_prompts(records, tok)
+
+
+RUN = [
+    "data=file",
+    "reward=function",
+    "ppo.advantage=grpo",
+    "ppo.num_generations=4",
+    "data.batch_size=4",
+    "ppo.minibatch_size=16",
+    "ppo.ppo_epochs=1",
+    "sampling.max_new_tokens=6",
+    "trainer.max_steps=3",
+    "reward.normalize=true",
+    "reward.normalize_samples=8",
+    f"data.system_prompt='{SYSTEM}'",
+    "callbacks=none",
+    "logger=csv",
+    "export_dir=null",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+
+
+@pytest.mark.parametrize("fn", ["own_answer_trl", "own_answer_legacy"])
+def test_every_reward_call_gets_each_prompts_own_metadata(tmp_path, cache_dir, fn):
+    """A real run, 4 samples per prompt: every reward call (reward normalisation's reference
+    samples included) gets each row's own columns, the same for the 4 rows of a group, under
+    either signature; the rewards fail otherwise."""
+    from ppo_lightning.jobs import train
+
+    _write_chat_records(tmp_path / "chat.jsonl", 8)
+    helpers.REWARD_CALLS.clear()
+    cfg = compose_cfg(
+        [*RUN, f"data.path={tmp_path / 'chat.jsonl'}", f"reward.fn=tests.helpers.{fn}"], tmp_path, cache_dir
+    )
+    train(cfg)
+    assert len(read_metrics(tmp_path / "metrics.csv")) == 3
+    rollouts = [c for c in helpers.REWARD_CALLS if len(c) == 16]  # 4 prompts x 4 samples
+    normalization = [q for c in helpers.REWARD_CALLS if len(c) != 16 for q in c]  # one sample per prompt
+    assert len(normalization) == 8 and len(rollouts) == 3
+    for qids in rollouts:
+        groups = [qids[i : i + 4] for i in range(0, 16, 4)]
+        assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) == 4, qids
+
+
+def test_a_reward_asking_for_a_column_the_data_lacks_fails_before_any_model_loads(tmp_path, cache_dir, monkeypatch):
+    from ppo_lightning import factory
+
+    f = tmp_path / "chat.jsonl"
+    _write_chat_records(f, 8)
+    f.open("a").write(json.dumps({"prompt": "no columns here", "answer": "1"}) + "\n")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model loaded before the data's columns were checked")
+
+    monkeypatch.setattr(factory, "load_causal_lm", no_model)
+    cfg = compose_cfg([*RUN, f"data.path={f}", "reward.fn=tests.helpers.own_answer_trl"], tmp_path, cache_dir)
+    with pytest.raises(
+        ConfigError,
+        match=r"chat.jsonl' line 9: reward tests.helpers.own_answer_trl asks for column"
+        r"\(s\) \['qid'\], which this record does not have \(its columns: "
+        r"\['answer'\]\)",
+    ):
+        factory.build_module(cfg)
+
+
+@pytest.mark.slow  # subprocesses: two ranks, killed, resumed
+def test_metadata_stays_with_its_prompt_on_every_rank_and_after_a_kill(tmp_path, cache_dir):
+    """``trainer=ddp_cpu``: each rank's rows carry their own prompts' columns (the reward raises
+    otherwise), also in the run resumed from the checkpoint a SIGKILL left, which picks up the
+    prompts where the killed run stopped."""
+    import torch
+
+    from tests.helpers import run_train
+
+    _write_chat_records(tmp_path / "chat.jsonl", 16)
+    args = [
+        "experiment=tiny_char",
+        *[a for a in RUN if not a.startswith(("callbacks=", "trainer.max_steps", "export_dir"))],
+        "trainer=ddp_cpu",
+        "trainer.max_steps=6",
+        "export_dir=null",
+        "callbacks.model_checkpoint.every_n_train_steps=2",
+        f"data.path={tmp_path / 'chat.jsonl'}",
+        "reward.fn=tests.helpers.own_answer_trl",
+    ]
+    killed = run_train(
+        [
+            *args,
+            f"hydra.run.dir={tmp_path / 'killed'}",
+            "+callbacks.kill._target_=tests.helpers.KillAtStep",
+            "+callbacks.kill.step=3",
+        ],
+        cache_dir,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    resumed = run_train([*args, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={last}"], cache_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [int(r["step"]) for r in read_metrics(tmp_path / "resumed" / "metrics.csv")] == [2, 3, 4, 5]
