@@ -14,7 +14,8 @@ from ppo_lightning.rollout import decode_prompts_and_responses
 class SampleTable(L.Callback):
     """Every ``every_n_steps`` PPO iterations, record prompts, responses and scores.
 
-    Rows go to ``<dirpath>/samples.jsonl`` (one JSON object per sample, with the iteration) and,
+    Rows go to ``<dirpath>/samples.jsonl`` (one JSON object per sample, with the iteration, and
+    with ``reward.terms`` each term's raw score as a column of its own) and,
     when a W&B logger is attached, to a W&B table ``samples`` at that step. Seeing what the policy
     writes is the first check against reward hacking.
     """
@@ -33,15 +34,18 @@ class SampleTable(L.Callback):
             pl_module.tokenizer, r.query_responses[:n, : r.context_length], r.responses[:n], r.response_mask[:n]
         )
         scores = r.scores[:n].tolist()
+        terms = {name: x[:n].tolist() for name, x in r.term_scores.items()}  # reward.terms, raw
+        rows = [
+            {"step": step, "prompt": p, "response": resp, "score": s, **{k: v[i] for k, v in terms.items()}}
+            for i, (p, resp, s) in enumerate(zip(prompts, responses, scores))
+        ]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as f:
-            for p, resp, s in zip(prompts, responses, scores):
-                f.write(json.dumps({"step": step, "prompt": p, "response": resp, "score": s}) + "\n")
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
         for lg in trainer.loggers:
             if isinstance(lg, WandbLogger):
+                columns = list(rows[0])
                 lg.log_table(
-                    key="samples",
-                    columns=["step", "prompt", "response", "score"],
-                    data=[[step, p, resp, s] for p, resp, s in zip(prompts, responses, scores)],
-                    step=step,
+                    key="samples", columns=columns, data=[[row[c] for c in columns] for row in rows], step=step
                 )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -240,6 +241,34 @@ class RewardConfig:
     at least one per rank."""
     trust_remote_code: bool = False
     """(model) Run code shipped with the reward model."""
+    terms: Dict[str, Any] = field(default_factory=dict)
+    """Several rewards, weighted: ``{name: {kind, fn, kwargs, weight, ...}}``, each term configured
+    as this node is (``RewardTermConfig``; ``weight`` 1.0 by default). When given, the terms are
+    the reward: their weighted sum, normalised as one score (normalising each term would replace
+    the weights by the terms' spreads); ``kind``/``fn``/the model keys above are then unused. Add
+    one from the command line with or without ``+``: ``reward.terms.correct.fn=my.fn
+    reward.terms.format.fn=my.fmt reward.terms.format.weight=0.2``, or from a file in
+    ``conf/reward/`` (``reward=math``). Each term's raw scores are logged as
+    ``rewards/<name>/mean`` and ``rewards/<name>/std``. A term of kind model reads text."""
+
+
+@dataclass
+class RewardTermConfig:
+    """One term of ``reward.terms``: the keys of ``reward`` that describe one scorer, and its weight."""
+
+    kind: str = param("function", choices=choices.REWARD_KINDS)
+    fn: Optional[str] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+    name_or_path: Optional[str] = None
+    batch_size: int = param(32, ge=1)
+    max_length: int = param(512, ge=1)
+    dtype: str = param("float32", choices=choices.DTYPES)
+    label_index: int = param(0, ge=0)
+    trust_remote_code: bool = False
+
+
+TERM_NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # a term's name is part of its metric keys
 
 
 @dataclass
@@ -745,7 +774,10 @@ class RewardModelTask(RewardModelConfig):
 # ============================================================================= registration
 def register_configs() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
+    schema = OmegaConf.structured(TrainConfig)
+    # reward.terms takes new names without a "+": reward.terms.correct.fn=my.fn
+    OmegaConf.set_struct(schema.reward.terms, False)
+    cs.store(name="train_schema", node=schema)
     # the task=sft / task=reward_model nodes: conf/task/<name>.yaml puts them at `task`
     cs.store(group="task", name="sft_schema", node=SFTTask)
     cs.store(group="task", name="reward_model_schema", node=RewardModelTask)
@@ -777,8 +809,8 @@ class IgnoredUnless:
 
 _PPO = lambda cfg: cfg.task.name == "ppo"  # noqa: E731
 _CRITIC = lambda cfg: cfg.ppo.advantage == "gae"  # noqa: E731
-_FUNCTION = lambda cfg: cfg.reward.kind == "function"  # noqa: E731
-_MODEL = lambda cfg: cfg.reward.kind == "model"  # noqa: E731
+_FUNCTION = lambda cfg: cfg.reward.kind == "function" and not cfg.reward.terms  # noqa: E731
+_MODEL = lambda cfg: cfg.reward.kind == "model" and not cfg.reward.terms  # noqa: E731
 _STOPS = lambda cfg: cfg.sampling.stop_at_eos  # noqa: E731
 IGNORED_UNLESS = (
     IgnoredUnless("ppo.vf_coef", "ppo.advantage=gae (the only estimator with a critic)", _CRITIC),
@@ -801,10 +833,10 @@ IGNORED_UNLESS = (
         "reward.bias", "reward.normalize=false (normalisation fits gain and bias)", lambda cfg: not cfg.reward.normalize
     ),
     IgnoredUnless("reward.normalize_samples", "reward.normalize=true", lambda cfg: cfg.reward.normalize),
-    IgnoredUnless("reward.fn", "reward.kind=function", _FUNCTION),
-    IgnoredUnless("reward.kwargs", "reward.kind=function", _FUNCTION),
+    IgnoredUnless("reward.fn", "reward.kind=function and no reward.terms", _FUNCTION),
+    IgnoredUnless("reward.kwargs", "reward.kind=function and no reward.terms", _FUNCTION),
     *(
-        IgnoredUnless(f"reward.{k}", "reward.kind=model", _MODEL)
+        IgnoredUnless(f"reward.{k}", "reward.kind=model and no reward.terms", _MODEL)
         for k in ("name_or_path", "batch_size", "max_length", "dtype", "input", "label_index", "trust_remote_code")
     ),
     IgnoredUnless("data.hf_split", "data.hf_dataset is read (data.path is null)", lambda cfg: cfg.data.path is None),
@@ -868,6 +900,7 @@ def validate(cfg) -> None:
         if node is not None:
             check_fields(node, cls, prefix)
     check_fields(cfg, TrainConfig)  # the run-level keys
+    check_reward_terms(cfg.reward)
     for line in ignored_keys(cfg):
         log.warning(line)
     p, d = cfg.ppo, cfg.data
@@ -929,8 +962,26 @@ def validate(cfg) -> None:
             f"trainer.strategy={target}: Lightning's FSDP1 flattens the weights the sampler reads; "
             "use trainer=fsdp (FSDP2, ppo_lightning.sharding.FSDP2Strategy) or trainer=fsdp_cpu"
         )
-    if cfg.model.value_head_init == "reward_model" and cfg.reward.kind != "model":
+    if cfg.model.value_head_init == "reward_model" and (cfg.reward.kind != "model" or cfg.reward.terms):
         raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
+
+
+def check_reward_terms(reward) -> None:
+    """Each ``reward.terms`` entry: a mapping with a name fit for a metric key and only the keys
+    of ``RewardTermConfig``, each within its check."""
+    known = [f.name for f in dataclasses.fields(RewardTermConfig)]
+    for name, term in (reward.get("terms") or {}).items():
+        key = f"reward.terms.{name}"
+        if not TERM_NAME.match(str(name)):
+            raise ConfigError(f"{key}: a term's name may hold letters, digits, _ and - only (it names its metrics)")
+        if not OmegaConf.is_dict(term) and not isinstance(term, dict):
+            raise ConfigError(f"{key}={term!r}: expected a mapping such as {{fn: my_pkg.my_fn, weight: 0.5}}")
+        unknown = [k for k in term if k not in known]
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: not a reward term key; choose from {', '.join(known)}")
+        check_fields(term, RewardTermConfig, key)
+        if term.get("kind", "function") == "function" and not term.get("fn"):
+            raise ConfigError(f"{key}.fn is empty: set {key}.fn=my_pkg.my_module.my_fn")
 
 
 def check_moved_keys(cfg) -> None:

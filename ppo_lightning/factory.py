@@ -37,7 +37,7 @@ from ppo_lightning.policy import (
     resolve_source,
 )
 from ppo_lightning.recipes import RECIPES, recipe_root
-from ppo_lightning.rewards import build_reward
+from ppo_lightning.rewards import build_reward, needs_model
 from ppo_lightning.rewards.function import check_reward_columns
 from ppo_lightning.tiny import ensure_tiny_model
 
@@ -100,8 +100,8 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
         read_prompts(d.path, d.prompt_field)  # empty, malformed or unsupported files fail here
     if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
-    if r.kind == "function":
-        build_reward(r)  # imports reward.fn
+    if not needs_model(r):
+        build_reward(r)  # imports reward.fn (or every term's)
     sources = [
         (
             "model.name_or_path",
@@ -110,7 +110,12 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
         ),
         ("model.tokenizer_name_or_path", m.tokenizer_name_or_path, False),
         ("ref.name_or_path", cfg.ref.name_or_path, False),
-        ("reward.name_or_path", r.name_or_path if r.kind == "model" else None, False),
+        ("reward.name_or_path", r.name_or_path if r.kind == "model" and not r.terms else None, False),
+        *(
+            (f"reward.terms.{name}.name_or_path", term.get("name_or_path"), False)
+            for name, term in (r.terms or {}).items()
+            if term.get("kind", "function") == "model"
+        ),
     ]
     for key, value, built_here in sources:
         if value and not built_here and not pending(value):
@@ -152,7 +157,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     # depend on whether this run built it (LoRA's adapter init draws from that RNG)
     ensure_tiny_model(cfg.model, cfg.paths.cache_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    reward_fn = build_reward(cfg.reward) if cfg.reward.kind == "function" else None
+    reward_fn = None if needs_model(cfg.reward) else build_reward(cfg.reward)
 
     tokenizer = load_tokenizer(
         cfg.model.tokenizer_name_or_path or cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code

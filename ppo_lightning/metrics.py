@@ -54,6 +54,7 @@ def iteration_metrics(
         "value/explained_variance": ppo.explained_variance(r.values, r.returns, mask),
         "rollout/response_length": mask.sum(1).mean(),
         **group_metrics(r, num_generations),
+        **term_moments(r),
         "val/num_eos_tokens": r.contains_eos.float().sum(),
         "perf/tokens_per_s": mask.sum() / (time_rollout + time_update),
         **{k: torch.stack(v).mean() for k, v in stats.items()},
@@ -68,8 +69,22 @@ def iteration_metrics(
     metrics = {k: float(v) for k, v in zip(names, values.cpu())}
     for k in SUMMED_METRICS:
         metrics[k] *= runtime.world_size
+    for name in r.term_scores:  # the std over every rank's rows, from the means of x and x^2
+        mean, square = metrics[f"rewards/{name}/mean"], metrics.pop(f"rewards/{name}/_square")
+        metrics[f"rewards/{name}/std"] = max(square - mean * mean, 0.0) ** 0.5
     metrics.update({"perf/time_rollout_s": time_rollout, "perf/time_update_s": time_update})
     return metrics
+
+
+def term_moments(r: Rollout) -> dict[str, Tensor]:
+    """Each ``reward.terms`` term's raw scores: their mean, and the mean of their squares (for the
+    std over all ranks' rows; equal row counts per rank make the mean of the ranks' means the
+    mean over all rows)."""
+    out = {}
+    for name, x in r.term_scores.items():
+        out[f"rewards/{name}/mean"] = x.mean()
+        out[f"rewards/{name}/_square"] = (x * x).mean()
+    return out
 
 
 def group_metrics(r: Rollout, n: int) -> dict[str, Tensor]:

@@ -67,6 +67,7 @@ class Rollout(_Sequences):
     raw_scores: Tensor  # [B] the reward's own output, before normalisation and penalty
     contains_eos: Tensor  # [B] bool
     context_length: int  # P
+    term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
     first_forward: PolicyOutput | None = None  # the old policy's forward with gradients, when fused
     # (algorithm.PPO._old_logprobs_and_values): the first update reuses it, once
     collect_time_s: float = 0.0  # wall time of sampling, scoring and the rollout's forwards
@@ -92,6 +93,7 @@ class Rollout(_Sequences):
     def index(self, idx: Tensor | slice) -> "Rollout":
         """The rows ``idx`` of every tensor: a minibatch, or a micro-batch of one."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "first_forward"}
+        fields["term_scores"] = {k: v[idx] for k, v in self.term_scores.items()}
         return Rollout(**{k: v[idx] if isinstance(v, Tensor) else v for k, v in fields.items()})
 
 
@@ -173,26 +175,45 @@ def score_responses(
     prompts: list | None = None,
     columns: list[dict] | None = None,
 ) -> Tensor:
-    """The scorer's raw score of each row, float32, on the rollout's device.
+    """The scorer's raw score of each row, float32, on the rollout's device (``score_terms``'s first part)."""
+    return score_terms(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns)[0]
+
+
+def score_terms(
+    reward_fn: Callable,
+    tokenizer,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    prompts: list | None = None,
+    columns: list[dict] | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The scorer's raw score of each row (float32, on the rollout's device), and with
+    ``reward.terms`` each term's raw scores (else an empty dict).
 
     A reward model that shares the policy's vocabulary (``RewardModel.token_input``) reads the
-    token ids directly. A scorer with a ``score`` method (a reward function) gets ``RewardInputs``:
-    the decoded texts, and each row's prompt as the user wrote it and its record's ``columns``
-    when the batch has them; any other scorer gets ``(prompts, responses)`` as decoded text.
+    token ids directly. A scorer with a ``score`` method (a reward function, weighted terms) gets
+    ``RewardInputs``: the decoded texts, and each row's prompt as the user wrote it and its
+    record's ``columns`` when the batch has them; any other scorer gets ``(prompts, responses)``
+    as decoded text.
     """
+    device = input_ids.device
     if getattr(reward_fn, "token_input", False):
         ids = torch.cat([input_ids, responses], dim=1)
         mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
-        return reward_fn.score_tokens(ids, mask).float().to(input_ids.device)
+        return reward_fn.score_tokens(ids, mask).float().to(device), {}
     prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
-    if hasattr(reward_fn, "score"):
-        completion_ids = None
-        if getattr(reward_fn, "trl_style", False):
-            completion_ids = [row[m > 0].tolist() for row, m in zip(responses.cpu(), response_mask.cpu())]
-        scores = reward_fn.score(RewardInputs(prompt_texts, texts, completion_ids, prompts, columns))
-    else:
-        scores = reward_fn(prompt_texts, texts)
-    return torch.as_tensor(scores, dtype=torch.float32).to(input_ids.device)
+    if not hasattr(reward_fn, "score"):
+        return torch.as_tensor(reward_fn(prompt_texts, texts), dtype=torch.float32).to(device), {}
+    completion_ids = None
+    if getattr(reward_fn, "trl_style", False):
+        completion_ids = [row[m > 0].tolist() for row, m in zip(responses.cpu(), response_mask.cpu())]
+    inputs = RewardInputs(prompt_texts, texts, completion_ids, prompts, columns)
+    if hasattr(reward_fn, "score_terms"):
+        total, terms = reward_fn.score_terms(inputs)
+        return total.to(device), {k: v.to(device) for k, v in terms.items()}
+    return torch.as_tensor(reward_fn.score(inputs), dtype=torch.float32).to(device), {}
 
 
 @torch.no_grad()
@@ -236,6 +257,7 @@ class Samples(_Sequences):
     raw_scores: Tensor  # [B] the reward's own output
     contains_eos: Tensor  # [B] bool: stopped by EOS or a stop sequence
     context_length: int  # P
+    term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
 
 
 @torch.no_grad()
@@ -270,7 +292,7 @@ def sample_and_score(
         None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size
     )
 
-    raw_scores = score_responses(
+    raw_scores, term_scores = score_terms(
         reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
     )
     scores = normalized(raw_scores, reward_norm)
@@ -287,6 +309,7 @@ def sample_and_score(
         raw_scores=raw_scores,
         contains_eos=contains_eos,
         context_length=P,
+        term_scores=term_scores,
     )
 
 
@@ -349,4 +372,5 @@ def finish_rollout(
         raw_scores=s.raw_scores,
         contains_eos=s.contains_eos,
         context_length=s.context_length,
+        term_scores=s.term_scores,
     )

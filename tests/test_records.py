@@ -173,3 +173,82 @@ def test_metadata_stays_with_its_prompt_on_every_rank_and_after_a_kill(tmp_path,
     resumed = run_train([*args, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={last}"], cache_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [int(r["step"]) for r in read_metrics(tmp_path / "resumed" / "metrics.csv")] == [2, 3, 4, 5]
+
+
+# ----------------------------------------------------------------------------- weighted terms
+def test_reward_terms_compose_with_or_without_plus_and_are_checked(tmp_path, cache_dir):
+    from ppo_lightning.config import validate
+
+    cfg = compose_cfg(
+        ["reward.terms.correct.fn=a.b", "+reward.terms.format.fn=c.d", "reward.terms.format.weight=0.2"],
+        tmp_path,
+        cache_dir,
+    )
+    assert {k: dict(v) for k, v in cfg.reward.terms.items()} == {
+        "correct": {"fn": "a.b"},
+        "format": {"fn": "c.d", "weight": 0.2},
+    }
+    with pytest.raises(ConfigError, match=r"^reward.terms.correct.wieght: not a reward term key; choose from kind"):
+        validate(compose_cfg(["reward.terms.correct.fn=a.b", "reward.terms.correct.wieght=2"], tmp_path, cache_dir))
+    with pytest.raises(ConfigError, match=r"^reward.terms.correct.kind='rule': choose one of function \| model"):
+        validate(compose_cfg(["reward.terms.correct.kind=rule"], tmp_path, cache_dir))
+    spaced = compose_cfg([], tmp_path, cache_dir)
+    spaced.reward.terms["x y"] = {"fn": "a.b"}  # a name no command line can write, from a YAML file
+    with pytest.raises(ConfigError, match=r"^reward.terms.x y: a term's name may hold"):
+        validate(spaced)
+    with pytest.raises(ConfigError, match=r"^reward.terms.correct.fn=.no.such.module.f.: cannot import"):
+        from ppo_lightning.factory import check_inputs
+
+        check_inputs(compose_cfg(["reward.terms.correct.fn=no.such.module.f"], tmp_path, cache_dir))
+
+
+def test_the_math_reward_file_is_the_tutorials_gsm8k_reward_as_two_weighted_terms(tmp_path, cache_dir):
+    """``reward=math``: ``math_answer`` + 0.2 x ``answer_format`` equals the tutorial's reward
+    (``math_answer_and_format``) on every kind of response, with each term's raw scores kept."""
+    from ppo_lightning.rewards import build_reward
+    from ppo_lightning.rewards.base import RewardInputs
+    from ppo_lightning.rewards.verifiable import math_answer_and_format
+
+    cfg = compose_cfg(["reward=math"], tmp_path, cache_dir)
+    reward = build_reward(cfg.reward)
+    completions = ["<answer>7</answer>", "#### 7", "<answer>8</answer>", "<answer>8</answer><answer>7</answer>", "x"]
+    inputs = RewardInputs(["q"] * 5, completions, columns=[{"answer": "7"}] * 5)
+    total, terms = reward.score_terms(inputs)
+    assert total.tolist() == pytest.approx(math_answer_and_format(None, completions, ["7"] * 5))
+    assert terms["correct"].tolist() == [1, 1, 0, 1, 0] and terms["format"].tolist() == [1, 0, 1, 0, 0]
+
+
+def test_a_run_with_two_weighted_terms_logs_each_terms_curve(tmp_path, cache_dir):
+    """Per-term means and stds on the raw scale, whose weighted sum is the logged raw score; the
+    samples file has a column per term."""
+    import statistics
+
+    from ppo_lightning.jobs import train
+
+    rows = [{"prompt": [{"role": "user", "content": helpers._item(q)}], "answer": str(q + 1)} for q in range(8)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_cfg(
+        [
+            *RUN,
+            f"data.path={tmp_path / 'chat.jsonl'}",
+            "reward=math",
+            "reward.terms.format.weight=0.5",
+            "+reward.terms.length.fn=ppo_lightning.rewards.rules.target_length",
+            "+reward.terms.length.kwargs.target=4",
+            "callbacks=default",
+            "callbacks.samples.every_n_steps=1",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    train(cfg)
+    metrics = read_metrics(tmp_path / "metrics.csv")
+    for m in metrics:
+        weighted = m["rewards/correct/mean"] + 0.5 * m["rewards/format/mean"] + m["rewards/length/mean"]
+        assert m["objective/raw_scores"] == pytest.approx(weighted, abs=1e-5)
+        assert 0 <= m["rewards/correct/std"] <= 0.5 and m["rewards/length/std"] >= 0
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert {"correct", "format", "length"} <= set(samples[0])
+    first = [s for s in samples if s["step"] == 0]
+    lengths = [s["length"] for s in first]
+    assert all(-100 < x <= 0 for x in lengths) and statistics.fmean(lengths) <= 0

@@ -1,14 +1,16 @@
 """Rewards behind one interface: ``reward_fn(prompts, responses) -> scores [B]``.
 
 ``build_reward(cfg.reward)`` picks the scorer from ``reward.kind``: ``function`` (any importable
-callable, see ``function.py``; built-in rules in ``rules.py``) or ``model`` (a sequence
-classification reward model, see ``model.py``).
+callable, see ``function.py``; built-in rules in ``rules.py``, math answers in ``verifiable.py``)
+or ``model`` (a sequence classification reward model, see ``model.py``); with ``reward.terms``,
+the weighted sum of several such scorers (``weighted.py``).
 """
 
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.rewards.base import Normalization, RewardError, check_scores, fit_normalization, normalized
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
+from ppo_lightning.rewards.weighted import WeightedReward
 from ppo_lightning.choices import REWARD_KINDS as KINDS
 
 
@@ -22,28 +24,55 @@ __all__ = [
     "FunctionReward",
     "import_callable",
     "RewardModel",
+    "WeightedReward",
     "build_reward",
+    "needs_model",
 ]
 
 
+def _get(cfg, key: str, default=None):
+    """A key of a reward node: a DictConfig, a dict, or a ``config.RewardConfig``."""
+    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+
+
 def build_reward(cfg):
-    """The scorer a ``reward`` config describes (see ``config.RewardConfig``)."""
-    if cfg.kind == "function":
-        if not cfg.fn:
-            raise ConfigError("reward.fn is empty: set reward.fn=my_pkg.my_module.my_fn")
-        return FunctionReward(cfg.fn, dict(cfg.kwargs or {}))
-    if cfg.kind == "model":
-        if not cfg.name_or_path:
+    """The scorer a ``reward`` config describes (see ``config.RewardConfig``): its ``terms``,
+    weighted, when it has any; else the one scorer ``kind`` says."""
+    terms = _get(cfg, "terms")
+    if terms:
+        return WeightedReward(
+            {
+                name: (_build_one(term, f"reward.terms.{name}"), float(_get(term, "weight", 1.0)))
+                for name, term in terms.items()
+            }
+        )
+    return _build_one(cfg, "reward")
+
+
+def needs_model(cfg) -> bool:
+    """Whether the reward (or one of its terms) is a reward model: built after the policy loads."""
+    terms = (_get(cfg, "terms") or {}).values()
+    return _get(cfg, "kind", "function") == "model" or any(_get(t, "kind", "function") == "model" for t in terms)
+
+
+def _build_one(cfg, key: str):
+    kind = _get(cfg, "kind", "function")
+    if kind == "function":
+        if not _get(cfg, "fn"):
+            raise ConfigError(f"{key}.fn is empty: set {key}.fn=my_pkg.my_module.my_fn")
+        return FunctionReward(_get(cfg, "fn"), dict(_get(cfg, "kwargs") or {}), key=f"{key}.fn")
+    if kind == "model":
+        if not _get(cfg, "name_or_path"):
             raise ConfigError(
-                "reward.name_or_path is empty: set it to a reward-model directory "
-                "or hub id (reward=model reward.name_or_path=/path/to/rm)"
+                f"{key}.name_or_path is empty: set it to a reward-model directory "
+                f"or hub id ({key}.kind=model {key}.name_or_path=/path/to/rm)"
             )
         return RewardModel(
-            cfg.name_or_path,
-            batch_size=cfg.batch_size,
-            max_length=cfg.max_length,
-            dtype=cfg.dtype,
-            label_index=cfg.label_index,
-            trust_remote_code=cfg.trust_remote_code,
+            _get(cfg, "name_or_path"),
+            batch_size=_get(cfg, "batch_size", 32),
+            max_length=_get(cfg, "max_length", 512),
+            dtype=_get(cfg, "dtype", "float32"),
+            label_index=_get(cfg, "label_index", 0),
+            trust_remote_code=_get(cfg, "trust_remote_code", False),
         )
-    raise ConfigError(f"reward.kind={cfg.kind!r}: choose one of {', '.join(KINDS)}")
+    raise ConfigError(f"{key}.kind={kind!r}: choose one of {', '.join(KINDS)}")

@@ -60,9 +60,11 @@ class FunctionReward:
     names the prompt, and stops the run if it keeps happening (``ppo.max_nonfinite_iterations``).
     """
 
-    def __init__(self, fn: str, kwargs: dict[str, Any] | None = None, allow_nonfinite: bool = True):
+    def __init__(
+        self, fn: str, kwargs: dict[str, Any] | None = None, allow_nonfinite: bool = True, key: str = "reward.fn"
+    ):
         self.name = fn
-        raw, kwargs = import_callable(fn), dict(kwargs or {})
+        raw, kwargs = import_callable(fn, key), dict(kwargs or {})
         self.fn = functools.partial(raw, **kwargs)
         self.allow_nonfinite = allow_nonfinite
         params = inspect.signature(raw).parameters
