@@ -714,7 +714,7 @@ class SFTConfig(StageConfig):
     """Keys of the SFT stage (with ``StageConfig``'s)."""
 
     response_field: str = "response"
-    """JSON field / dataset column holding the target response."""
+    """JSON field / dataset column holding the target response (the assistant turn of a chat prompt)."""
     max_length: Optional[int] = param(None, ge=2)
     """Tokens per example: prompt + response + EOS (null: the model's context, at most 512); at
     most the model's context."""
@@ -724,6 +724,13 @@ class SFTConfig(StageConfig):
     truncation: str = param("truncate", choices=choices.SFT_TRUNCATION)
     """Examples over a limit. truncate: cut the prompt from the left, then the response's end
     (losing its EOS); drop: skip them (one warning); error: refuse them."""
+    chat_template: Optional[str] = None
+    """As ``data.chat_template``: a prompt that is a list of chat messages (and, when set, a string
+    prompt as one user message) is rendered as PPO renders it, so SFT and PPO see the same prompt
+    tokens; the loss is on the response (the assistant turn) and EOS only. Give PPO the same
+    ``data.chat_template`` and ``data.system_prompt``."""
+    system_prompt: Optional[str] = None
+    """As ``data.system_prompt``."""
 
 
 @dataclass

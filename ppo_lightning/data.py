@@ -171,7 +171,7 @@ def read_prompt_records(
         if hf_dataset is not None and path is None and not isinstance(prompt, (str, list)):
             prompt = str(prompt)
         if isinstance(prompt, list):
-            _check_messages(prompt, where, field)
+            check_messages(prompt, where, field)
         elif not isinstance(prompt, str):
             raise ConfigError(
                 f"{where}: expected an object with a string {field!r} field or a list of chat messages "
@@ -183,7 +183,8 @@ def read_prompt_records(
     return records
 
 
-def _check_messages(messages: list, where: str, field: str) -> None:
+def check_messages(messages: list, where: str, field: str) -> None:
+    """A non-empty list of ``{"role": str, "content": str}`` objects, or a ``ConfigError`` naming ``where``."""
     if not messages:
         raise ConfigError(f"{where}: {field!r} is an empty list of messages")
     for i, m in enumerate(messages):
@@ -204,14 +205,14 @@ def load_hf_prompts(name: str, split: str, field: str) -> list[str | list[dict[s
     return [r.prompt for r in read_prompt_records(None, field, hf_dataset=name, hf_split=split)]
 
 
-def chat_template_of(value: str | None) -> str | None:
-    """``data.chat_template``: a Jinja string, or the path of a file holding one."""
+def chat_template_of(value: str | None, key: str = "data.chat_template") -> str | None:
+    """``data.chat_template`` (or ``key``): a Jinja string, or the path of a file holding one."""
     if value is None:
         return None
     path = Path(value)
     if "{" not in value and len(value) < 4096 and path.suffix in (".jinja", ".j2", ".txt", ".jinja2"):
         if not path.is_file():
-            raise ConfigError(f"data.chat_template={value!r}: no such file (give a Jinja string or a file)")
+            raise ConfigError(f"{key}={value!r}: no such file (give a Jinja string or a file)")
         return path.read_text(encoding="utf-8")
     return value
 

@@ -252,3 +252,36 @@ def test_a_run_with_two_weighted_terms_logs_each_terms_curve(tmp_path, cache_dir
     first = [s for s in samples if s["step"] == 0]
     lengths = [s["length"] for s in first]
     assert all(-100 < x <= 0 for x in lengths) and statistics.fmean(lengths) <= 0
+
+
+def test_sft_on_chat_records_sees_the_prompt_tokens_ppo_sees_and_learns_the_assistant_turn(tmp_path, tiny_lm_dir):
+    """``task=sft`` renders a chat prompt as PPO does (template, system prompt): the same prompt
+    tokens, masked out of the loss; the labels are the assistant turn and EOS."""
+    from omegaconf import OmegaConf
+
+    from ppo_lightning.config import DataConfig, SFTConfig
+    from ppo_lightning.data import PromptDataModule
+    from ppo_lightning.policy import load_tokenizer
+    from ppo_lightning.stages.sft import IGNORE_INDEX, SFTDataModule
+
+    rows = [
+        {"prompt": [{"role": "user", "content": helpers._item(q)}], "response": f" {q + 1}", "answer": str(q + 1)}
+        for q in range(6)
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = load_tokenizer(str(tiny_lm_dir))
+    data = OmegaConf.structured(DataConfig(path=str(tmp_path / "chat.jsonl"), batch_size=2, system_prompt=SYSTEM))
+    ppo = PromptDataModule(data, tok)
+    ppo.load()
+    ppo_prompts = sorted(tuple(item["input_ids"]) for item in ppo.dataset.items)
+    sft = SFTDataModule(SFTConfig(path=str(tmp_path / "chat.jsonl"), val_fraction=0, system_prompt=SYSTEM), tok)
+    sft.load()
+    sft_prompts, responses = [], []
+    for ex in sft.train_examples:
+        n = ex["labels"].count(IGNORE_INDEX)
+        assert ex["labels"][:n] == [IGNORE_INDEX] * n and ex["labels"][n:] == ex["input_ids"][n:]
+        sft_prompts.append(tuple(ex["input_ids"][:n]))
+        responses.append(tok.decode(ex["input_ids"][n:]))
+    assert sorted(sft_prompts) == ppo_prompts
+    assert tok.decode(ppo_prompts[0]).startswith(f"<|system|>{SYSTEM}\n<|user|>item ")
+    assert sorted(responses) == sorted(f" {q + 1}{tok.eos_token}" for q in range(6))

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import Metric
 
 from ppo_lightning.config import OptimizerConfig, check_fields
-from ppo_lightning.data import ListDataset, read_records, records_source
+from ppo_lightning.data import ListDataset, check_messages, read_records, records_source
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import context_length
@@ -94,6 +94,7 @@ def read_role_records(
     hf_split: str,
     records: Sequence[Mapping] | None,
     key_prefix: str,
+    chat_roles: Sequence[str] = (),
 ) -> tuple[list[dict[str, str]], str]:
     """Records as ``{role: text}`` dicts from exactly one source, and a name for that source.
 
@@ -101,7 +102,8 @@ def read_role_records(
     "question")}``; errors name both. Sources, in order: ``records`` (an in-memory list of dicts),
     ``path`` (a local ``.jsonl``, one object a line, or ``.json``, a list of objects),
     ``hf_dataset`` (a Hugging Face dataset name); files and datasets through
-    ``data.read_records``, the reader PPO's prompts use too.
+    ``data.read_records``, the reader PPO's prompts use too. A role in ``chat_roles`` may also be
+    a list of chat messages (``{"role", "content"}`` objects).
     """
     if records is not None:
         source = "records"
@@ -118,13 +120,13 @@ def read_role_records(
             f"{', '.join(repr(c) for _, c in roles.values())} fields) or "
             f"{key_prefix}.hf_dataset=<name>"
         )
-    out = [_record(r, roles, where) for where, r in rows]
+    out = [_record(r, roles, where, chat_roles) for where, r in rows]
     if not out:
         raise ConfigError(f"{source} holds no records")
     return out, source
 
 
-def _record(obj: Any, roles: dict[str, tuple[str, str]], where: str) -> dict[str, str]:
+def _record(obj: Any, roles: dict[str, tuple[str, str]], where: str, chat_roles: Sequence[str] = ()) -> dict[str, str]:
     if not isinstance(obj, Mapping):
         raise ConfigError(
             f"{where}: expected a JSON object / dict with fields "
@@ -138,7 +140,9 @@ def _record(obj: Any, roles: dict[str, tuple[str, str]], where: str) -> dict[str
     out = {}
     for role, (k, c) in roles.items():
         v = obj[c]
-        if not isinstance(v, str):
+        if role in chat_roles and isinstance(v, list):
+            check_messages(v, where, c)
+        elif not isinstance(v, str):
             raise ConfigError(f"{where}: field {c!r} ({k}) must be a string, got {type(v).__name__}")
         out[role] = v
     return out
@@ -210,6 +214,7 @@ class StageDataModule(L.LightningDataModule):
     (``collator``)."""
 
     config_class: type  # the stage's config dataclass
+    chat_roles: tuple[str, ...] = ()  # roles that may be chat messages
 
     def __init__(
         self, stage_cfg, tokenizer, records: Sequence[Mapping[str, Any]] | None = None, key_prefix: str = "task"
@@ -236,7 +241,13 @@ class StageDataModule(L.LightningDataModule):
             return
         c, p = self.cfg, self.key_prefix
         records, source = read_role_records(
-            self.roles(), path=c.path, hf_dataset=c.hf_dataset, hf_split=c.hf_split, records=self.records, key_prefix=p
+            self.roles(),
+            path=c.path,
+            hf_dataset=c.hf_dataset,
+            hf_split=c.hf_split,
+            records=self.records,
+            key_prefix=p,
+            chat_roles=self.chat_roles,
         )
         train_idx, val_idx = split_indices(len(records), c.val_fraction, c.seed, source, p)
         self.train_examples = self.tokenize([records[i] for i in train_idx], source)

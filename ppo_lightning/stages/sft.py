@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import SumMetric
 
 from ppo_lightning.config import SFTConfig
-from ppo_lightning.data import PadCollator, pad_rows
+from ppo_lightning.data import PadCollator, PromptRecord, chat_template_of, pad_rows, render_prompts
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask
 from ppo_lightning.stages.common import (
@@ -146,8 +146,21 @@ class SFTDataModule(StageDataModule):
         p, c = self.key_prefix, self.cfg
         return {"prompt": (f"{p}.prompt_field", c.prompt_field), "response": (f"{p}.response_field", c.response_field)}
 
+    chat_roles = ("prompt",)  # a prompt may be chat messages
+
     def tokenize(self, records: list[dict[str, str]], source: str) -> list[dict[str, list[int]]]:
+        """Chat prompts (and, with ``chat_template``, string ones) rendered as PPO renders them
+        (``data.render_prompts``), so SFT and PPO see the same prompt tokens; then ``tokenize_sft``:
+        the loss on the response (the assistant turn) and EOS only."""
         c = self.cfg
+        if any(isinstance(r["prompt"], list) for r in records) or c.chat_template is not None:
+            texts = render_prompts(
+                [PromptRecord(r["prompt"], {}, f"{source} record {i}") for i, r in enumerate(records)],
+                self.tokenizer,
+                chat_template_of(c.chat_template, f"{self.key_prefix}.chat_template"),
+                c.system_prompt,
+            )
+            records = [{**r, "prompt": t} for r, t in zip(records, texts)]
         return tokenize_sft(
             records,
             self.tokenizer,
