@@ -207,6 +207,7 @@ def test_two_nodes_of_two_processes_make_one_sharding_mesh_of_four(
     assert trainer.strategy.data_parallel_devices == 4
 
 
+@pytest.mark.slow  # train.py in a subprocess
 def test_a_sweep_over_a_multi_process_trainer_is_refused_before_any_job_runs(tmp_path, cache_dir):
     """Lightning starts a trainer's other processes by re-running the command line, so under
     ``-m`` each of them would run the whole sweep (seen: rank 1 printed "Launching 2 jobs")."""

@@ -572,6 +572,7 @@ def test_the_stages_batch_by_their_own_task_keys(tmp_path, cache_dir, tiny_lm_di
     assert dm.train_dataloader().batch_size == 16 and type(dm.train_dataloader().sampler).__name__ == "RandomSampler"
 
 
+@pytest.mark.slow  # train.py in a subprocess
 def test_data_batch_keys_for_a_stage_are_named_as_doing_nothing(tmp_path, cache_dir):
     """``data.batch_size`` (and ``shuffle``, ``num_workers``) once set the stages' batches; given
     to ``task=sft`` on the command line now, a warning says so and names ``task.batch_size``
