@@ -485,6 +485,11 @@ class PPOConfig(_MovedPPOKeys):
     taken before it."""
     missing_eos_penalty: Optional[float] = None
     """Subtracted from the score of responses without EOS (only with ``stop_at_eos``)."""
+    mask_truncated_completions: bool = False
+    """Leave responses cut at ``sampling.max_new_tokens`` (no EOS or stop sequence) out of every
+    loss: their tokens are masked, so they teach nothing (DAPO's overlong filtering; TRL's
+    ``mask_truncated_completions``). Their scores still count in the group statistics of GRPO and
+    RLOO, as in TRL. Logs ``rollout/masked_truncated``. Only with ``sampling.stop_at_eos``."""
     max_nonfinite_iterations: int = param(3, ge=1)
     """Stop the run (``NonFiniteError``, exit 1) after this many PPO iterations in a row with a
     skipped update (non-finite reward, rollout, loss or gradient; weights untouched, counted in
@@ -831,6 +836,7 @@ IGNORED_UNLESS = (
     IgnoredUnless("ppo.kl_target", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
     IgnoredUnless("ppo.kl_horizon", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
     IgnoredUnless("ppo.missing_eos_penalty", "sampling.stop_at_eos=true", _STOPS),
+    IgnoredUnless("ppo.mask_truncated_completions", "sampling.stop_at_eos=true", _STOPS),
     IgnoredUnless("sampling.stop_token_ids", "sampling.stop_at_eos=true", _STOPS),
     IgnoredUnless("sampling.stop_strings", "sampling.stop_at_eos=true", _STOPS),
     IgnoredUnless(

@@ -28,7 +28,7 @@ UPDATE_METRICS = (
     "val/ratio_var",
 )
 VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg", "value/explained_variance")  # not logged without a critic
-SUMMED_METRICS = ("val/num_eos_tokens", "perf/tokens_per_s")  # summed over ranks; the others are means
+SUMMED_METRICS = ("val/num_eos_tokens", "perf/tokens_per_s", "rollout/masked_truncated")  # summed over ranks
 
 
 def iteration_metrics(
@@ -40,6 +40,7 @@ def iteration_metrics(
     time_rollout: float,
     time_update: float,
     runtime,
+    mask_truncated: bool = False,
 ) -> dict[str, float]:
     """The iteration's rollout and update statistics (``stats``: per-minibatch values), reduced
     over ranks in one collective (``runtime.reduce_mean``): means, except ``SUMMED_METRICS``."""
@@ -55,6 +56,7 @@ def iteration_metrics(
         "rollout/response_length": mask.sum(1).mean(),
         **group_metrics(r, num_generations),
         **term_moments(r),
+        **({"rollout/masked_truncated": (~r.contains_eos).float().sum()} if mask_truncated else {}),
         "val/num_eos_tokens": r.contains_eos.float().sum(),
         "perf/tokens_per_s": mask.sum() / (time_rollout + time_update),
         **{k: torch.stack(v).mean() for k, v in stats.items()},
@@ -68,7 +70,8 @@ def iteration_metrics(
     values = runtime.reduce_mean(torch.stack([local[k].float().detach() for k in names]))
     metrics = {k: float(v) for k, v in zip(names, values.cpu())}
     for k in SUMMED_METRICS:
-        metrics[k] *= runtime.world_size
+        if k in metrics:
+            metrics[k] *= runtime.world_size
     for name in r.term_scores:  # the std over every rank's rows, from the means of x and x^2
         mean, square = metrics[f"rewards/{name}/mean"], metrics.pop(f"rewards/{name}/_square")
         metrics[f"rewards/{name}/std"] = max(square - mean * mean, 0.0) ** 0.5

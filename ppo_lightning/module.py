@@ -176,6 +176,7 @@ class PPOModule(L.LightningModule):
             time_rollout=r.collect_time_s,
             time_update=time.perf_counter() - t0,
             runtime=self.runtime,
+            mask_truncated=self.ppo_cfg.mask_truncated_completions and self.sampling.stop_at_eos,
         )
         count_iteration(self.optimizers())
         self.lr_schedulers().step()

@@ -285,3 +285,48 @@ def test_sft_on_chat_records_sees_the_prompt_tokens_ppo_sees_and_learns_the_assi
     assert sorted(sft_prompts) == ppo_prompts
     assert tok.decode(ppo_prompts[0]).startswith(f"<|system|>{SYSTEM}\n<|user|>item ")
     assert sorted(responses) == sorted(f" {q + 1}{tok.eos_token}" for q in range(6))
+
+
+@pytest.mark.parametrize("advantage", ["gae", "grpo"])
+def test_truncated_completions_are_left_out_of_the_loss(tmp_path, cache_dir, advantage):
+    """``ppo.mask_truncated_completions``: a response cut at ``max_new_tokens`` has no token in
+    any loss (mask and advantages 0) and is counted; one that ended keeps its tokens."""
+    import lightning as L
+
+    from ppo_lightning.factory import build
+
+    class Rollouts(L.Callback):
+        seen: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append((pl_module.rollout, dict(pl_module.last_metrics)))
+
+    extra = ["ppo.num_generations=4", "data.batch_size=4", "ppo.minibatch_size=16"] if advantage == "grpo" else []
+    cfg = compose_cfg(
+        [
+            "sampling.max_new_tokens=3",
+            "ppo.mask_truncated_completions=true",
+            f"ppo.advantage={advantage}",
+            *extra,
+            f"sampling.stop_token_ids=[{','.join(map(str, range(70)))}]",  # about half the rows stop in 3 tokens
+            "trainer.max_steps=2",
+            "callbacks=none",
+            "logger=csv",
+            "export_dir=null",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    module, datamodule, trainer = build(cfg)
+    trainer.callbacks.append(Rollouts())
+    trainer.fit(module, datamodule=datamodule)
+    cut_rows = ended_rows = 0
+    for r, metrics in Rollouts.seen:
+        cut = ~r.contains_eos
+        assert (r.response_mask[cut] == 0).all() and (r.advantages[cut] == 0).all()
+        assert (r.response_mask[~cut].sum(1) > 0).all()
+        assert metrics["rollout/masked_truncated"] == cut.sum().item()
+        cut_rows, ended_rows = cut_rows + int(cut.sum()), ended_rows + int((~cut).sum())
+    assert cut_rows > 0 and ended_rows > 0  # both kinds seen, or the test says nothing
