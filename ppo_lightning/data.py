@@ -389,33 +389,77 @@ class PromptBatches:
         pass
 
 
+EVAL_SPLIT_SEED = 20_241_201  # eval.split_fraction's own seed: the same held-out prompts for every run seed
+
+
 class PromptDataModule(L.LightningDataModule):
-    def __init__(self, cfg, tokenizer, seed: int = 0):
+    """PPO's prompts (``data.*``) and, with ``eval_cfg`` (``eval.*``), the held-out eval prompts:
+    from ``eval.path``, or ``eval.split_fraction`` of ``data.path``'s taken out of training."""
+
+    def __init__(self, cfg, tokenizer, seed: int = 0, eval_cfg=None):
         super().__init__()
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.seed = seed
+        self.eval_cfg = eval_cfg
         self.dataset: ListDataset | None = None  # {"input_ids", "prompt", "columns"} per prompt
+        self.eval_dataset: ListDataset | None = None  # the same, for eval; None: no eval prompts
         self.records: list[PromptRecord] = []
+        self.eval_records: list[PromptRecord] = []
+
+    def _items(self, records: list[PromptRecord], source: str) -> list[dict]:
+        c = self.cfg
+        texts = render_prompts(records, self.tokenizer, chat_template_of(c.chat_template), c.system_prompt)
+        ids = tokenize_prompts(texts, self.tokenizer, c.max_prompt_length, c.truncation, source)
+        return [{"input_ids": x, "prompt": r.prompt, "columns": r.columns} for x, r in zip(ids, records)]
 
     def load(self) -> None:
         """Read and tokenise the prompts; called before fitting so bad data fails early."""
         if self.dataset is not None:
             return
-        c = self.cfg
+        c, e = self.cfg, self.eval_cfg
         source = records_source("data", c.path, c.hf_dataset)
         records = read_prompt_records(c.path, c.prompt_field, hf_dataset=c.hf_dataset, hf_split=c.hf_split)
-        texts = render_prompts(records, self.tokenizer, chat_template_of(c.chat_template), c.system_prompt)
-        ids = tokenize_prompts(texts, self.tokenizer, c.max_prompt_length, c.truncation, source)
-        if len(ids) < c.batch_size:
+        eval_records = []
+        if e is not None and e.path is not None:
+            eval_records = read_prompt_records(e.path, c.prompt_field)
+        elif e is not None and e.split_fraction > 0:
+            n_eval = max(1, round(len(records) * e.split_fraction))
+            held = set(
+                torch.randperm(len(records), generator=torch.Generator().manual_seed(EVAL_SPLIT_SEED))[:n_eval].tolist()
+            )
+            eval_records = [r for i, r in enumerate(records) if i in held]
+            records = [r for i, r in enumerate(records) if i not in held]
+            if not records:
+                raise ConfigError(f"eval.split_fraction={e.split_fraction} leaves no training prompts of {source}")
+        if len(records) < c.batch_size:
             raise ConfigError(
-                f"{source} has {len(ids)} prompts, fewer than data.batch_size={c.batch_size}; "
+                f"{source} has {len(records)} prompts, fewer than data.batch_size={c.batch_size}; "
                 "add prompts or lower data.batch_size"
             )
         self.records = records
-        self.dataset = ListDataset(
-            [{"input_ids": x, "prompt": r.prompt, "columns": r.columns} for x, r in zip(ids, records)]
-        )
+        self.dataset = ListDataset(self._items(records, source))
+        if eval_records:
+            eval_records = eval_records[: e.max_prompts] if e.max_prompts else eval_records
+            self.eval_records = eval_records
+            self.eval_dataset = ListDataset(
+                self._items(eval_records, records_source("eval", e.path) if e.path else source)
+            )
+
+    def eval_batches(self):
+        """This rank's eval prompts, ``data.batch_size`` at a time, as ``(batch, weight [B])``: every
+        rank runs the same number of batches (sharded weights may need every rank's forward), a
+        rank's missing rows repeating its first prompt with weight 0."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        items = self.eval_dataset.items
+        per_rank = -(-len(items) // world)  # ceil
+        mine = items[rank::world]
+        weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
+        mine = mine + [items[0]] * (per_rank - len(mine))
+        collate, bs = PromptCollator(self.tokenizer.pad_token_id), self.cfg.batch_size
+        for s in range(0, per_rank, bs):
+            yield collate(mine[s : s + bs]), torch.tensor(weights[s : s + bs])
 
     def setup(self, stage: str | None = None) -> None:
         self.load()

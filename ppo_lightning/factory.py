@@ -98,6 +98,8 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
                 f".jsonl (one JSON object with a {d.prompt_field!r} field a line)" + _built_by_hint(d.path, cfg)
             )
         read_prompts(d.path, d.prompt_field)  # empty, malformed or unsupported files fail here
+    if cfg.eval.path is not None and not os.path.isfile(cfg.eval.path):
+        raise ConfigError(f"eval.path={cfg.eval.path!r}: no such file. Give a .txt, .jsonl or .json of prompt records")
     if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
     if not needs_model(r):
@@ -162,10 +164,10 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     tokenizer = load_tokenizer(
         cfg.model.tokenizer_name_or_path or cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
     )
-    datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed)
+    datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed, eval_cfg=cfg.eval)
     datamodule.load()  # reads, renders (chat templates) and tokenises the prompts
     if reward_fn is not None:
-        check_reward_columns(reward_fn, datamodule.records)  # the columns it asks for, in every record
+        check_reward_columns(reward_fn, [*datamodule.records, *datamodule.eval_records])  # every record has its columns
 
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
     ctx = context_length(lm.config)
@@ -206,6 +208,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
         ppo_cfg,
         optim_cfg,
         seed=cfg.seed,
+        eval_cfg=OmegaConf.to_object(cfg.eval),
         sampling=SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
         reward_norm=reward_norm,
         normalize_reward_samples=cfg.reward.normalize_samples,

@@ -26,6 +26,7 @@ from ppo_lightning.algorithm import PPO
 from ppo_lightning.config import OptimizerConfig, PPOConfig
 from ppo_lightning.distributed import Runtime
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.evaluation import evaluate
 from ppo_lightning.generation import BackendFactory, SamplingParams, default_backend
 from ppo_lightning.lightning_compat import count_iteration
 from ppo_lightning.optim import configure_optimizers
@@ -69,6 +70,7 @@ class PPOModule(L.LightningModule):
         value_head_from_reward: bool = False,
         backend: BackendFactory | None = None,
         sampling: SamplingParams | None = None,
+        eval_cfg=None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -86,6 +88,9 @@ class PPOModule(L.LightningModule):
         self.episode = 0  # episodes (sampled responses) so far, summed over ranks
         self.skipped_updates = 0  # updates skipped for a non-finite loss or gradient
         self.nonfinite_streak = 0  # consecutive iterations with a skip
+        self.eval_cfg = eval_cfg  # eval.* (config.EvalConfig); evaluates only when the data has eval prompts
+        self.eval_metrics: dict[str, float] = {}  # the last evaluation's (eval/*)
+        self._eval_due: dict[str, float] = {}  # this iteration's, from on_train_batch_start to training_step
         self.rollout: Rollout | None = None  # this iteration's, from on_train_batch_start to training_step
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
         self._callback_metrics: tuple[str, ...] = ()  # set in on_fit_start
@@ -126,6 +131,8 @@ class PPOModule(L.LightningModule):
         if self.reward_norm is None:  # once per run: a resumed run restored it from the checkpoint
             # (here, not in on_fit_start: sharded strategies restore checkpoints after on_fit_start)
             self._fit_reward_normalization()
+        if self._evaluates_at(self.global_step):  # the policy before this iteration's update
+            self._eval_due = self.evaluate()
         self.rollout = self.algo.collect(batch)
 
     @torch.no_grad()
@@ -200,6 +207,8 @@ class PPOModule(L.LightningModule):
                 "health/skipped_updates": float(self.skipped_updates),
             }
         )
+        m.update(self._eval_due)
+        self._eval_due = {}
         self.last_metrics = m
         metrics.log_metrics(self, m, self._callback_metrics, r.batch_size)
         if self.nonfinite_streak >= self.ppo_cfg.max_nonfinite_iterations:
@@ -208,6 +217,49 @@ class PPOModule(L.LightningModule):
                 f"stopping (ppo.max_nonfinite_iterations={self.ppo_cfg.max_nonfinite_iterations}). Checkpoints "
                 "written so far are intact. Check the reward function, or lower optimizer.lr."
             )
+
+    def on_train_end(self) -> None:
+        if self.global_step >= self.trainer.max_steps and self._evaluates_at(None):  # a run stopped early: none
+            m = self.evaluate()
+            for lg in self.loggers:
+                lg.log_metrics(m, step=self.global_step)
+                lg.save()
+
+    # ------------------------------------------------------------------------- evaluation
+    def _evaluates_at(self, step: int | None) -> bool:
+        """Whether to evaluate before iteration ``step`` (None: after the last one)."""
+        e, dm = self.eval_cfg, self.trainer.datamodule
+        if e is None or getattr(dm, "eval_dataset", None) is None:
+            return False
+        if step is None:
+            return True
+        return (step == 0 and e.before_training) or (
+            bool(e.every_n_iterations) and step > 0 and step % e.every_n_iterations == 0
+        )
+
+    def evaluate(self) -> dict[str, float]:
+        """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate``), with a
+        generator of their own: the same eval samples for the same weights, and the training
+        stream untouched."""
+        e = self.eval_cfg
+        greedy = e.temperature == 0
+        params = self.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
+        self.eval_metrics = evaluate(
+            self.trainer.datamodule.eval_batches(),
+            sampler=self.sampler,
+            params=params,
+            generator=self.runtime.new_generator(self.seed + 104_729, stride=1),
+            policy=self.policy,
+            ref_lm=self.ref_lm,
+            reward_fn=self.reward_fn,
+            tokenizer=self.tokenizer,
+            runtime=self.runtime,
+            num_samples=e.num_samples,
+            pass_threshold=e.pass_threshold,
+            pass_term=e.pass_term,
+            device=self.device,
+        )
+        return self.eval_metrics
 
     # ------------------------------------------------------------------------- checkpoints
     def checkpointed(self, key: str) -> bool:

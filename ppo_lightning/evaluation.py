@@ -1,0 +1,105 @@
+"""Evaluation during training: the policy's answers to held-out prompts, scored by the run's reward.
+
+``evaluate`` samples ``n`` responses per eval prompt through the same generation backend and
+``SamplingParams`` as the rollout (greedy, or another temperature, as ``eval.*`` says), with a
+generator of its own so the training trajectory does not move, on this rank's share of the
+prompts; it scores them as the rollout does (``rollout.score_terms``: the prompt as written and
+its columns reach the reward), and reduces sums over ranks once. Metrics (``docs/metrics.md``):
+
+- ``eval/reward/mean@n``: the raw reward, mean over every response;
+- ``eval/rewards/<name>/mean@n``: each ``reward.terms`` term's raw score;
+- ``eval/pass@k`` for k = 1, 2, 4, ... up to n: the Codex paper's unbiased estimator of the chance
+  that one of k responses passes (its score, or ``eval.pass_term``'s, reaches
+  ``eval.pass_threshold``), mean over prompts;
+- ``eval/response_length`` and ``eval/kl`` (k1 to the reference, summed over the response).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from ppo_lightning.generation import GenerationBackend, SamplingParams
+from ppo_lightning.policy import position_ids_from_mask
+from ppo_lightning.rollout import forward_logprobs, score_terms
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from ``n`` samples of which ``c`` pass (Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code"): ``1 - C(n - c, k) / C(n, k)``."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k of the ``eval/pass@k`` metrics: 1, 2, 4, ... and n."""
+    ks = [2**i for i in range(n.bit_length()) if 2**i <= n]
+    return ks if ks[-1] == n else [*ks, n]
+
+
+@torch.no_grad()
+def evaluate(
+    batches,
+    *,
+    sampler: GenerationBackend,
+    params: SamplingParams,
+    generator: torch.Generator,
+    policy,
+    ref_lm,
+    reward_fn,
+    tokenizer,
+    runtime,
+    num_samples: int,
+    pass_threshold: float,
+    pass_term: str | None,
+    device,
+) -> dict[str, float]:
+    """The ``eval/*`` metrics over every rank's ``batches`` (``(batch, weight [B])`` pairs: a row of
+    weight 0 pads a rank's share, and counts nowhere)."""
+    n, ks = num_samples, pass_ks(num_samples)
+    sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
+    with runtime.rollout_context(policy, ref_lm):
+        for batch, weight in batches:
+            ids = batch["input_ids"].to(device).repeat_interleave(n, dim=0)
+            am = batch["attention_mask"].to(device).repeat_interleave(n, dim=0)
+            prompts = [p for p in batch["prompts"] for _ in range(n)]
+            columns = [c for c in batch["columns"] for _ in range(n)]
+            w = weight.to(device, torch.float64)
+            rows = w.repeat_interleave(n)
+            resp, mask = sampler.generate(ids, am, params, generator)
+            raw, terms = score_terms(reward_fn, tokenizer, ids, am, resp, mask, prompts, columns)
+            P = ids.shape[1]
+            seq = torch.cat([ids, resp], dim=1)
+            full = torch.cat([am, mask.to(am.dtype)], dim=1)
+            pos = position_ids_from_mask(full)
+            logp, _ = forward_logprobs(policy, None, seq, full, pos, P, params.temperature)
+            ref, _ = forward_logprobs(None, ref_lm, seq, full, pos, P, params.temperature)
+            sums["rows"] += rows.sum()
+            sums["reward"] += (rows * raw.double()).sum()
+            for name, t in terms.items():
+                sums[f"term/{name}"] += (rows * t.double()).sum()
+            sums["length"] += (rows * mask.sum(1).double()).sum()
+            sums["kl"] += (rows * ((logp - ref) * mask).sum(1).double()).sum()
+            judged = terms[pass_term] if pass_term else raw
+            passed = (judged >= pass_threshold).view(-1, n).sum(1).tolist()  # per prompt
+            sums["prompts"] += w.sum()
+            for k in ks:
+                est = torch.tensor([pass_at_k(n, int(c), k) for c in passed], dtype=torch.float64, device=device)
+                sums[f"pass@{k}"] += (w * est).sum()
+    names = sorted(sums)
+    total = dict(zip(names, runtime.reduce_sum(torch.stack([sums[k] for k in names])).tolist()))
+    rows, prompts = max(total["rows"], 1.0), max(total["prompts"], 1.0)
+    metrics = {
+        f"eval/reward/mean@{n}": total["reward"] / rows,
+        "eval/response_length": total["length"] / rows,
+        "eval/kl": total["kl"] / rows,
+    }
+    for name in (k[len("term/") :] for k in names if k.startswith("term/")):
+        metrics[f"eval/rewards/{name}/mean@{n}"] = total[f"term/{name}"] / rows
+    for k in ks:
+        metrics[f"eval/pass@{k}"] = total[f"pass@{k}"] / prompts
+    return metrics

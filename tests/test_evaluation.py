@@ -1,0 +1,92 @@
+"""Evaluation during training: the unbiased pass@k against a brute-force count, eval metrics at
+the steps asked for, and the same training trajectory with eval on or off."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.evaluation import pass_at_k, pass_ks
+from tests import helpers
+from tests.conftest import compose_cfg, read_metrics
+
+
+@pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (4, 0), (4, 1), (4, 3), (5, 2), (6, 6)])
+def test_pass_at_k_is_the_chance_that_some_k_of_the_n_samples_pass(n, c):
+    """The unbiased estimator equals the fraction of k-subsets of the n samples holding a pass."""
+    samples = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(samples, k))
+        brute = sum(any(s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
+    assert pass_ks(1) == [1] and pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4, 6]
+
+
+def _records(path, qs):
+    rows = [{"prompt": [{"role": "user", "content": helpers._item(q)}], "answer": str(q + 1), "qid": q} for q in qs]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+RUN = [
+    "data=file",
+    "reward=function",
+    "reward.fn=tests.helpers.own_answer_trl",
+    "data.batch_size=4",
+    "ppo.minibatch_size=4",
+    "ppo.ppo_epochs=1",
+    "sampling.max_new_tokens=6",
+    "trainer.max_steps=4",
+    "callbacks=none",
+    "logger=csv",
+    "export_dir=null",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+]
+
+
+def test_eval_logs_before_every_n_and_after_without_moving_the_training_trajectory(tmp_path, cache_dir):
+    from ppo_lightning.jobs import train
+
+    _records(tmp_path / "train.jsonl", range(8))
+    _records(tmp_path / "eval.jsonl", range(100, 106))  # 6 prompts: batches of 4 and 2
+    runs = {}
+    for name, extra in (
+        ("off", []),
+        (
+            "on",
+            [
+                f"eval.path={tmp_path / 'eval.jsonl'}",
+                "eval.every_n_iterations=2",
+                "eval.num_samples=2",
+                "eval.temperature=0",
+            ],
+        ),
+    ):
+        out = tmp_path / name
+        train(compose_cfg([*RUN, f"data.path={tmp_path / 'train.jsonl'}", *extra], out, cache_dir))
+        runs[name] = read_metrics(out / "metrics.csv")
+    training = [{k: v for k, v in row.items() if not k.startswith("eval/")} for row in runs["on"] if "lr" in row]
+    helpers.assert_same_metrics(runs["off"], training)
+    evals = {int(row["step"]): row for row in runs["on"] if "eval/reward/mean@2" in row}
+    assert sorted(evals) == [0, 2, 4]  # before training, before iteration 2, after the last (4)
+    for row in evals.values():
+        assert row["eval/pass@1"] == pytest.approx(row["eval/pass@2"])  # greedy: both samples agree
+        assert row["eval/response_length"] > 0 and math.isfinite(row["eval/kl"])
+    assert evals[0]["eval/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is the reference before training
+
+
+def test_bad_eval_inputs_fail_before_any_model_loads(tmp_path, cache_dir):
+    from ppo_lightning.factory import build_module, check_inputs
+
+    _records(tmp_path / "train.jsonl", range(8))
+    base = [*RUN, f"data.path={tmp_path / 'train.jsonl'}"]
+    with pytest.raises(ConfigError, match=r"^eval.path='.*nope.jsonl': no such file"):
+        check_inputs(compose_cfg([*base, f"eval.path={tmp_path / 'nope.jsonl'}"], tmp_path, cache_dir))
+    with pytest.raises(ConfigError, match=r"has 2 prompts, fewer than data.batch_size=4"):
+        build_module(compose_cfg([*base, "eval.split_fraction=0.75"], tmp_path, cache_dir))
+    with pytest.raises(ConfigError, match=r"^eval.pass_term='correct': not a reward.terms name"):
+        check_inputs(compose_cfg([*base, "eval.pass_term=correct"], tmp_path, cache_dir))
