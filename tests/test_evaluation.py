@@ -48,6 +48,7 @@ RUN = [
 ]
 
 
+@pytest.mark.slow  # two runs
 def test_eval_logs_before_every_n_and_after_without_moving_the_training_trajectory(tmp_path, cache_dir):
     from ppo_lightning.jobs import train
 
@@ -90,3 +91,28 @@ def test_bad_eval_inputs_fail_before_any_model_loads(tmp_path, cache_dir):
         build_module(compose_cfg([*base, "eval.split_fraction=0.75"], tmp_path, cache_dir))
     with pytest.raises(ConfigError, match=r"^eval.pass_term='correct': not a reward.terms name"):
         check_inputs(compose_cfg([*base, "eval.pass_term=correct"], tmp_path, cache_dir))
+
+
+@pytest.mark.slow  # subprocesses: one and two ranks
+def test_eval_sharded_over_two_ranks_equals_one_process(tmp_path, cache_dir):
+    """Five eval prompts over two ranks (three and two, the short rank padded with a weight-0
+    row): the greedy eval of the initial policy is the one-process value."""
+    from tests.helpers import run_train
+
+    _records(tmp_path / "train.jsonl", range(16))
+    _records(tmp_path / "eval.jsonl", range(100, 105))
+    args = [
+        "experiment=tiny_char",
+        *RUN,
+        f"data.path={tmp_path / 'train.jsonl'}",
+        f"eval.path={tmp_path / 'eval.jsonl'}",
+        "trainer.max_steps=1",
+    ]
+    evals = {}
+    for trainer in ("cpu", "ddp_cpu"):
+        p = run_train([*args, f"trainer={trainer}", f"hydra.run.dir={tmp_path / trainer}"], cache_dir)
+        assert p.returncode == 0, p.stderr[-3000:]
+        evals[trainer] = {int(r["step"]): r for r in read_metrics(tmp_path / trainer / "metrics.csv") if "eval/kl" in r}
+    assert sorted(evals["ddp_cpu"]) == [0, 1]
+    for k in ("eval/reward/mean@1", "eval/response_length", "eval/pass@1"):
+        assert evals["ddp_cpu"][0][k] == pytest.approx(evals["cpu"][0][k], rel=1e-5), k

@@ -260,6 +260,7 @@ def test_direct_clipping_matches_lightning_clip_gradients(tmp_path, cache_dir, m
         torch.testing.assert_close(weights[True][k], weights[False][k], atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # 60 iterations
 def test_a_small_sparse_reward_learns_under_the_defaults(tmp_path, cache_dir):
     """A reward of small scale (the fraction of response characters from a rare set, ~0.01 on the
     initial policy) with every PPO key at its default: reward normalisation puts it on the scale
