@@ -446,6 +446,10 @@ class PromptDataModule(L.LightningDataModule):
                 self._items(eval_records, records_source("eval", e.path) if e.path else source)
             )
 
+    def eval_sources(self) -> list[str]:
+        """The ``data_source`` values of the eval records, sorted (empty when none has one)."""
+        return sorted({str(r.columns["data_source"]) for r in self.eval_records if "data_source" in r.columns})
+
     def eval_batches(self):
         """This rank's eval prompts, ``data.batch_size`` at a time, as ``(batch, weight [B])``: every
         rank runs the same number of batches (sharded weights may need every rank's forward), a

@@ -11,7 +11,9 @@ its columns reach the reward), and reduces sums over ranks once. Metrics (``docs
 - ``eval/pass@k`` for k = 1, 2, 4, ... up to n: the Codex paper's unbiased estimator of the chance
   that one of k responses passes (its score, or ``eval.pass_term``'s, reaches
   ``eval.pass_threshold``), mean over prompts;
-- ``eval/response_length`` and ``eval/kl`` (k1 to the reference, summed over the response).
+- ``eval/response_length`` and ``eval/kl`` (k1 to the reference, summed over the response);
+- with a ``data_source`` column, each of these per source too: ``eval/<source>/reward/mean@n``,
+  ``eval/<source>/pass@k``, ... (as verl reports its validation).
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ def evaluate(
     pass_threshold: float,
     pass_term: str | None,
     device,
+    sources: list[str] = (),
 ) -> dict[str, float]:
     """The ``eval/*`` metrics over every rank's ``batches`` (``(batch, weight [B])`` pairs: a row of
-    weight 0 pads a rank's share, and counts nowhere)."""
+    weight 0 pads a rank's share, and counts nowhere); with ``sources`` (every eval record's
+    ``data_source``, the same list on every rank) per source as well."""
     n, ks = num_samples, pass_ks(num_samples)
     sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
     with runtime.rollout_context(policy, ref_lm):
@@ -69,7 +73,6 @@ def evaluate(
             prompts = [p for p in batch["prompts"] for _ in range(n)]
             columns = [c for c in batch["columns"] for _ in range(n)]
             w = weight.to(device, torch.float64)
-            rows = w.repeat_interleave(n)
             resp, mask = sampler.generate(ids, am, params, generator)
             raw, terms = score_terms(reward_fn, tokenizer, ids, am, resp, mask, prompts, columns)
             P = ids.shape[1]
@@ -78,28 +81,40 @@ def evaluate(
             pos = position_ids_from_mask(full)
             logp, _ = forward_logprobs(policy, None, seq, full, pos, P, params.temperature)
             ref, _ = forward_logprobs(None, ref_lm, seq, full, pos, P, params.temperature)
-            sums["rows"] += rows.sum()
-            sums["reward"] += (rows * raw.double()).sum()
-            for name, t in terms.items():
-                sums[f"term/{name}"] += (rows * t.double()).sum()
-            sums["length"] += (rows * mask.sum(1).double()).sum()
-            sums["kl"] += (rows * ((logp - ref) * mask).sum(1).double()).sum()
+            per_row = {
+                "reward": raw.double(),
+                "length": mask.sum(1).double(),
+                "kl": ((logp - ref) * mask).sum(1).double(),
+                **{f"term/{name}": t.double() for name, t in terms.items()},
+            }
             judged = terms[pass_term] if pass_term else raw
             passed = (judged >= pass_threshold).view(-1, n).sum(1).tolist()  # per prompt
-            sums["prompts"] += w.sum()
-            for k in ks:
-                est = torch.tensor([pass_at_k(n, int(c), k) for c in passed], dtype=torch.float64, device=device)
-                sums[f"pass@{k}"] += (w * est).sum()
+            per_prompt = {
+                f"pass@{k}": torch.tensor([pass_at_k(n, int(c), k) for c in passed], dtype=torch.float64, device=device)
+                for k in ks
+            }
+            groups = [("", w)]
+            for src in sources:  # the prompts of each source, by weight
+                in_src = [str(col.get("data_source")) == src for col in batch["columns"]]
+                groups.append((f"{src}/", w * torch.tensor(in_src, dtype=torch.float64, device=device)))
+            for prefix, gw in groups:
+                rows = gw.repeat_interleave(n)
+                sums[f"{prefix}rows"] += rows.sum()
+                sums[f"{prefix}prompts"] += gw.sum()
+                for key, x in per_row.items():
+                    sums[f"{prefix}{key}"] += (rows * x).sum()
+                for key, x in per_prompt.items():
+                    sums[f"{prefix}{key}"] += (gw * x).sum()
     names = sorted(sums)
     total = dict(zip(names, runtime.reduce_sum(torch.stack([sums[k] for k in names])).tolist()))
-    rows, prompts = max(total["rows"], 1.0), max(total["prompts"], 1.0)
-    metrics = {
-        f"eval/reward/mean@{n}": total["reward"] / rows,
-        "eval/response_length": total["length"] / rows,
-        "eval/kl": total["kl"] / rows,
-    }
-    for name in (k[len("term/") :] for k in names if k.startswith("term/")):
-        metrics[f"eval/rewards/{name}/mean@{n}"] = total[f"term/{name}"] / rows
-    for k in ks:
-        metrics[f"eval/pass@{k}"] = total[f"pass@{k}"] / prompts
+    metrics = {}
+    for prefix in ["", *(f"{src}/" for src in sources)]:
+        rows, prompts = max(total[f"{prefix}rows"], 1.0), max(total[f"{prefix}prompts"], 1.0)
+        metrics[f"eval/{prefix}reward/mean@{n}"] = total[f"{prefix}reward"] / rows
+        metrics[f"eval/{prefix}response_length"] = total[f"{prefix}length"] / rows
+        metrics[f"eval/{prefix}kl"] = total[f"{prefix}kl"] / rows
+        for name in (k[len(f"{prefix}term/") :] for k in names if k.startswith(f"{prefix}term/")):
+            metrics[f"eval/{prefix}rewards/{name}/mean@{n}"] = total[f"{prefix}term/{name}"] / rows
+        for k in ks:
+            metrics[f"eval/{prefix}pass@{k}"] = total[f"{prefix}pass@{k}"] / prompts
     return metrics

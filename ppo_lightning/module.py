@@ -258,6 +258,7 @@ class PPOModule(L.LightningModule):
             pass_threshold=e.pass_threshold,
             pass_term=e.pass_term,
             device=self.device,
+            sources=self.trainer.datamodule.eval_sources(),
         )
         return self.eval_metrics
 

@@ -26,8 +26,10 @@ def test_pass_at_k_is_the_chance_that_some_k_of_the_n_samples_pass(n, c):
     assert pass_ks(1) == [1] and pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4, 6]
 
 
-def _records(path, qs):
+def _records(path, qs, sources=False):
     rows = [{"prompt": [{"role": "user", "content": helpers._item(q)}], "answer": str(q + 1), "qid": q} for q in qs]
+    if sources:  # alternate two sources
+        rows = [{**r, "data_source": "ab"[i % 2]} for i, r in enumerate(rows)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -53,7 +55,7 @@ def test_eval_logs_before_every_n_and_after_without_moving_the_training_trajecto
     from ppo_lightning.jobs import train
 
     _records(tmp_path / "train.jsonl", range(8))
-    _records(tmp_path / "eval.jsonl", range(100, 106))  # 6 prompts: batches of 4 and 2
+    _records(tmp_path / "eval.jsonl", range(100, 106), sources=True)  # 6 prompts: batches of 4 and 2
     runs = {}
     for name, extra in (
         ("off", []),
@@ -78,6 +80,10 @@ def test_eval_logs_before_every_n_and_after_without_moving_the_training_trajecto
         assert row["eval/pass@1"] == pytest.approx(row["eval/pass@2"])  # greedy: both samples agree
         assert row["eval/response_length"] > 0 and math.isfinite(row["eval/kl"])
     assert evals[0]["eval/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is the reference before training
+    for row in evals.values():  # per data_source: 3 prompts each, which make up the whole
+        for metric in ("reward/mean@2", "pass@1", "response_length", "kl"):
+            whole = (row[f"eval/a/{metric}"] + row[f"eval/b/{metric}"]) / 2
+            assert row[f"eval/{metric}"] == pytest.approx(whole, abs=1e-6), metric
 
 
 def test_bad_eval_inputs_fail_before_any_model_loads(tmp_path, cache_dir):
