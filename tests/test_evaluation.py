@@ -122,3 +122,36 @@ def test_eval_sharded_over_two_ranks_equals_one_process(tmp_path, cache_dir):
     assert sorted(evals["ddp_cpu"]) == [0, 1]
     for k in ("eval/reward/mean@1", "eval/response_length", "eval/pass@1"):
         assert evals["ddp_cpu"][0][k] == pytest.approx(evals["cpu"][0][k], rel=1e-5), k
+
+
+@pytest.mark.slow  # a run
+def test_a_checkpoint_callback_keeps_the_best_checkpoint_by_an_eval_metric(tmp_path, cache_dir):
+    import torch
+
+    from ppo_lightning.jobs import train
+
+    _records(tmp_path / "train.jsonl", range(8))
+    _records(tmp_path / "eval.jsonl", range(100, 104))
+    best = tmp_path / "best"
+    cfg = compose_cfg(
+        [
+            *RUN,
+            f"data.path={tmp_path / 'train.jsonl'}",
+            f"eval.path={tmp_path / 'eval.jsonl'}",
+            "eval.every_n_iterations=2",
+            "+callbacks.best_eval._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"+callbacks.best_eval.dirpath={best}",
+            "+callbacks.best_eval.monitor=eval/reward/mean@1",
+            "+callbacks.best_eval.mode=max",
+            "+callbacks.best_eval.every_n_train_steps=2",
+            "+callbacks.best_eval.save_top_k=1",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    train(cfg)
+    (ckpt,) = best.glob("*.ckpt")
+    saved = torch.load(ckpt, weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if "eval/reward/mean@1" in k]
+    evals = [r["eval/reward/mean@1"] for r in read_metrics(tmp_path / "metrics.csv") if "eval/reward/mean@1" in r]
+    assert float(state["best_model_score"]) == pytest.approx(max(evals[:-1]))  # the final eval follows the last save
