@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.policy import position_ids_from_mask
-from ppo_lightning.rollout import forward_logprobs, score_terms
+from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs, score_terms
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -60,10 +60,13 @@ def evaluate(
     pass_term: str | None,
     device,
     sources: list[str] = (),
+    samples: list | None = None,
+    max_samples: int = 8,
 ) -> dict[str, float]:
     """The ``eval/*`` metrics over every rank's ``batches`` (``(batch, weight [B])`` pairs: a row of
     weight 0 pads a rank's share, and counts nowhere); with ``sources`` (every eval record's
-    ``data_source``, the same list on every rank) per source as well."""
+    ``data_source``, the same list on every rank) per source as well. ``samples``, when given,
+    receives up to ``max_samples`` of this rank's ``(prompt, response, reward)`` rows."""
     n, ks = num_samples, pass_ks(num_samples)
     sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
     with runtime.rollout_context(policy, ref_lm):
@@ -87,6 +90,11 @@ def evaluate(
                 "kl": ((logp - ref) * mask).sum(1).double(),
                 **{f"term/{name}": t.double() for name, t in terms.items()},
             }
+            if samples is not None and len(samples) < max_samples:
+                prompt_texts, texts = decode_prompts_and_responses(tokenizer, ids, resp, mask)
+                real = w.repeat_interleave(n) > 0
+                rows_here = [(p, r, float(x)) for p, r, x, ok in zip(prompt_texts, texts, raw.tolist(), real) if ok]
+                samples.extend(rows_here[: max_samples - len(samples)])
             judged = terms[pass_term] if pass_term else raw
             passed = (judged >= pass_threshold).view(-1, n).sum(1).tolist()  # per prompt
             per_prompt = {

@@ -18,6 +18,7 @@ import logging
 import time
 
 import lightning as L
+from lightning.pytorch.loggers import WandbLogger
 import torch
 from torch import Tensor, nn
 
@@ -241,7 +242,7 @@ class PPOModule(L.LightningModule):
         """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate``), with a
         generator of their own: the same eval samples for the same weights, and the training
         stream untouched."""
-        e = self.eval_cfg
+        e, samples = self.eval_cfg, []
         greedy = e.temperature == 0
         params = self.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
         self.eval_metrics = evaluate(
@@ -259,7 +260,16 @@ class PPOModule(L.LightningModule):
             pass_term=e.pass_term,
             device=self.device,
             sources=self.trainer.datamodule.eval_sources(),
+            samples=samples,
         )
+        for lg in self.loggers:  # rank 0's first eval samples, as a W&B table
+            if isinstance(lg, WandbLogger) and samples:
+                lg.log_table(
+                    key="eval_samples",
+                    columns=["step", "prompt", "response", "reward"],
+                    data=[[self.global_step, *row] for row in samples],
+                    step=self.global_step,
+                )
         return self.eval_metrics
 
     # ------------------------------------------------------------------------- checkpoints

@@ -155,3 +155,30 @@ def test_a_checkpoint_callback_keeps_the_best_checkpoint_by_an_eval_metric(tmp_p
     (state,) = [v for k, v in saved.items() if "eval/reward/mean@1" in k]
     evals = [r["eval/reward/mean@1"] for r in read_metrics(tmp_path / "metrics.csv") if "eval/reward/mean@1" in r]
     assert float(state["best_model_score"]) == pytest.approx(max(evals[:-1]))  # the final eval follows the last save
+
+
+@pytest.mark.slow  # a run with W&B
+def test_eval_samples_go_to_wandb_as_a_table(tmp_path, cache_dir, monkeypatch):
+    from ppo_lightning.jobs import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    _records(tmp_path / "train.jsonl", range(8))
+    _records(tmp_path / "eval.jsonl", range(100, 104))
+    cfg = compose_cfg(
+        [
+            *RUN,
+            f"data.path={tmp_path / 'train.jsonl'}",
+            f"eval.path={tmp_path / 'eval.jsonl'}",
+            "logger=wandb",
+            "trainer.max_steps=1",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    train(cfg)
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    tables = sorted(run.glob("files/media/table/eval_samples_*.table.json"))
+    assert len(tables) == 2  # before training, and after the last iteration
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["step", "prompt", "response", "reward"] and len(table["data"]) == 4
+    assert "item 100: what is 100 + 1?" in table["data"][0][1]
