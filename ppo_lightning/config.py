@@ -206,7 +206,8 @@ class RewardConfig:
     (prompts as written, strings or chat messages); else ``fn(prompts, responses, **kwargs)`` on
     the decoded texts. Any other parameter ``kwargs`` does not set is a column of the prompt
     records (``answer``, ...), one value per response: without a default, every record must have
-    it (checked before any model loads)."""
+    it (checked before any model loads). ``None`` for a response: this reward does not apply
+    there (left out of the sum; a response no reward applies to is masked out of every loss)."""
     kwargs: Dict[str, Any] = param(factory=dict)
     """(function) Extra keyword arguments for ``fn``: ``+reward.kwargs.<arg>=<value>`` (the ``+``
     adds a key the dict does not have), or ``'reward.kwargs={word:good}'``."""

@@ -77,7 +77,7 @@ def evaluate(
             columns = [c for c in batch["columns"] for _ in range(n)]
             w = weight.to(device, torch.float64)
             resp, mask = sampler.generate(ids, am, params, generator)
-            raw, terms = score_terms(reward_fn, tokenizer, ids, am, resp, mask, prompts, columns)
+            raw, _, terms = score_terms(reward_fn, tokenizer, ids, am, resp, mask, prompts, columns)
             P = ids.shape[1]
             seq = torch.cat([ids, resp], dim=1)
             full = torch.cat([am, mask.to(am.dtype)], dim=1)
@@ -88,7 +88,7 @@ def evaluate(
                 "reward": raw.double(),
                 "length": mask.sum(1).double(),
                 "kl": ((logp - ref) * mask).sum(1).double(),
-                **{f"term/{name}": t.double() for name, t in terms.items()},
+                **{f"term/{name}": t.double().nan_to_num(0.0) for name, t in terms.items()},
             }
             if samples is not None and len(samples) < max_samples:
                 prompt_texts, texts = decode_prompts_and_responses(tokenizer, ids, resp, mask)

@@ -28,7 +28,7 @@ UPDATE_METRICS = (
     "val/ratio_var",
 )
 VALUE_METRICS = ("loss/value_avg", "val/clipfrac_avg", "value/explained_variance")  # not logged without a critic
-SUMMED_METRICS = ("val/num_eos_tokens", "perf/tokens_per_s", "rollout/masked_truncated")  # summed over ranks
+SUMMED_METRICS = ("val/num_eos_tokens", "perf/tokens_per_s", "rollout/masked_truncated", "rollout/unscored")
 
 
 def iteration_metrics(
@@ -57,6 +57,7 @@ def iteration_metrics(
         **group_metrics(r, num_generations),
         **term_moments(r),
         **({"rollout/masked_truncated": (~r.contains_eos).float().sum()} if mask_truncated else {}),
+        **({"rollout/unscored": (~r.scored).float().sum()} if r.scored is not None else {}),
         "val/num_eos_tokens": r.contains_eos.float().sum(),
         "perf/tokens_per_s": mask.sum() / (time_rollout + time_update),
         **{k: torch.stack(v).mean() for k, v in stats.items()},
@@ -72,21 +73,27 @@ def iteration_metrics(
     for k in SUMMED_METRICS:
         if k in metrics:
             metrics[k] *= runtime.world_size
-    for name in r.term_scores:  # the std over every rank's rows, from the means of x and x^2
-        mean, square = metrics[f"rewards/{name}/mean"], metrics.pop(f"rewards/{name}/_square")
-        metrics[f"rewards/{name}/std"] = max(square - mean * mean, 0.0) ** 0.5
+    for name in r.term_scores:  # over every rank's rows where the term applies
+        count = metrics.pop(f"rewards/{name}/_count")
+        total, square = metrics.pop(f"rewards/{name}/_sum"), metrics.pop(f"rewards/{name}/_square")
+        mean = total / count if count > 0 else float("nan")
+        metrics[f"rewards/{name}/mean"] = mean
+        metrics[f"rewards/{name}/std"] = max(square / count - mean * mean, 0.0) ** 0.5 if count > 0 else float("nan")
     metrics.update({"perf/time_rollout_s": time_rollout, "perf/time_update_s": time_update})
     return metrics
 
 
 def term_moments(r: Rollout) -> dict[str, Tensor]:
-    """Each ``reward.terms`` term's raw scores: their mean, and the mean of their squares (for the
-    std over all ranks' rows; equal row counts per rank make the mean of the ranks' means the
-    mean over all rows)."""
+    """Each ``reward.terms`` term's raw scores where it applies (NaN where it returned None):
+    their mean, the mean of their squares and the fraction of rows they apply to, each a mean
+    over rows, so that the means over ranks give the statistics over every rank's rows."""
     out = {}
     for name, x in r.term_scores.items():
-        out[f"rewards/{name}/mean"] = x.mean()
-        out[f"rewards/{name}/_square"] = (x * x).mean()
+        applies = ~torch.isnan(x)
+        v = x.nan_to_num(0.0)
+        out[f"rewards/{name}/_sum"] = v.mean()
+        out[f"rewards/{name}/_square"] = (v * v).mean()
+        out[f"rewards/{name}/_count"] = applies.float().mean()
     return out
 
 

@@ -68,6 +68,7 @@ class Rollout(_Sequences):
     contains_eos: Tensor  # [B] bool
     context_length: int  # P
     term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
+    scored: Tensor | None = None  # [B] bool: some reward applies (False: it returned None; masked out)
     first_forward: PolicyOutput | None = None  # the old policy's forward with gradients, when fused
     # (algorithm.PPO._old_logprobs_and_values): the first update reuses it, once
     collect_time_s: float = 0.0  # wall time of sampling, scoring and the rollout's forwards
@@ -175,8 +176,12 @@ def score_responses(
     prompts: list | None = None,
     columns: list[dict] | None = None,
 ) -> Tensor:
-    """The scorer's raw score of each row, float32, on the rollout's device (``score_terms``'s first part)."""
-    return score_terms(reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns)[0]
+    """The scorer's raw score of each row, float32, on the rollout's device; NaN where no reward
+    applies (``score_terms``)."""
+    total, applies, _ = score_terms(
+        reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
+    )
+    return torch.where(applies, total, torch.full_like(total, float("nan")))
 
 
 def score_terms(
@@ -188,12 +193,15 @@ def score_terms(
     response_mask: Tensor,
     prompts: list | None = None,
     columns: list[dict] | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The scorer's raw score of each row (float32, on the rollout's device), and with
-    ``reward.terms`` each term's raw scores (else an empty dict).
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """``(raw score [B], applies [B] bool, {term: raw scores [B]})`` on the rollout's device.
+
+    ``applies`` is False where the reward (every term, with ``reward.terms``) returned None: "does
+    not apply to this response"; the score there is 0. The terms' raw scores are NaN where that
+    term returned None, and the dict is empty without ``reward.terms``.
 
     A reward model that shares the policy's vocabulary (``RewardModel.token_input``) reads the
-    token ids directly. A scorer with a ``score`` method (a reward function, weighted terms) gets
+    token ids directly. A scorer with ``score_applies`` (a reward function, weighted terms) gets
     ``RewardInputs``: the decoded texts, and each row's prompt as the user wrote it and its
     record's ``columns`` when the batch has them; any other scorer gets ``(prompts, responses)``
     as decoded text.
@@ -202,18 +210,20 @@ def score_terms(
     if getattr(reward_fn, "token_input", False):
         ids = torch.cat([input_ids, responses], dim=1)
         mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
-        return reward_fn.score_tokens(ids, mask).float().to(device), {}
+        scores = reward_fn.score_tokens(ids, mask).float().to(device)
+        return scores, torch.ones_like(scores, dtype=torch.bool), {}
     prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
-    if not hasattr(reward_fn, "score"):
-        return torch.as_tensor(reward_fn(prompt_texts, texts), dtype=torch.float32).to(device), {}
+    if not hasattr(reward_fn, "score_applies"):
+        scores = torch.as_tensor(reward_fn(prompt_texts, texts), dtype=torch.float32).to(device)
+        return scores, torch.ones_like(scores, dtype=torch.bool), {}
     completion_ids = None
     if getattr(reward_fn, "trl_style", False):
         completion_ids = [row[m > 0].tolist() for row, m in zip(responses.cpu(), response_mask.cpu())]
     inputs = RewardInputs(prompt_texts, texts, completion_ids, prompts, columns)
-    if hasattr(reward_fn, "score_terms"):
-        total, terms = reward_fn.score_terms(inputs)
-        return total.to(device), {k: v.to(device) for k, v in terms.items()}
-    return torch.as_tensor(reward_fn.score(inputs), dtype=torch.float32).to(device), {}
+    out = reward_fn.score_applies(inputs)
+    total, applies, terms = out if len(out) == 3 else (*out, {})
+    total = torch.where(applies, total, torch.zeros_like(total))
+    return total.to(device), applies.to(device), {k: v.to(device) for k, v in terms.items()}
 
 
 @torch.no_grad()
@@ -258,6 +268,7 @@ class Samples(_Sequences):
     contains_eos: Tensor  # [B] bool: stopped by EOS or a stop sequence
     context_length: int  # P
     term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
+    scored: Tensor | None = None  # [B] bool: some reward applies (False: it returned None; masked out)
 
 
 @torch.no_grad()
@@ -292,13 +303,15 @@ def sample_and_score(
         None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size
     )
 
-    raw_scores, term_scores = score_terms(
+    raw_scores, scored, term_scores = score_terms(
         reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
     )
     scores = normalized(raw_scores, reward_norm)
     contains_eos = (stop_hits(responses, tokenizer.eos_token_id, params.stop_sequences) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and params.stop_at_eos:
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
+    if not scored.all():  # no reward applies to these responses (raw score 0, as TRL): out of every loss
+        response_mask = response_mask * scored[:, None]
     return Samples(
         query_responses=query_responses,
         attention_mask=full_mask,
@@ -310,6 +323,7 @@ def sample_and_score(
         contains_eos=contains_eos,
         context_length=P,
         term_scores=term_scores,
+        scored=scored,
     )
 
 
@@ -373,4 +387,5 @@ def finish_rollout(
         contains_eos=s.contains_eos,
         context_length=s.context_length,
         term_scores=s.term_scores,
+        scored=s.scored,
     )

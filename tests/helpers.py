@@ -304,3 +304,8 @@ def own_answer_legacy(prompts, responses, answer):
         assert _item(int(a) - 1) in p, (p, a)
     REWARD_CALLS.append([int(a) - 1 for a in answer])
     return [len(r) / 8.0 for r in responses]
+
+
+def none_for_odd_qid(prompts, completions, completion_ids, qid, **kwargs):
+    """None ("does not apply") for odd ``qid``; else a score by response length."""
+    return [None if q % 2 else len(c[0]["content"]) / 8.0 for c, q in zip(completions, qid, strict=True)]

@@ -330,3 +330,66 @@ def test_truncated_completions_are_left_out_of_the_loss(tmp_path, cache_dir, adv
         assert metrics["rollout/masked_truncated"] == cut.sum().item()
         cut_rows, ended_rows = cut_rows + int(cut.sum()), ended_rows + int((~cut).sum())
     assert cut_rows > 0 and ended_rows > 0  # both kinds seen, or the test says nothing
+
+
+def test_none_means_a_reward_does_not_apply(tmp_path, cache_dir):
+    """A term's None is out of that term's sum and statistics; a response no reward applies to is
+    masked out of every loss and counted (a naive reference by hand, then a real run)."""
+    import torch
+
+    from ppo_lightning.rewards import build_reward
+    from ppo_lightning.rewards.base import RewardInputs
+
+    reward = build_reward(
+        compose_cfg(
+            [
+                "+reward.terms.odd.fn=tests.helpers.none_for_odd_qid",
+                "+reward.terms.len.fn=tests.helpers.own_answer_trl",
+                "reward.terms.len.weight=0.5",
+            ],
+            tmp_path,
+            cache_dir,
+        ).reward
+    )
+    prompts = [[{"role": "user", "content": helpers._item(q)}] for q in (0, 1)]
+    inputs = RewardInputs(
+        ["p0", "p1"], ["abcd", "abcdefgh"], [[1], [2]], prompts, [{"qid": 0, "answer": "1"}, {"qid": 1, "answer": "2"}]
+    )
+    total, applies, terms = reward.score_applies(inputs)
+    assert total.tolist() == pytest.approx([0.5 + 0.5 * 0.5, 0.5 * 1.0]) and applies.tolist() == [True, True]
+    assert terms["odd"][0] == 0.5 and torch.isnan(terms["odd"][1])
+    single = build_reward(
+        compose_cfg(["reward=function", "reward.fn=tests.helpers.none_for_odd_qid"], tmp_path, cache_dir).reward
+    )
+    values, applies = single.score_applies(inputs)
+    assert values.tolist() == [0.5, 0.0] and applies.tolist() == [True, False]
+
+    import lightning as L
+
+    from ppo_lightning.factory import build
+
+    class Rollouts(L.Callback):
+        seen: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append((pl_module.rollout, dict(pl_module.last_metrics)))
+
+    _write_chat_records(tmp_path / "chat.jsonl", 8)
+    cfg = compose_cfg(
+        [
+            *RUN,
+            f"data.path={tmp_path / 'chat.jsonl'}",
+            "reward.fn=tests.helpers.none_for_odd_qid",
+            "reward.normalize=false",
+            "trainer.max_steps=2",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    module, datamodule, trainer = build(cfg)
+    trainer.callbacks.append(Rollouts())
+    trainer.fit(module, datamodule=datamodule)
+    for r, metrics in Rollouts.seen:
+        odd = ~r.scored  # the rows of odd qid, to which the only reward does not apply
+        assert (r.response_mask[odd].sum(1) == 0).all() and (r.response_mask[~odd].sum(1) > 0).all()
+        assert metrics["rollout/unscored"] == odd.sum().item() > 0

@@ -132,7 +132,18 @@ def test_function_reward_wrong_length(mode, n):
     assert "misbehaving_fn" in msg and f"returned {n} scores for 3 responses" in msg
 
 
-@pytest.mark.parametrize("mode, index, shown", [("string", 1, "'0.7'"), ("none", 2, "None")])
+def test_function_reward_none_means_it_does_not_apply():
+    """None is not an error: "this reward does not apply to this response" (score 0, applies
+    False; NaN when called on texts alone)."""
+    from ppo_lightning.rewards.base import RewardInputs
+
+    fn = _fn_reward("none")
+    values, applies = fn.score_applies(RewardInputs(PROMPTS, RESPONSES))
+    assert values.tolist() == [0.5, 0.5, 0.0] and applies.tolist() == [True, True, False]
+    assert torch.isnan(fn(PROMPTS, RESPONSES)[2])
+
+
+@pytest.mark.parametrize("mode, index, shown", [("string", 1, "'0.7'")])
 def test_function_reward_non_number_element(mode, index, shown):
     with pytest.raises(RewardError) as e:
         _fn_reward(mode)(PROMPTS, RESPONSES)

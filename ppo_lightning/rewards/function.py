@@ -26,6 +26,8 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+import torch
+
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.rewards.base import RewardError, RewardInputs, check_scores
 
@@ -77,11 +79,19 @@ class FunctionReward:
         self.every_column = self.trl_style and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
     def __call__(self, prompts: list[str], responses: list[str]):
-        """Scores of decoded texts alone (no records): the columns a function needs are missing."""
+        """Scores of decoded texts alone (no records; NaN where None): the columns a function
+        needs are missing."""
         return self.score(RewardInputs(prompts, responses))
 
     def score(self, inputs: RewardInputs):
-        """One checked score per response (``check_scores``), the call chosen by the signature."""
+        """One checked score per response (``check_scores``); NaN where the function returned None."""
+        values, applies = self.score_applies(inputs)
+        return torch.where(applies, values, torch.full_like(values, float("nan")))
+
+    def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [B], applies [B] bool)``, the call chosen by the signature: ``None`` from the
+        function means "does not apply to this response" (its score there is 0 and ``applies``
+        False)."""
         columns = self._columns(inputs)
         try:
             if self.trl_style:
@@ -102,7 +112,17 @@ class FunctionReward:
                 f"reward {self.name} raised {type(e).__name__}: {e} "
                 f"({self._culprit(inputs.prompt_texts, inputs.responses, columns)})"
             ) from e
-        return check_scores(scores, inputs.prompt_texts, self.name, self.allow_nonfinite)
+        applies = None
+        if not isinstance(scores, torch.Tensor):
+            try:
+                items = list(scores)
+            except TypeError:
+                items = None  # check_scores names the problem
+            if items is not None:
+                applies = torch.tensor([x is not None for x in items], dtype=torch.bool)
+                scores = [0.0 if x is None else x for x in items]
+        values = check_scores(scores, inputs.prompt_texts, self.name, self.allow_nonfinite)
+        return values, applies if applies is not None else torch.ones(len(values), dtype=torch.bool)
 
     def _columns(self, inputs: RewardInputs) -> dict[str, list]:
         """The columns this function takes, one list each (a value per response)."""

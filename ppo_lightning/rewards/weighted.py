@@ -30,17 +30,33 @@ class WeightedReward:
     def use_policy_tokens(self, policy_tokenizer, mode: str = "auto") -> bool:
         return False
 
+    def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(weighted sum [B], applies [B], {name: the term's raw scores [B]})``. A term that
+        returns None for a response is left out of that response's sum, and its raw score there
+        is NaN (out of the term's statistics); ``applies`` is False where every term did."""
+        total = torch.zeros(len(inputs.responses))
+        applies = torch.zeros(len(inputs.responses), dtype=torch.bool)
+        raw = {}
+        for name, (fn, w) in self.terms.items():
+            if hasattr(fn, "score_applies"):
+                values, a = fn.score_applies(inputs)
+            else:
+                out = fn.score(inputs) if hasattr(fn, "score") else fn(inputs.prompt_texts, inputs.responses)
+                values = torch.as_tensor(out, dtype=torch.float32).flatten().cpu()
+                a = torch.ones(len(values), dtype=torch.bool)
+            total += w * torch.where(a, values, torch.zeros_like(values))
+            applies |= a
+            raw[name] = torch.where(a, values, torch.full_like(values, float("nan")))
+        return total, applies, raw
+
     def score_terms(self, inputs: RewardInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(weighted sum [B], {name: the term's raw scores [B]})``."""
-        raw = {}
-        for name, (fn, _) in self.terms.items():
-            out = fn.score(inputs) if hasattr(fn, "score") else fn(inputs.prompt_texts, inputs.responses)
-            raw[name] = torch.as_tensor(out, dtype=torch.float32).flatten().cpu()
-        total = sum(w * raw[name] for name, (_, w) in self.terms.items())
+        total, _, raw = self.score_applies(inputs)
         return total, raw
 
     def score(self, inputs: RewardInputs) -> torch.Tensor:
-        return self.score_terms(inputs)[0]
+        total, applies, _ = self.score_applies(inputs)
+        return torch.where(applies, total, torch.full_like(total, float("nan")))
 
     def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         return self.score(RewardInputs(prompts, responses))
