@@ -126,3 +126,51 @@ def evaluate(
         for k in ks:
             metrics[f"eval/{prefix}pass@{k}"] = total[f"{prefix}pass@{k}"] / prompts
     return metrics
+
+
+def due(eval_cfg, datamodule, step: int | None) -> bool:
+    """Whether to evaluate before iteration ``step`` (None: after the last one): never without eval
+    prompts; at step 0 with ``eval.before_training``; every ``eval.every_n_iterations``."""
+    if eval_cfg is None or getattr(datamodule, "eval_dataset", None) is None:
+        return False
+    if step is None:
+        return True
+    every = eval_cfg.every_n_iterations
+    return (step == 0 and eval_cfg.before_training) or (bool(every) and step > 0 and step % every == 0)
+
+
+def evaluate_module(module) -> dict[str, float]:
+    """``evaluate`` for a ``PPOModule`` as it is now: its backend and sampling (greedy, or at
+    ``eval.temperature``), a generator of its own (the same eval samples for the same weights;
+    the training stream untouched); rank 0's first samples go to a W&B logger as a table."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    e, dm, samples = module.eval_cfg, module.trainer.datamodule, []
+    greedy = e.temperature == 0
+    params = module.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
+    metrics = evaluate(
+        dm.eval_batches(),
+        sampler=module.sampler,
+        params=params,
+        generator=module.runtime.new_generator(module.seed + 104_729, stride=1),
+        policy=module.policy,
+        ref_lm=module.ref_lm,
+        reward_fn=module.reward_fn,
+        tokenizer=module.tokenizer,
+        runtime=module.runtime,
+        num_samples=e.num_samples,
+        pass_threshold=e.pass_threshold,
+        pass_term=e.pass_term,
+        device=module.device,
+        sources=dm.eval_sources(),
+        samples=samples,
+    )
+    for lg in module.loggers:
+        if isinstance(lg, WandbLogger) and samples:
+            lg.log_table(
+                key="eval_samples",
+                columns=["step", "prompt", "response", "reward"],
+                data=[[module.global_step, *row] for row in samples],
+                step=module.global_step,
+            )
+    return metrics

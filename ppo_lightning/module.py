@@ -18,16 +18,14 @@ import logging
 import time
 
 import lightning as L
-from lightning.pytorch.loggers import WandbLogger
 import torch
 from torch import Tensor, nn
 
-from ppo_lightning import metrics
+from ppo_lightning import evaluation, metrics
 from ppo_lightning.algorithm import PPO
 from ppo_lightning.config import OptimizerConfig, PPOConfig
 from ppo_lightning.distributed import Runtime
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.evaluation import evaluate
 from ppo_lightning.generation import BackendFactory, SamplingParams, default_backend
 from ppo_lightning.lightning_compat import count_iteration
 from ppo_lightning.optim import configure_optimizers
@@ -226,50 +224,12 @@ class PPOModule(L.LightningModule):
                 lg.log_metrics(m, step=self.global_step)
                 lg.save()
 
-    # ------------------------------------------------------------------------- evaluation
     def _evaluates_at(self, step: int | None) -> bool:
-        """Whether to evaluate before iteration ``step`` (None: after the last one)."""
-        e, dm = self.eval_cfg, self.trainer.datamodule
-        if e is None or getattr(dm, "eval_dataset", None) is None:
-            return False
-        if step is None:
-            return True
-        return (step == 0 and e.before_training) or (
-            bool(e.every_n_iterations) and step > 0 and step % e.every_n_iterations == 0
-        )
+        return evaluation.due(self.eval_cfg, self.trainer.datamodule, step)
 
     def evaluate(self) -> dict[str, float]:
-        """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate``), with a
-        generator of their own: the same eval samples for the same weights, and the training
-        stream untouched."""
-        e, samples = self.eval_cfg, []
-        greedy = e.temperature == 0
-        params = self.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
-        self.eval_metrics = evaluate(
-            self.trainer.datamodule.eval_batches(),
-            sampler=self.sampler,
-            params=params,
-            generator=self.runtime.new_generator(self.seed + 104_729, stride=1),
-            policy=self.policy,
-            ref_lm=self.ref_lm,
-            reward_fn=self.reward_fn,
-            tokenizer=self.tokenizer,
-            runtime=self.runtime,
-            num_samples=e.num_samples,
-            pass_threshold=e.pass_threshold,
-            pass_term=e.pass_term,
-            device=self.device,
-            sources=self.trainer.datamodule.eval_sources(),
-            samples=samples,
-        )
-        for lg in self.loggers:  # rank 0's first eval samples, as a W&B table
-            if isinstance(lg, WandbLogger) and samples:
-                lg.log_table(
-                    key="eval_samples",
-                    columns=["step", "prompt", "response", "reward"],
-                    data=[[self.global_step, *row] for row in samples],
-                    step=self.global_step,
-                )
+        """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate_module``)."""
+        self.eval_metrics = evaluation.evaluate_module(self)
         return self.eval_metrics
 
     # ------------------------------------------------------------------------- checkpoints
