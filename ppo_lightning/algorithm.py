@@ -91,9 +91,8 @@ class PPO:
                 generator=self.generator,
                 prompts=prompts,
                 columns=columns,
+                mask_truncated=c.mask_truncated_completions,
             )
-            if c.mask_truncated_completions and self.sampling.stop_at_eos:  # cut responses teach nothing
-                samples.response_mask = samples.response_mask * samples.contains_eos[:, None]
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
             r = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, kl_estimator=self.kl_estimator, cfg=c)

@@ -200,11 +200,6 @@ def read_prompts(path: str | Path, field: str = "prompt") -> list[str | list[dic
     return [r.prompt for r in read_prompt_records(path, field)]
 
 
-def load_hf_prompts(name: str, split: str, field: str) -> list[str | list[dict[str, str]]]:
-    """The ``field`` column of a Hugging Face dataset's ``split`` (scalars as strings)."""
-    return [r.prompt for r in read_prompt_records(None, field, hf_dataset=name, hf_split=split)]
-
-
 def chat_template_of(value: str | None, key: str = "data.chat_template") -> str | None:
     """``data.chat_template`` (or ``key``): a Jinja string, or the path of a file holding one."""
     if value is None:

@@ -88,7 +88,6 @@ class PPOModule(L.LightningModule):
         self.skipped_updates = 0  # updates skipped for a non-finite loss or gradient
         self.nonfinite_streak = 0  # consecutive iterations with a skip
         self.eval_cfg = eval_cfg  # eval.* (config.EvalConfig); evaluates only when the data has eval prompts
-        self.eval_metrics: dict[str, float] = {}  # the last evaluation's (eval/*)
         self._eval_due: dict[str, float] = {}  # this iteration's, from on_train_batch_start to training_step
         self.rollout: Rollout | None = None  # this iteration's, from on_train_batch_start to training_step
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
@@ -229,8 +228,7 @@ class PPOModule(L.LightningModule):
 
     def evaluate(self) -> dict[str, float]:
         """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate_module``)."""
-        self.eval_metrics = evaluation.evaluate_module(self)
-        return self.eval_metrics
+        return evaluation.evaluate_module(self)
 
     # ------------------------------------------------------------------------- checkpoints
     def checkpointed(self, key: str) -> bool:

@@ -287,6 +287,7 @@ def sample_and_score(
     generator: torch.Generator | None = None,
     prompts: list | None = None,
     columns: list[dict] | None = None,
+    mask_truncated: bool = False,
 ) -> Samples:
     """Sample responses to left-padded prompts through ``sampler`` (the policy's backend) as
     ``params`` say; reference logprobs and reward scores for them.
@@ -310,8 +311,11 @@ def sample_and_score(
     contains_eos = (stop_hits(responses, tokenizer.eos_token_id, params.stop_sequences) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and params.stop_at_eos:
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
-    if not scored.all():  # no reward applies to these responses (raw score 0, as TRL): out of every loss
-        response_mask = response_mask * scored[:, None]
+    # out of every loss: responses no reward applies to (raw score 0, as TRL), and with
+    # mask_truncated those cut at max_new_tokens (DAPO's overlong filtering)
+    keep = scored & contains_eos if mask_truncated and params.stop_at_eos else scored
+    if not keep.all():
+        response_mask = response_mask * keep[:, None]
     return Samples(
         query_responses=query_responses,
         attention_mask=full_mask,

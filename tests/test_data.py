@@ -14,7 +14,7 @@ from ppo_lightning.config import DataConfig
 from ppo_lightning.data import (
     PadCollator,
     PromptDataModule,
-    load_hf_prompts,
+    read_prompt_records,
     read_prompts,
     read_records,
     tokenize_prompts,
@@ -34,6 +34,11 @@ def tok():
 
 # ---------------------------------------------------------------------------------------------
 # read_prompts
+
+
+def _hf_prompts(field: str) -> list:
+    """The prompts of the (faked) dataset ``org/x``, as PPO reads them."""
+    return [r.prompt for r in read_prompt_records(None, field, hf_dataset="org/x", hf_split="train")]
 
 
 def test_read_txt_skips_blank_lines(tmp_path):
@@ -137,13 +142,13 @@ def test_one_reader_keeps_every_field_in_order_from_each_source(tmp_path, monkey
     # PPO's prompts through it: the .json file, the dataset's column (values as strings)
     assert read_prompts(tmp_path / "r.json") == ["a", "b é", "c"]
     fake_datasets(monkeypatch, [{"text": "alpha", "n": 1}, {"text": 5, "n": 2}])
-    assert load_hf_prompts("org/x", "train", "text") == ["alpha", "5"]
+    assert _hf_prompts("text") == ["alpha", "5"]
     with pytest.raises(
         ConfigError,
         match=r"^data.hf_dataset='org/x' row 0: no 'prompt' field \(data.prompt_field='prompt'\); its fields are "
         r"\['n', 'text'\]",
     ):
-        load_hf_prompts("org/x", "train", "prompt")
+        _hf_prompts("prompt")
 
 
 def test_one_reader_names_the_file_and_line_of_a_bad_record(tmp_path, monkeypatch):
@@ -179,10 +184,10 @@ def test_one_reader_names_the_file_and_line_of_a_bad_record(tmp_path, monkeypatc
         match=r"data.hf_dataset='org/x' \(split 'train'\) could not be loaded: "
         r"no dataset org/x. For offline use give a local file with data.path",
     ):
-        load_hf_prompts("org/x", "train", "prompt")
+        _hf_prompts("prompt")
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ConfigError, match=r"data.hf_dataset='org/x' needs the 'datasets' package"):
-        load_hf_prompts("org/x", "train", "prompt")
+        _hf_prompts("prompt")
 
 
 # ---------------------------------------------------------------------------------------------
