@@ -514,14 +514,16 @@ class DataConfig:
     batch. The stages read none of these keys (their records and batches are ``task.*``)."""
 
     path: Optional[str] = None
-    """Local prompt file: ``.txt`` or no extension (one prompt per non-empty line), ``.jsonl`` (one
-    object a line with a string ``prompt_field``) or ``.json`` (a list of such objects). Must exist, hold prompts and parse, checked
+    """Local prompt records: ``.txt`` or no extension (one prompt per non-empty line), ``.jsonl``
+    (one object a line with a ``prompt_field``), ``.json`` (a list of such objects), ``.parquet``
+    (one row a record), or a directory written by ``datasets``' ``save_to_disk`` (the last two
+    need ``pip install 'ppo_lightning[data]'``). Must exist, hold prompts and parse, checked
     before any model loads. Relative paths resolve against the launch directory."""
     hf_dataset: Optional[str] = None
-    """Hugging Face dataset name, used when ``path`` is null (needs ``pip install datasets``);
+    """Hugging Face dataset name, used when ``path`` is null (needs the ``data`` extra);
     ``path`` and ``hf_dataset`` both null is an error."""
     hf_split: str = "train"
-    """Dataset split."""
+    """Dataset split, of ``hf_dataset`` or of a ``save_to_disk`` directory holding several."""
     prompt_field: str = "prompt"
     """JSONL field or dataset column holding the prompt: a string, or a list of chat messages
     (``{"role", "content"}`` objects). Every other field of a record is that prompt's metadata

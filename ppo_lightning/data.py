@@ -15,6 +15,7 @@ ends at the same column and the response starts right after it.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -35,7 +36,14 @@ RECORD_FILES = {
     ".txt": ".txt (one prompt a line)",
     ".jsonl": ".jsonl (one JSON object a line)",
     ".json": ".json (a JSON list of objects)",
+    ".parquet": ".parquet (one row a record)",
 }
+SAVED_DATASET = "a directory written by datasets' save_to_disk"
+
+
+def record_formats() -> str:
+    """What a records path may be, for errors: every ``RECORD_FILES`` format, or a saved dataset."""
+    return f"{', '.join(RECORD_FILES.values())} or {SAVED_DATASET}"
 
 
 # ----------------------------------------------------------------------------- records
@@ -53,7 +61,7 @@ def read_records(
     hf_dataset: str | None = None,
     hf_split: str = "train",
     text_field: str = "prompt",
-    suffixes: Sequence[str] = (".txt", ".jsonl", ".json"),
+    suffixes: Sequence[str] = (".txt", ".jsonl", ".json", ".parquet"),
 ) -> Iterator[tuple[str, dict]]:
     """``(where, record)`` for each record of ``path`` (or, when it is None, of ``hf_dataset``), in order.
 
@@ -64,24 +72,32 @@ def read_records(
     - ``.txt``: one record ``{text_field: line}`` per non-empty line, the line as it is (split
       on ``"\\n"`` only: ``str.splitlines`` would also split a prompt at form feeds or U+2028);
     - ``.jsonl``: one JSON object a line, blank lines skipped;
-    - ``.json``: a JSON list of objects.
+    - ``.json``: a JSON list of objects;
+    - ``.parquet``: one record a row (needs ``pyarrow``: ``pip install ppo_lightning[data]``);
+    - a directory written by ``datasets``' ``save_to_disk``: its rows, or its ``hf_split``'s
+      rows when it holds a ``DatasetDict`` (needs ``datasets``).
 
-    A Hugging Face dataset (needs ``pip install datasets``) gives its ``hf_split`` rows, every
-    column kept. Errors are ``ConfigError``s naming ``<key_prefix>.path`` / ``.hf_dataset``.
+    A Hugging Face dataset (needs ``datasets``) gives its ``hf_split`` rows, every column kept.
+    Errors are ``ConfigError``s naming ``<key_prefix>.path`` / ``.hf_dataset``.
     """
     source = records_source(key_prefix, path, hf_dataset)
     if path is None:
         yield from _hf_rows(hf_dataset, hf_split, source, key_prefix)
         return
     path = Path(path)
+    if path.is_dir():
+        yield from _saved_rows(path, hf_split, source, key_prefix)
+        return
     if not path.is_file():
-        raise ConfigError(f"{source}: no such file")
+        raise ConfigError(f"{source}: no such file or directory")
     suffix = ".txt" if path.suffix == "" else path.suffix
     if suffix not in suffixes:
         formats = [RECORD_FILES[s] for s in suffixes]
         listed = formats[0] if len(formats) == 1 else f"{', '.join(formats[:-1])} or {formats[-1]}"
         raise ConfigError(f"{source}: unsupported extension {path.suffix!r}; use {listed}")
-    if suffix == ".txt":
+    if suffix == ".parquet":
+        yield from _parquet_rows(path, source, key_prefix)
+    elif suffix == ".txt":
         lines = path.read_text(encoding="utf-8").split("\n")
         for lineno, line in enumerate(lines, start=1):
             if line.strip():
@@ -117,14 +133,48 @@ def _object(obj, where: str) -> dict:
     return obj
 
 
-def _hf_rows(name: str, split: str, source: str, key_prefix: str) -> Iterator[tuple[str, dict]]:
+def _import(module: str, source: str, key_prefix: str):
+    """``module``, or a ``ConfigError`` saying how to install it (the ``data`` extra)."""
     try:
-        import datasets
+        return importlib.import_module(module)
     except ImportError:
+        package = module.split(".")[0]
         raise ConfigError(
-            f"{source} needs the 'datasets' package: pip install datasets (or give a local "
-            f"file with {key_prefix}.path=...)"
+            f"{source} needs the {package!r} package: pip install 'ppo_lightning[data]' (or give a "
+            f".jsonl file with {key_prefix}.path=...)"
         ) from None
+
+
+def _parquet_rows(path: Path, source: str, key_prefix: str) -> Iterator[tuple[str, dict]]:
+    pq = _import("pyarrow.parquet", source, key_prefix)
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # not parquet, truncated: the file is the user's to fix
+        raise ConfigError(f"{source}: not a readable parquet file ({e})") from None
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{source} row {i}", row
+
+
+def _saved_rows(path: Path, split: str, source: str, key_prefix: str) -> Iterator[tuple[str, dict]]:
+    if not any((path / name).is_file() for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
+        raise ConfigError(f"{source} is a directory but not {SAVED_DATASET}; give a file or such a directory")
+    datasets = _import("datasets", source, key_prefix)
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise ConfigError(f"{source}: could not be loaded as {SAVED_DATASET} ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ConfigError(
+                f"{source} holds the splits {sorted(ds)}, not {split!r}; set {key_prefix}.hf_split to one of them"
+            )
+        ds, source = ds[split], f"{source} split {split!r}"
+    for i, row in enumerate(ds):
+        yield f"{source} row {i}", dict(row)
+
+
+def _hf_rows(name: str, split: str, source: str, key_prefix: str) -> Iterator[tuple[str, dict]]:
+    datasets = _import("datasets", source, key_prefix)
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # network, missing split, bad name: all user-fixable
@@ -155,14 +205,18 @@ class PromptRecord:
 
 
 def read_prompt_records(
-    path: str | Path | None = None, field: str = "prompt", hf_dataset: str | None = None, hf_split: str = "train"
+    path: str | Path | None = None,
+    field: str = "prompt",
+    hf_dataset: str | None = None,
+    hf_split: str = "train",
+    key_prefix: str = "data",
 ) -> list[PromptRecord]:
     """PPO's prompt records from ``path`` (``.txt``: one prompt a line; ``.jsonl`` / ``.json``:
     objects with a ``field``) or ``hf_dataset``. A prompt is a string or a non-empty list of
     messages, each a ``{"role": str, "content": str}`` object; a dataset's non-string scalar is
     taken as its string. Errors name the file and line."""
     records = []
-    for where, row in read_records("data", path=path, hf_dataset=hf_dataset, hf_split=hf_split, text_field=field):
+    for where, row in read_records(key_prefix, path=path, hf_dataset=hf_dataset, hf_split=hf_split, text_field=field):
         if field not in row:
             raise ConfigError(
                 f"{where}: no {field!r} field (data.prompt_field={field!r}); its fields are {sorted(row)}"
@@ -179,7 +233,7 @@ def read_prompt_records(
             )
         records.append(PromptRecord(prompt, {k: v for k, v in row.items() if k != field}, where))
     if not records:
-        raise ConfigError(f"{records_source('data', path, hf_dataset)} holds no prompts; add one prompt per line")
+        raise ConfigError(f"{records_source(key_prefix, path, hf_dataset)} holds no prompts; add one prompt per line")
     return records
 
 
@@ -195,9 +249,9 @@ def check_messages(messages: list, where: str, field: str) -> None:
             )
 
 
-def read_prompts(path: str | Path, field: str = "prompt") -> list[str | list[dict[str, str]]]:
+def read_prompts(path: str | Path, field: str = "prompt", key_prefix: str = "data") -> list[str | list[dict[str, str]]]:
     """The prompts of a file, as ``read_prompt_records`` reads them."""
-    return [r.prompt for r in read_prompt_records(path, field)]
+    return [r.prompt for r in read_prompt_records(path, field, key_prefix=key_prefix)]
 
 
 def chat_template_of(value: str | None, key: str = "data.chat_template") -> str | None:
@@ -417,7 +471,7 @@ class PromptDataModule(L.LightningDataModule):
         records = read_prompt_records(c.path, c.prompt_field, hf_dataset=c.hf_dataset, hf_split=c.hf_split)
         eval_records = []
         if e is not None and e.path is not None:
-            eval_records = read_prompt_records(e.path, c.prompt_field)
+            eval_records = read_prompt_records(e.path, c.prompt_field, key_prefix="eval")
         elif e is not None and e.split_fraction > 0:
             n_eval = max(1, round(len(records) * e.split_fraction))
             held = set(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,6 +28,15 @@ from torch import Tensor
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.policy import position_ids_from_mask
 from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs, score_terms
+
+
+class EvalPoint(NamedTuple):
+    """One evaluation: before iteration ``step`` (``max_steps``: after the last), its ``eval/*``
+    metrics, and up to 8 of rank 0's ``(prompt, response, reward)`` samples."""
+
+    step: int
+    metrics: dict[str, float]
+    samples: list[tuple[str, str, float]]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -139,13 +149,15 @@ def due(eval_cfg, datamodule, step: int | None) -> bool:
     return (step == 0 and eval_cfg.before_training) or (bool(every) and step > 0 and step % every == 0)
 
 
-def evaluate_module(module) -> dict[str, float]:
+def evaluate_module(module, samples: list | None = None) -> dict[str, float]:
     """``evaluate`` for a ``PPOModule`` as it is now: its backend and sampling (greedy, or at
     ``eval.temperature``), a generator of its own (the same eval samples for the same weights;
-    the training stream untouched); rank 0's first samples go to a W&B logger as a table."""
+    the training stream untouched); rank 0's first samples go to a W&B logger as a table, and
+    to ``samples`` when given."""
     from lightning.pytorch.loggers import WandbLogger
 
-    e, dm, samples = module.eval_cfg, module.trainer.datamodule, []
+    e, dm = module.eval_cfg, module.trainer.datamodule
+    samples = [] if samples is None else samples
     greedy = e.temperature == 0
     params = module.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
     metrics = evaluate(

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ppo_lightning.checkpoint import AtomicCheckpointIO, stop_every_rank_on_write_error
 from ppo_lightning.preemption import StopOnPreemption
 from ppo_lightning.config import validate
-from ppo_lightning.data import PromptDataModule, read_prompts
+from ppo_lightning.data import PromptDataModule, read_prompts, record_formats
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.generation import SamplingParams
 from ppo_lightning.module import PPOModule
@@ -92,14 +92,18 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
             cfg.recipe,
         )
     if d.path is not None and not pending(d.path):
-        if not os.path.isfile(d.path):
+        if not os.path.exists(d.path):
             raise ConfigError(
-                f"data.path={d.path!r}: no such file. Give a .txt (one prompt a line) or "
-                f".jsonl (one JSON object with a {d.prompt_field!r} field a line)" + _built_by_hint(d.path, cfg)
+                f"data.path={d.path!r}: no such file or directory. Give a {record_formats()}, each record "
+                f"with a {d.prompt_field!r} field (data.prompt_field)" + _built_by_hint(d.path, cfg)
             )
         read_prompts(d.path, d.prompt_field)  # empty, malformed or unsupported files fail here
-    if cfg.eval.path is not None and not os.path.isfile(cfg.eval.path):
-        raise ConfigError(f"eval.path={cfg.eval.path!r}: no such file. Give a .txt, .jsonl or .json of prompt records")
+    if cfg.eval.path is not None and not os.path.exists(cfg.eval.path):
+        raise ConfigError(f"eval.path={cfg.eval.path!r}: no such file or directory. Give a {record_formats()}")
+    if cfg.eval.path is not None:
+        read_prompts(
+            cfg.eval.path, d.prompt_field, key_prefix="eval"
+        )  # as data.path's: fails here, not after the models load
     if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
     if not needs_model(r):

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ppo_lightning import evaluation, metrics
+from ppo_lightning.evaluation import EvalPoint
 from ppo_lightning.algorithm import PPO
 from ppo_lightning.config import OptimizerConfig, PPOConfig
 from ppo_lightning.distributed import Runtime
@@ -89,6 +90,7 @@ class PPOModule(L.LightningModule):
         self.nonfinite_streak = 0  # consecutive iterations with a skip
         self.eval_cfg = eval_cfg  # eval.* (config.EvalConfig); evaluates only when the data has eval prompts
         self._eval_due: dict[str, float] = {}  # this iteration's, from on_train_batch_start to training_step
+        self.eval_history: list[EvalPoint] = []  # every evaluation of this process, in order (the recipes' tables)
         self.rollout: Rollout | None = None  # this iteration's, from on_train_batch_start to training_step
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
         self._callback_metrics: tuple[str, ...] = ()  # set in on_fit_start
@@ -227,8 +229,12 @@ class PPOModule(L.LightningModule):
         return evaluation.due(self.eval_cfg, self.trainer.datamodule, step)
 
     def evaluate(self) -> dict[str, float]:
-        """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate_module``)."""
-        return evaluation.evaluate_module(self)
+        """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate_module``), also
+        kept with rank 0's first samples in ``eval_history``."""
+        samples: list = []
+        m = evaluation.evaluate_module(self, samples)
+        self.eval_history.append(EvalPoint(self.global_step, m, samples))
+        return m
 
     # ------------------------------------------------------------------------- checkpoints
     def checkpointed(self, key: str) -> bool:

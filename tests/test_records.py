@@ -393,3 +393,42 @@ def test_none_means_a_reward_does_not_apply(tmp_path, cache_dir):
         odd = ~r.scored  # the rows of odd qid, to which the only reward does not apply
         assert (r.response_mask[odd].sum(1) == 0).all() and (r.response_mask[~odd].sum(1) > 0).all()
         assert metrics["rollout/unscored"] == odd.sum().item() > 0
+
+
+def _columns_of(records):
+    return [(r.prompt, r.columns) for r in records]
+
+
+def test_parquet_and_saved_datasets_read_as_the_same_records_as_jsonl(tmp_path):
+    """``data.path`` takes a .parquet file and a ``save_to_disk`` directory (a Dataset, or a
+    DatasetDict's ``data.hf_split``): the same prompts, chat messages included, and columns."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i), "data_source": "a" if i % 2 else "b"}
+        for i in range(5)
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = _columns_of(read_prompt_records(tmp_path / "p.jsonl"))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    assert _columns_of(read_prompt_records(tmp_path / "p.parquet")) == expected
+    ds = datasets.Dataset.from_list(rows)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert _columns_of(read_prompt_records(tmp_path / "saved")) == expected
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "splits"))
+    assert _columns_of(read_prompt_records(tmp_path / "splits")) == expected
+    assert _columns_of(read_prompt_records(tmp_path / "splits", hf_split="test")) == expected[:1]
+    with pytest.raises(ConfigError, match=r"holds the splits \['test', 'train'\], not 'dev'; set data.hf_split"):
+        read_prompt_records(tmp_path / "splits", hf_split="dev")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(
+        ConfigError, match=r"data.path='.*plain' is a directory but not a directory written by datasets"
+    ):
+        read_prompt_records(tmp_path / "plain")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(ConfigError, match=r"bad.parquet': not a readable parquet file"):
+        read_prompt_records(tmp_path / "bad.parquet")
+    with pytest.raises(ConfigError, match=r"eval.path='.*p.parquet' row 0: no 'question' field"):
+        read_prompt_records(tmp_path / "p.parquet", "question", key_prefix="eval")

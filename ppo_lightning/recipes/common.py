@@ -181,3 +181,62 @@ def report(before: dict, after: dict, path: Path | None, n_samples: int = 3) -> 
     if path is not None:
         path.write_text(json.dumps({"before": before, "after": after}, indent=2))
     return text
+
+
+def eval_report(
+    history, rows: dict[str, str], out_dir: Path | None, curve: dict[str, str] | None = None, n_samples: int = 3
+) -> str:
+    """The before/after table of a run's own evaluations (``PPOModule.eval_history``: the first,
+    before training, and the last, after it), every eval point of ``curve``'s metrics, and samples.
+
+    ``rows`` maps a row's label to its ``eval/*`` metric. ``out_dir`` receives ``eval.json`` (the
+    table and the curve) and, for ``curve`` (label -> metric), ``eval_curve.png`` beside
+    ``metrics.csv`` (needs matplotlib, in the ``dev`` extra; without it the PNG is skipped with a
+    warning)."""
+    if len(history) < 2:
+        raise ValueError(f"a before/after table needs 2 evaluations, the run made {len(history)}")
+    first, last = history[0], history[-1]
+    before = {label: first.metrics[key] for label, key in rows.items()}
+    after = {label: last.metrics[key] for label, key in rows.items()}
+    width = max(len(n) for n in rows) + 2
+    lines = [f"{'':{width}}{'before':>10}{'after':>10}"]
+    lines += [f"{n:{width}}{before[n]:>10.3f}{after[n]:>10.3f}" for n in rows]
+    curve = curve or {}
+    if curve:
+        lines.append("\neval after iteration:" + "".join(f"{p.step:>7d}" for p in history))
+        lines += [
+            f"  {label:{width}}" + "".join(f"{p.metrics[key]:>7.3f}" for p in history) for label, key in curve.items()
+        ]
+    for label, point in (("before", first), ("after", last)):
+        lines.append(f"\nsamples {label} RL:")
+        lines += [f"  ...{p[-60:]!r} -> {r!r} (reward {x:.2f})" for p, r, x in point.samples[:n_samples]]
+    if out_dir is not None:
+        points = [{"step": p.step, **{label: p.metrics[key] for label, key in curve.items()}} for p in history]
+        (out_dir / "eval.json").write_text(json.dumps({"before": before, "after": after, "curve": points}, indent=2))
+        if curve:
+            plot_curve(points, list(curve), out_dir / "eval_curve.png")
+    return "\n".join(lines)
+
+
+def plot_curve(points: list[dict], labels: list[str], path: Path) -> Path | None:
+    """``labels`` of ``points`` against ``step``, one line each, as a PNG (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed, so %s is not drawn: pip install matplotlib", path)
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    steps = [p["step"] for p in points]
+    for label in labels:
+        ax.plot(steps, [p[label] for p in points], marker="o", label=label)
+    ax.set_xlabel("PPO iteration")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -111,7 +111,7 @@ def read_role_records(
     elif path is not None or hf_dataset is not None:
         source = records_source(key_prefix, path, hf_dataset)
         rows = read_records(
-            key_prefix, path=path, hf_dataset=hf_dataset, hf_split=hf_split, suffixes=(".jsonl", ".json")
+            key_prefix, path=path, hf_dataset=hf_dataset, hf_split=hf_split, suffixes=(".jsonl", ".json", ".parquet")
         )
     else:
         raise ConfigError(
