@@ -634,6 +634,12 @@ class EvalConfig:
     """A response passes when its score reaches this (``eval/pass@k``)."""
     pass_term: Optional[str] = None
     """The ``reward.terms`` term whose raw score decides a pass (null: the whole raw reward)."""
+    metrics: Dict[str, str] = field(default_factory=dict)
+    """Scores that are measured on the eval samples but are not the reward: name -> a function
+    (``eval.metrics.sentiment=my_pkg.my_fn``, with or without ``+``), called as a reward function is (TRL's signature or
+    ``(prompts, responses)``, columns by parameter name, None = does not apply) and logged as
+    ``eval/metrics/<name>/mean@n``. A ground truth beside a learned reward tells a real gain from
+    reward hacking (the default job's sentiment and grammar)."""
 
 
 @dataclass
@@ -825,8 +831,9 @@ class RewardModelTask(RewardModelConfig):
 def register_configs() -> None:
     cs = ConfigStore.instance()
     schema = OmegaConf.structured(TrainConfig)
-    # reward.terms takes new names without a "+": reward.terms.correct.fn=my.fn
+    # reward.terms and eval.metrics take new names without a "+": reward.terms.correct.fn=my.fn
     OmegaConf.set_struct(schema.reward.terms, False)
+    OmegaConf.set_struct(schema.eval.metrics, False)
     cs.store(name="train_schema", node=schema)
     # the task=sft / task=reward_model nodes: conf/task/<name>.yaml puts them at `task`
     cs.store(group="task", name="sft_schema", node=SFTTask)

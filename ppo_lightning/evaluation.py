@@ -8,6 +8,7 @@ its columns reach the reward), and reduces sums over ranks once. Metrics (``docs
 
 - ``eval/reward/mean@n``: the raw reward, mean over every response;
 - ``eval/rewards/<name>/mean@n``: each ``reward.terms`` term's raw score;
+- ``eval/metrics/<name>/mean@n``: each ``eval.metrics`` score, measured here only (not a reward);
 - ``eval/pass@k`` for k = 1, 2, 4, ... up to n: the Codex paper's unbiased estimator of the chance
   that one of k responses passes (its score, or ``eval.pass_term``'s, reaches
   ``eval.pass_threshold``), mean over prompts;
@@ -70,13 +71,15 @@ def evaluate(
     pass_term: str | None,
     device,
     sources: list[str] = (),
+    metrics: dict | None = None,
     samples: list | None = None,
     max_samples: int = 8,
 ) -> dict[str, float]:
     """The ``eval/*`` metrics over every rank's ``batches`` (``(batch, weight [B])`` pairs: a row of
     weight 0 pads a rank's share, and counts nowhere); with ``sources`` (every eval record's
     ``data_source``, the same list on every rank) per source as well. ``samples``, when given,
-    receives up to ``max_samples`` of this rank's ``(prompt, response, reward)`` rows."""
+    receives up to ``max_samples`` of this rank's ``(prompt, response, reward)`` rows. ``metrics``
+    (``eval.metrics``: name -> scorer) are scored on the same samples, apart from the reward."""
     n, ks = num_samples, pass_ks(num_samples)
     sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
     with runtime.rollout_context(policy, ref_lm):
@@ -100,6 +103,9 @@ def evaluate(
                 "kl": ((logp - ref) * mask).sum(1).double(),
                 **{f"term/{name}": t.double().nan_to_num(0.0) for name, t in terms.items()},
             }
+            for name, fn in (metrics or {}).items():
+                score, _, _ = score_terms(fn, tokenizer, ids, am, resp, mask, prompts, columns)
+                per_row[f"metric/{name}"] = score.double()
             if samples is not None and len(samples) < max_samples:
                 prompt_texts, texts = decode_prompts_and_responses(tokenizer, ids, resp, mask)
                 real = w.repeat_interleave(n) > 0
@@ -125,17 +131,19 @@ def evaluate(
                     sums[f"{prefix}{key}"] += (gw * x).sum()
     names = sorted(sums)
     total = dict(zip(names, runtime.reduce_sum(torch.stack([sums[k] for k in names])).tolist()))
-    metrics = {}
+    out = {}
     for prefix in ["", *(f"{src}/" for src in sources)]:
         rows, prompts = max(total[f"{prefix}rows"], 1.0), max(total[f"{prefix}prompts"], 1.0)
-        metrics[f"eval/{prefix}reward/mean@{n}"] = total[f"{prefix}reward"] / rows
-        metrics[f"eval/{prefix}response_length"] = total[f"{prefix}length"] / rows
-        metrics[f"eval/{prefix}kl"] = total[f"{prefix}kl"] / rows
+        out[f"eval/{prefix}reward/mean@{n}"] = total[f"{prefix}reward"] / rows
+        out[f"eval/{prefix}response_length"] = total[f"{prefix}length"] / rows
+        out[f"eval/{prefix}kl"] = total[f"{prefix}kl"] / rows
         for name in (k[len(f"{prefix}term/") :] for k in names if k.startswith(f"{prefix}term/")):
-            metrics[f"eval/{prefix}rewards/{name}/mean@{n}"] = total[f"{prefix}term/{name}"] / rows
+            out[f"eval/{prefix}rewards/{name}/mean@{n}"] = total[f"{prefix}term/{name}"] / rows
+        for name in (k[len(f"{prefix}metric/") :] for k in names if k.startswith(f"{prefix}metric/")):
+            out[f"eval/{prefix}metrics/{name}/mean@{n}"] = total[f"{prefix}metric/{name}"] / rows
         for k in ks:
-            metrics[f"eval/{prefix}pass@{k}"] = total[f"{prefix}pass@{k}"] / prompts
-    return metrics
+            out[f"eval/{prefix}pass@{k}"] = total[f"{prefix}pass@{k}"] / prompts
+    return out
 
 
 def due(eval_cfg, datamodule, step: int | None) -> bool:
@@ -175,6 +183,7 @@ def evaluate_module(module, samples: list | None = None) -> dict[str, float]:
         pass_term=e.pass_term,
         device=module.device,
         sources=dm.eval_sources(),
+        metrics=module.eval_metrics,
         samples=samples,
     )
     for lg in module.loggers:

@@ -37,7 +37,7 @@ from ppo_lightning.policy import (
     resolve_source,
 )
 from ppo_lightning.recipes import RECIPES, recipe_root
-from ppo_lightning.rewards import build_reward, needs_model
+from ppo_lightning.rewards import build_eval_metrics, build_reward, needs_model
 from ppo_lightning.rewards.function import check_reward_columns
 from ppo_lightning.tiny import ensure_tiny_model
 
@@ -108,6 +108,7 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
     if not needs_model(r):
         build_reward(r)  # imports reward.fn (or every term's)
+    build_eval_metrics(cfg.eval.metrics)  # imports each eval.metrics function
     sources = [
         (
             "model.name_or_path",
@@ -172,6 +173,9 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     datamodule.load()  # reads, renders (chat templates) and tokenises the prompts
     if reward_fn is not None:
         check_reward_columns(reward_fn, [*datamodule.records, *datamodule.eval_records])  # every record has its columns
+    eval_metrics = build_eval_metrics(cfg.eval.metrics)
+    for fn in eval_metrics.values():
+        check_reward_columns(fn, datamodule.eval_records)
 
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
     ctx = context_length(lm.config)
@@ -213,6 +217,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
         optim_cfg,
         seed=cfg.seed,
         eval_cfg=OmegaConf.to_object(cfg.eval),
+        eval_metrics=eval_metrics,
         sampling=SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
         reward_norm=reward_norm,
         normalize_reward_samples=cfg.reward.normalize_samples,

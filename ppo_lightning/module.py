@@ -71,6 +71,7 @@ class PPOModule(L.LightningModule):
         backend: BackendFactory | None = None,
         sampling: SamplingParams | None = None,
         eval_cfg=None,
+        eval_metrics: dict | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -89,6 +90,7 @@ class PPOModule(L.LightningModule):
         self.skipped_updates = 0  # updates skipped for a non-finite loss or gradient
         self.nonfinite_streak = 0  # consecutive iterations with a skip
         self.eval_cfg = eval_cfg  # eval.* (config.EvalConfig); evaluates only when the data has eval prompts
+        self.eval_metrics = eval_metrics or {}  # eval.metrics: name -> scorer, measured on eval samples only
         self._eval_due: dict[str, float] = {}  # this iteration's, from on_train_batch_start to training_step
         self.eval_history: list[EvalPoint] = []  # every evaluation of this process, in order (the recipes' tables)
         self.rollout: Rollout | None = None  # this iteration's, from on_train_batch_start to training_step

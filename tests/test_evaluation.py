@@ -66,6 +66,7 @@ def test_eval_logs_before_every_n_and_after_without_moving_the_training_trajecto
                 "eval.every_n_iterations=2",
                 "eval.num_samples=2",
                 "eval.temperature=0",
+                "eval.metrics.again=tests.helpers.own_answer_trl",  # the reward again, as a metric only
             ],
         ),
     ):
@@ -80,8 +81,10 @@ def test_eval_logs_before_every_n_and_after_without_moving_the_training_trajecto
         assert row["eval/pass@1"] == pytest.approx(row["eval/pass@2"])  # greedy: both samples agree
         assert row["eval/response_length"] > 0 and math.isfinite(row["eval/kl"])
     assert evals[0]["eval/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is the reference before training
+    for row in evals.values():  # an eval.metrics score is measured on the same samples as the reward
+        assert row["eval/metrics/again/mean@2"] == pytest.approx(row["eval/reward/mean@2"])
     for row in evals.values():  # per data_source: 3 prompts each, which make up the whole
-        for metric in ("reward/mean@2", "pass@1", "response_length", "kl"):
+        for metric in ("reward/mean@2", "pass@1", "response_length", "kl", "metrics/again/mean@2"):
             whole = (row[f"eval/a/{metric}"] + row[f"eval/b/{metric}"]) / 2
             assert row[f"eval/{metric}"] == pytest.approx(whole, abs=1e-6), metric
 
@@ -97,6 +100,8 @@ def test_bad_eval_inputs_fail_before_any_model_loads(tmp_path, cache_dir):
         build_module(compose_cfg([*base, "eval.split_fraction=0.75"], tmp_path, cache_dir))
     with pytest.raises(ConfigError, match=r"^eval.pass_term='correct': not a reward.terms name"):
         check_inputs(compose_cfg([*base, "eval.pass_term=correct"], tmp_path, cache_dir))
+    with pytest.raises(ConfigError, match=r"^eval.metrics.x='tests.helpers.no_such_fn': module 'tests.helpers' has no"):
+        check_inputs(compose_cfg([*base, "eval.metrics.x=tests.helpers.no_such_fn"], tmp_path, cache_dir))
 
 
 @pytest.mark.slow  # subprocesses: one and two ranks

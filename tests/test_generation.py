@@ -23,12 +23,12 @@ RUN = [
 
 
 def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(tmp_path, cache_dir):
-    """Reward normalisation samples the reference, each rollout the policy, and the recipes'
-    before/after evaluation both: all through ``generation._target_``, all with the one
-    ``module.sampling`` (here with top-k and a stop string, which a caller rebuilding its own
-    arguments could drop); the backend gets the policy's weights after each iteration."""
+    """Reward normalisation samples the reference, each rollout and each evaluation (before
+    training and after, the recipes' tables) the policy: all through ``generation._target_``, all
+    with the one ``module.sampling`` (here with top-k and a stop string, which a caller rebuilding
+    its own arguments could drop; an evaluation at the rollout's temperature samples with equal
+    params); the backend gets the policy's weights after each iteration."""
     from ppo_lightning.factory import build
-    from ppo_lightning.recipes.common import evaluate_before_after
     from tests.helpers import RecordingBackend
 
     RecordingBackend.calls.clear()
@@ -41,19 +41,22 @@ def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(
             "sampling.stop_strings=['xy']",
             "reward.normalize=true",
             "reward.normalize_samples=8",
+            "eval.split_fraction=0.1",
+            "eval.temperature=${sampling.temperature}",
+            "eval.max_prompts=2",  # one batch: one call per evaluation
         ],
         tmp_path,
         cache_dir,
     )
     module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule)
-    evaluate_before_after(module, ["ab", "cd"], {"length": lambda p, r: [len(x) for x in r]}, seed=0)
     sampled = [
         "policy" if lm is module.policy.lm else "reference" if lm is module.ref_lm else "?"
         for lm, _ in RecordingBackend.calls
     ]
-    assert sampled == ["reference", "policy", "policy", "reference", "policy"]
-    assert all(params is module.sampling for _, params in RecordingBackend.calls)
+    assert sampled == ["reference", "policy", "policy", "policy", "policy"]  # normalisation, eval, 2 rollouts, eval
+    assert all(params is module.sampling for _, params in RecordingBackend.calls[2:4])
+    assert all(params == module.sampling for _, params in RecordingBackend.calls)
     assert module.sampling.top_k == 5 and len(module.sampling.stop_sequences) == 1
     assert RecordingBackend.syncs == [len(list(module.policy.lm.parameters()))] * 2
 

@@ -491,6 +491,16 @@ def reward_fn(prompts: list[str], responses: list[str], ill_formed: float = -1.0
     return scores
 
 
+def sentiment_fn(prompts: list[str], responses: list[str]) -> list[float]:
+    """The ground-truth :func:`sentiment` of each whole review (``eval.metrics.sentiment=...``)."""
+    return [sentiment(join_text(p, r)) for p, r in zip(prompts, responses)]
+
+
+def well_formed_fn(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 where the whole review is grammatical (:func:`is_well_formed`), else 0.0."""
+    return [float(is_well_formed(join_text(p, r))) for p, r in zip(prompts, responses)]
+
+
 def build_tokenizer():
     """A word-level tokenizer over :data:`VOCAB` (see :mod:`ppo_lightning.examples.tokenizer`)."""
     from ppo_lightning.examples.tokenizer import build_word_tokenizer

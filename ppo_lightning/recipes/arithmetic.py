@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from ppo_lightning.recipes import recipe_root
-from ppo_lightning.recipes.common import build_cached, evaluate_before_after, fit_stage, report, save_base_model
+from ppo_lightning.recipes.common import build_cached, eval_report, fit_stage, save_base_model
 from ppo_lightning.examples import arithmetic
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,11 @@ def prepare(cfg) -> Path:
     return build_cached(root(cfg), build)
 
 
+ROWS = {"accuracy": "eval/reward/mean@1", "KL to reference (nats)": "eval/kl"}
+"""The before/after table: labels and the run's own ``eval/*`` metrics (sampled as the rollout
+samples; experiment/preset/arithmetic-arithmetic)."""
+
+
 def evaluate(cfg, module, out_dir: Path | None) -> str:
-    prompts = [p for p in (root(cfg) / "prompts_eval.txt").read_text().split("\n") if p]
-    scorers = {"accuracy": arithmetic.reward_fn}
-    before, after = evaluate_before_after(module, prompts, scorers, cfg.seed)
-    scorers_g = {"accuracy (greedy)": arithmetic.reward_fn}
-    greedy = evaluate_before_after(module, prompts, scorers_g, cfg.seed, module.sampling.replace(greedy=True))
-    for result, extra in zip((before, after), greedy):
-        result.update({k: v for k, v in extra.items() if k in scorers_g})
-    return report(before, after, out_dir / "eval.json" if out_dir else None)
+    """The run's evaluations of the held-out prompts before training (the SFT policy) and after."""
+    return eval_report(module.eval_history, ROWS, out_dir)

@@ -1,5 +1,5 @@
 """What recipes share: building a small policy / reward model from generated data (cached), and
-the before/after evaluation table."""
+the before/after table of the run's own evaluations."""
 
 from __future__ import annotations
 
@@ -9,13 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import lightning as L
-import torch
 
-from ppo_lightning import ppo
-from ppo_lightning.data import PadCollator
-from ppo_lightning.policy import position_ids_from_mask
-from ppo_lightning.generation import GenerationBackend, SamplingParams
-from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs
 from ppo_lightning.tiny import atomic_build, save_random_model
 
 log = logging.getLogger(__name__)
@@ -111,78 +105,6 @@ def fit_stage(
     return metrics
 
 
-def evaluate_before_after(
-    module, prompts: list[str], scorers: dict[str, Callable], seed: int, params: SamplingParams | None = None
-) -> tuple[dict, dict]:
-    """The reference ("before") and the trained policy ("after") on ``prompts``, each sampled
-    through the run's own backends as the run samples (``module.sampling``, or ``params``)."""
-    params = params or module.sampling
-    before = sample_and_evaluate(
-        module.ref_sampler, module.ref_lm, module.ref_lm, module.tokenizer, prompts, scorers, params, seed
-    )
-    after = sample_and_evaluate(
-        module.sampler, module.policy.lm, module.ref_lm, module.tokenizer, prompts, scorers, params, seed
-    )
-    return before, after
-
-
-@torch.no_grad()
-def sample_and_evaluate(
-    sampler: GenerationBackend,
-    lm,
-    ref_lm,
-    tokenizer,
-    prompts: list[str],
-    scorers: dict[str, Callable],
-    params: SamplingParams,
-    seed: int,
-    batch_size: int = 64,
-) -> dict:
-    """Sample one response per prompt through ``sampler`` (which samples ``lm``); score them;
-    KL(lm || ref) per sequence (k1)."""
-    device = next(lm.parameters()).device
-    g = torch.Generator(device=device).manual_seed(seed)
-    collate = PadCollator(tokenizer.pad_token_id)
-    all_prompts, all_texts, kls = [], [], []
-    for s in range(0, len(prompts), batch_size):
-        ids = tokenizer(prompts[s : s + batch_size], add_special_tokens=False)["input_ids"]
-        batch = collate(ids)
-        input_ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        resp, mask = sampler.generate(input_ids, am, params, g)
-        qr = torch.cat([input_ids, resp], 1)
-        full_mask = torch.cat([am, mask.to(am.dtype)], 1)
-        pos = position_ids_from_mask(full_mask)
-        P = input_ids.shape[1]
-        logp, _ = forward_logprobs(None, lm, qr, full_mask, pos, P, params.temperature)
-        ref_logp, _ = forward_logprobs(None, ref_lm, qr, full_mask, pos, P, params.temperature)
-        kls.append((ppo.kl_k1(logp, ref_logp) * mask).sum(1))
-        p_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, resp, mask)
-        all_prompts += p_texts
-        all_texts += texts
-    result = {
-        name: float(torch.as_tensor(fn(all_prompts, all_texts), dtype=torch.float64).mean())
-        for name, fn in scorers.items()
-    }
-    result["KL to reference (nats)"] = float(torch.cat(kls).mean())
-    result["samples"] = list(zip(all_prompts, all_texts))
-    return result
-
-
-def report(before: dict, after: dict, path: Path | None, n_samples: int = 3) -> str:
-    """The before/after table (and samples) as text; also written to ``path`` as JSON."""
-    names = [k for k in before if k != "samples"]
-    width = max(len(n) for n in names) + 2
-    lines = [f"{'':{width}}{'before':>10}{'after':>10}"]
-    lines += [f"{n:{width}}{before[n]:>10.3f}{after[n]:>10.3f}" for n in names]
-    for label, res in (("before", before), ("after", after)):
-        lines.append(f"\nsamples {label} PPO:")
-        lines += [f"  {p!r} -> {r!r}" for p, r in res["samples"][:n_samples]]
-    text = "\n".join(lines)
-    if path is not None:
-        path.write_text(json.dumps({"before": before, "after": after}, indent=2))
-    return text
-
-
 def eval_report(
     history, rows: dict[str, str], out_dir: Path | None, curve: dict[str, str] | None = None, n_samples: int = 3
 ) -> str:
@@ -193,8 +115,12 @@ def eval_report(
     table and the curve) and, for ``curve`` (label -> metric), ``eval_curve.png`` beside
     ``metrics.csv`` (needs matplotlib, in the ``dev`` extra; without it the PNG is skipped with a
     warning)."""
-    if len(history) < 2:
-        raise ValueError(f"a before/after table needs 2 evaluations, the run made {len(history)}")
+    if len(history) < 2 or history[0].step != 0:
+        return (
+            f"no before/after table: it needs the evaluation before training and one after, and this process "
+            f"made {len(history)} (at iterations {[p.step for p in history]}; a resumed run, or "
+            "eval.before_training=false); the eval/* metrics of every evaluation are in the run's logs"
+        )
     first, last = history[0], history[-1]
     before = {label: first.metrics[key] for label, key in rows.items()}
     after = {label: last.metrics[key] for label, key in rows.items()}

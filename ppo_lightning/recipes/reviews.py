@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from ppo_lightning.recipes import recipe_root
-from ppo_lightning.recipes.common import build_cached, evaluate_before_after, fit_stage, report, save_base_model
+from ppo_lightning.recipes.common import build_cached, eval_report, fit_stage, save_base_model
 from ppo_lightning.examples import reviews
 
 log = logging.getLogger(__name__)
@@ -221,22 +221,16 @@ def red_team_pairs(
     return pairs
 
 
-def well_formed(prompts: list[str], responses: list[str]) -> list[float]:
-    return [float(reviews.is_well_formed(reviews.join_text(p, r))) for p, r in zip(prompts, responses)]
-
-
-def true_sentiment(prompts: list[str], responses: list[str]) -> list[float]:
-    return [reviews.sentiment(reviews.join_text(p, r)) for p, r in zip(prompts, responses)]
+ROWS = {
+    "reward (reward model, raw)": "eval/reward/mean@1",
+    "sentiment (ground truth)": "eval/metrics/sentiment/mean@1",
+    "well-formed fraction": "eval/metrics/well_formed/mean@1",
+    "KL to reference (nats)": "eval/kl",
+}
+"""The before/after table: labels and the run's own ``eval/*`` metrics (``eval.metrics`` holds the
+ground truths; experiment/preset/reviews-reviews)."""
 
 
 def evaluate(cfg, module, out_dir: Path | None) -> str:
-    """Before (the reference = the SFT policy) and after (the trained policy) on held-out prompts."""
-    prompts = (root(cfg) / "prompts_eval.txt").read_text().split("\n")
-    prompts = [p for p in prompts if p]
-    scorers = {
-        "reward (training reward)": module.score,
-        "sentiment (ground truth)": true_sentiment,
-        "well-formed fraction": well_formed,
-    }
-    before, after = evaluate_before_after(module, prompts, scorers, cfg.seed)
-    return report(before, after, out_dir / "eval.json" if out_dir else None)
+    """The run's evaluations of the held-out prompts before training (the SFT policy) and after."""
+    return eval_report(module.eval_history, ROWS, out_dir)

@@ -49,6 +49,11 @@ def build_reward(cfg):
     return _build_one(cfg, "reward")
 
 
+def build_eval_metrics(metrics) -> dict:
+    """``eval.metrics``' functions by name (each a ``FunctionReward``, so called as a reward is)."""
+    return {name: FunctionReward(fn, {}, key=f"eval.metrics.{name}") for name, fn in (metrics or {}).items()}
+
+
 def needs_model(cfg) -> bool:
     """Whether the reward (or one of its terms) is a reward model: built after the policy loads."""
     terms = (_get(cfg, "terms") or {}).values()
