@@ -98,12 +98,13 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
                 f"with a {d.prompt_field!r} field (data.prompt_field)" + _built_by_hint(d.path, cfg)
             )
         read_prompts(d.path, d.prompt_field)  # empty, malformed or unsupported files fail here
-    if cfg.eval.path is not None and not os.path.exists(cfg.eval.path):
-        raise ConfigError(f"eval.path={cfg.eval.path!r}: no such file or directory. Give a {record_formats()}")
-    if cfg.eval.path is not None:
-        read_prompts(
-            cfg.eval.path, d.prompt_field, key_prefix="eval"
-        )  # as data.path's: fails here, not after the models load
+    if cfg.eval.path is not None and not pending(cfg.eval.path):
+        if not os.path.exists(cfg.eval.path):
+            raise ConfigError(
+                f"eval.path={cfg.eval.path!r}: no such file or directory. Give a {record_formats()}"
+                + _built_by_hint(cfg.eval.path, cfg)
+            )
+        read_prompts(cfg.eval.path, d.prompt_field, key_prefix="eval")  # as data.path's: fails here
     if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
         raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
     if not needs_model(r):
@@ -143,7 +144,7 @@ def _built_by_hint(path: str, cfg: DictConfig) -> str:
         if _under(path, recipe_root(cfg.paths.cache_dir, name)):
             return (
                 f" It is built by recipe={name}, which this job does not run: add recipe={name} "
-                f"(the preset of reward={name} data={name} sets it), or point the key at your "
+                "(the preset that uses it sets it: conf/experiment/preset), or point the key at your "
                 "own file or model."
             )
     return ""
