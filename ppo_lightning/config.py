@@ -717,7 +717,8 @@ class TrainConfig:
     recipe: Optional[str] = param(None, choices=recipes.RECIPES)
     """The recipe this job runs (set by its preset, ``conf/experiment/preset``): before PPO it
     builds its models and prompts once (cached under ``${recipe_dir:<name>}``, atomically), after
-    PPO rank 0 prints a before/after table and writes ``eval.json``. Null: none."""
+    PPO rank 0 prints a before/after table of the run's first and last evaluation (``eval.*``,
+    which its preset sets) and writes ``eval.json``. Null: none."""
     optimized_metric: str = "objective/scores"
     """Metric whose last logged value ``train.py`` returns to Hydra sweepers (docs/metrics.md); an
     unknown name or a non-finite value returns None."""

@@ -2,8 +2,9 @@
 
 A recipe (``recipe=<name>``, set by the job that needs it: ``conf/experiment/preset/*.yaml``)
 generates its data, trains its own tokenizer-sized SFT policy and reward model once (cached under
-``paths.cache_dir``), and after PPO prints a before/after table on held-out prompts. Each recipe
-module offers ``root(cfg)``, ``prepare(cfg)`` and ``evaluate(cfg, module, out_dir)``.
+``paths.cache_dir``), and after PPO prints a before/after table on held-out prompts: the run's own
+first and last evaluation (``eval.*``, set by the preset; ``recipes.common.eval_report``). Each
+recipe module offers ``root(cfg)``, ``prepare(cfg)`` and ``evaluate(cfg, module, out_dir)``.
 """
 
 from __future__ import annotations
