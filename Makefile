@@ -8,14 +8,14 @@
 #
 # Each creates the venv .venv if it is missing, then installs into it: torch first (the pinned
 # version is a CPU build; an unpinned torch would pull a multi-GB CUDA build through the other
-# requirements), then this project with its dev, optuna, lora and data extras. The install runs again
+# requirements), then this project with its dev, optuna, lora, data and math extras. The install runs again
 # only when pyproject.toml changes (a stamp file in the venv). VENV=<dir> uses another venv.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ppo_lightning-installed
 TORCH ?= torch==2.13.0
-EXTRAS ?= dev,optuna,lora,data
+EXTRAS ?= dev,optuna,lora,data,math
 ARGS ?=
 
 # Offline: nothing in the default job or the tests needs the hub.

@@ -37,7 +37,7 @@ from ppo_lightning.policy import (
     resolve_source,
 )
 from ppo_lightning.recipes import RECIPES, recipe_root
-from ppo_lightning.rewards import build_eval_metrics, build_reward, needs_model
+from ppo_lightning.rewards import build_eval_metrics, build_reward, function_scorers, needs_model
 from ppo_lightning.rewards.function import check_reward_columns
 from ppo_lightning.tiny import ensure_tiny_model
 
@@ -172,8 +172,8 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     )
     datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed, eval_cfg=cfg.eval)
     datamodule.load()  # reads, renders (chat templates) and tokenises the prompts
-    if reward_fn is not None:
-        check_reward_columns(reward_fn, [*datamodule.records, *datamodule.eval_records])  # every record has its columns
+    for fn in function_scorers(cfg.reward):  # every record has the columns each function asks for
+        check_reward_columns(fn, [*datamodule.records, *datamodule.eval_records])
     eval_metrics = build_eval_metrics(cfg.eval.metrics)
     for fn in eval_metrics.values():
         check_reward_columns(fn, datamodule.eval_records)

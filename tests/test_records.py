@@ -117,7 +117,12 @@ def test_every_reward_call_gets_each_prompts_own_metadata(tmp_path, cache_dir, f
         assert all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) == 4, qids
 
 
-def test_a_reward_asking_for_a_column_the_data_lacks_fails_before_any_model_loads(tmp_path, cache_dir, monkeypatch):
+@pytest.mark.parametrize("with_model_term", [False, True])
+def test_a_reward_asking_for_a_column_the_data_lacks_fails_before_any_model_loads(
+    tmp_path, cache_dir, monkeypatch, tiny_rm_dir, with_model_term
+):
+    """Also when a reward-model term is among ``reward.terms`` (the reward is then built after the
+    policy loads, but its function terms are checked first)."""
     from ppo_lightning import factory
 
     f = tmp_path / "chat.jsonl"
@@ -128,10 +133,17 @@ def test_a_reward_asking_for_a_column_the_data_lacks_fails_before_any_model_load
         raise AssertionError("a model loaded before the data's columns were checked")
 
     monkeypatch.setattr(factory, "load_causal_lm", no_model)
-    cfg = compose_cfg([*RUN, f"data.path={f}", "reward.fn=tests.helpers.own_answer_trl"], tmp_path, cache_dir)
+    reward = ["reward.fn=tests.helpers.own_answer_trl"]
+    if with_model_term:
+        reward = [
+            "reward.terms.own.fn=tests.helpers.own_answer_trl",
+            "reward.terms.rm.kind=model",
+            f"reward.terms.rm.name_or_path={tiny_rm_dir}",
+        ]
+    cfg = compose_cfg([*RUN, f"data.path={f}", *reward], tmp_path, cache_dir)
     with pytest.raises(
         ConfigError,
-        match=r"chat.jsonl' line 9: reward tests.helpers.own_answer_trl asks for column"
+        match=r"chat.jsonl' line 9: reward (tests.helpers.own_answer_trl|reward.terms.own.fn=\S+) asks for column"
         r"\(s\) \['qid'\], which this record does not have \(its columns: "
         r"\['answer'\]\)",
     ):
@@ -432,3 +444,43 @@ def test_parquet_and_saved_datasets_read_as_the_same_records_as_jsonl(tmp_path):
         read_prompt_records(tmp_path / "bad.parquet")
     with pytest.raises(ConfigError, match=r"eval.path='.*p.parquet' row 0: no 'question' field"):
         read_prompt_records(tmp_path / "p.parquet", "question", key_prefix="eval")
+
+
+def test_a_reward_model_term_is_weighed_with_a_function_term_and_moves_with_the_module(
+    tmp_path, cache_dir, tiny_rm_dir
+):
+    """``reward.terms`` with a reward model beside a function: the raw score is the weighted sum of
+    the two terms' logged means; the reward model is a submodule of the run (so Lightning moves it
+    to the policy's device) and stays out of the checkpoint, as a single reward model does."""
+    import torch
+
+    from ppo_lightning.factory import build
+    from ppo_lightning.rewards.model import RewardModel
+
+    f = tmp_path / "chat.jsonl"
+    _write_chat_records(f, 8)
+    cfg = compose_cfg(
+        [
+            *RUN,
+            f"data.path={f}",
+            "reward.terms.own.fn=tests.helpers.own_answer_trl",
+            "reward.terms.rm.kind=model",
+            f"reward.terms.rm.name_or_path={tiny_rm_dir}",
+            "reward.terms.rm.weight=0.5",
+            "trainer.max_steps=2",
+            "trainer.enable_checkpointing=true",
+            "callbacks=default",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    module, datamodule, trainer = build(cfg)
+    assert any(isinstance(m, RewardModel) for m in module.reward_fn.modules())
+    assert any(name.startswith("reward_fn.models.rm.") for name, _ in module.named_parameters())
+    trainer.fit(module, datamodule=datamodule)
+    for m in read_metrics(tmp_path / "metrics.csv"):
+        weighted = m["rewards/own/mean"] + 0.5 * m["rewards/rm/mean"]
+        assert m["objective/raw_scores"] == pytest.approx(weighted, abs=1e-5)
+        assert m["rewards/rm/std"] > 0  # a model's scores vary; a constant would hide a broken term
+    ckpt = torch.load(next((tmp_path / "checkpoints").glob("*.ckpt")), map_location="cpu", weights_only=True)
+    assert not any(k.startswith("reward_fn.") for k in ckpt["state_dict"])

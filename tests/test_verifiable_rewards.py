@@ -37,6 +37,21 @@ def test_answers_compare_as_numbers_within_1e_4():
     assert answers_match("Paris", " paris ")  # not numbers: compared as text
 
 
+def test_expressions_are_not_read_as_their_one_number():
+    """``\\sqrt{4}`` holds one number, 4, but its value is 2: an expression is never a number, so
+    it is compared as text or symbolically, never as 4."""
+    assert not answers_match("\\sqrt{4}", "4") and not answers_match("1/2", "2") and not answers_match("3+4", "4")
+    assert answers_match("12 apples", "12") and answers_match("-3.5", "-3.50")
+
+
+def test_math_verify_decides_answers_that_are_not_numbers():
+    pytest.importorskip("math_verify")
+    assert answers_match("\\frac{1}{2}", "1/2") and answers_match("\\frac{6}{4}", "\\frac{3}{2}")
+    assert answers_match("\\sqrt{4}", "2") and answers_match("x+1", "1+x") and answers_match("0.5", "1/2")
+    assert not answers_match("\\frac{1}{3}", "1/2") and not answers_match("\\sqrt{2}", "2")
+    assert math_answer(None, ["so \\boxed{\\frac{2}{4}}"], ["1/2"]) == [1.0]
+
+
 def test_the_tutorials_gsm8k_reward_is_correct_plus_one_answer_block_clipped_at_1_2():
     completions = [
         "<answer>7</answer>",  # correct, one block: 1.0 + 0.2

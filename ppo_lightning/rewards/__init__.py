@@ -49,6 +49,17 @@ def build_reward(cfg):
     return _build_one(cfg, "reward")
 
 
+def function_scorers(cfg) -> list:
+    """The reward functions of a ``reward`` config (its one function, or its function terms), built
+    without loading any reward model: for checking the data's columns before any model loads."""
+    terms = _get(cfg, "terms")
+    if terms:
+        return [
+            _build_one(t, f"reward.terms.{n}") for n, t in terms.items() if _get(t, "kind", "function") == "function"
+        ]
+    return [_build_one(cfg, "reward")] if _get(cfg, "kind", "function") == "function" else []
+
+
 def build_eval_metrics(metrics) -> dict:
     """``eval.metrics``' functions by name (each a ``FunctionReward``, so called as a reward is)."""
     return {name: FunctionReward(fn, {}, key=f"eval.metrics.{name}") for name, fn in (metrics or {}).items()}

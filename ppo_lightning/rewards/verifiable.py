@@ -62,9 +62,17 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+EXPRESSION = re.compile(r"[\\{}^/*=()]|\d\s*[-+]\s*\d")
+"""What makes an answer an expression (``\\frac{1}{2}``, ``\\sqrt{4}``, ``2^3``, ``1/2``, ``3+4``),
+not a number that ``parse_number`` reads."""
+
+
 def parse_number(text: str) -> float | None:
-    """The number a short answer states (``1,234``, ``$5.50``, ``-3``, ``12%``, ``7.``), or None
-    when it holds no number or several."""
+    """The number a short answer states (``1,234``, ``$5.50``, ``-3``, ``12%``, ``7.``, ``12
+    apples``), or None when it holds no number, several, or is an expression (``EXPRESSION``: its
+    one number is not its value)."""
+    if EXPRESSION.search(text):
+        return None
     found = NUMBER.findall(text.replace("$", ""))
     if len(found) != 1:
         return None
@@ -77,19 +85,27 @@ def parse_number(text: str) -> float | None:
 
 def answers_match(predicted: str | None, gold, tolerance: float = TOLERANCE) -> bool:
     """Whether a predicted answer equals the gold one: numerically within ``tolerance`` when both
-    are numbers; else symbolically through ``math_verify`` when installed; else as text
-    (whitespace and case aside)."""
+    are numbers; else equal as text (whitespace and case aside); else, with ``math_verify``
+    installed, symbolically equal (``\\frac{6}{4}`` and ``3/2``, ``\\sqrt{4}`` and ``2``)."""
     if predicted is None or gold is None:
         return False
     gold = str(gold)
     p, g = parse_number(predicted), parse_number(gold)
     if p is not None and g is not None:
         return abs(p - g) <= tolerance
+    if " ".join(predicted.split()).lower() == " ".join(gold.split()).lower():
+        return True
     try:
         import math_verify
     except ImportError:
-        return " ".join(predicted.split()).lower() == " ".join(gold.split()).lower()
-    return bool(math_verify.verify(math_verify.parse(gold), math_verify.parse(predicted)))
+        return False
+    return bool(math_verify.verify(_math_verify_parse(math_verify, gold), _math_verify_parse(math_verify, predicted)))
+
+
+def _math_verify_parse(math_verify, text: str):
+    """``math_verify.parse`` of an answer, as LaTeX math (``$…$``) when it has no delimiters: it
+    extracts bare LaTeX such as ``\\sqrt{4}`` only between them."""
+    return math_verify.parse(text if "$" in text else f"${text}$") or math_verify.parse(text)
 
 
 def math_answer(prompts, completions, answer, tolerance: float = TOLERANCE, **kwargs) -> list[float]:

@@ -10,17 +10,24 @@ Each term's raw scores are kept for its metrics (``rewards/<name>/mean``, ``/std
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ppo_lightning.rewards.base import RewardInputs
 
 
-class WeightedReward:
-    """``sum_k weight_k * term_k``, term by term in the order given."""
+class WeightedReward(nn.Module):
+    """``sum_k weight_k * term_k``, term by term in the order given.
+
+    An ``nn.Module`` whose reward-model terms are submodules (``models``), so that Lightning moves
+    them to the policy's device as it moves a single reward model; frozen weights are not
+    checkpointed (``PPOModule.checkpointed``)."""
 
     token_input = False  # every term reads text (a reward model term through its own tokenizer)
 
     def __init__(self, terms: dict[str, tuple[object, float]]):
-        self.terms = terms
+        super().__init__()
+        self.terms = terms  # name -> (scorer, weight); a plain dict: the modules register below
+        self.models = nn.ModuleDict({name: fn for name, (fn, _) in terms.items() if isinstance(fn, nn.Module)})
         self.name = " + ".join(f"{w:g} * {name}" for name, (_, w) in terms.items())
         self.trl_style = any(getattr(fn, "trl_style", False) for fn, _ in terms.values())
         self.required_columns = tuple(
@@ -58,5 +65,5 @@ class WeightedReward:
         total, applies, _ = self.score_applies(inputs)
         return torch.where(applies, total, torch.full_like(total, float("nan")))
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+    def forward(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         return self.score(RewardInputs(prompts, responses))
