@@ -12,6 +12,10 @@ Two vocabularies (``Workload.vocab_size``):
   words plus unknown, pad and EOS tokens (``build_word_tokenizer``), so the embedding and the LM head (768 x 50257, 38.6M of
   GPT-2 small's 124M parameters) and the logits (``[rows, response, 50257]``) cost what they cost
   on the real model. ``medium``.
+* ``151936``: Qwen2's vocabulary size, on a Qwen2 architecture (``Workload.arch``) with few, narrow
+  layers, so that it runs on a CPU while its logits (``[8, 256, 151936]`` float32: 1.2 GB a
+  tensor) dominate memory as they do on the real model. ``qwen2``: what ``ppo.lm_head_chunk_size``
+  (the lean LM head) is for.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from ppo_lightning.tiny import (
     EOS_TOKEN,
     PAD_TOKEN,
+    causal_lm_config,
     gpt2_config,
     save_random_model,
     save_tiny_causal_lm,
@@ -45,6 +50,7 @@ class Workload:
     episodes: int  # total prompts consumed (episodes / rollout_batch iterations)
     vocab_size: int | None = None  # None: byte-level; else a word-level vocabulary of this size
     n_positions: int = 256  # position embeddings (at least prompt + response)
+    arch: str = "gpt2"  # ppo_lightning.tiny.causal_lm_config's architectures (word vocabularies: gpt2 or qwen2)
 
     @property
     def iterations(self) -> int:
@@ -100,6 +106,24 @@ WORKLOADS = {
         episodes=16,
         vocab_size=50257,
         n_positions=1024,
+    ),
+    # Qwen2's vocabulary (151936 entries) on two narrow Qwen2 layers: the LM head is 151936 x 256,
+    # and one minibatch of 8 rows x 256 response tokens has 1.2 GB of float32 logits.
+    "qwen2": Workload(
+        "qwen2",
+        n_layer=2,
+        n_head=4,
+        n_embd=256,
+        num_prompts=64,
+        prompt_tokens=32,
+        response_tokens=256,
+        rollout_batch=8,
+        ppo_epochs=1,
+        num_minibatches=1,
+        episodes=16,
+        vocab_size=151936,
+        n_positions=512,
+        arch="qwen2",
     ),
 }
 
@@ -185,7 +209,12 @@ def _save_word_model(path: Path, w: Workload, n_positions: int, reward: bool, se
     """A random GPT-2 causal LM (or one-label sequence classifier) over the word vocabulary, with
     its tokenizer, dropout off (``ppo_lightning.tiny.save_random_model``, as the tiny models)."""
     tokenizer = build_word_tokenizer(w.vocab_size)
-    config = gpt2_config(w.n_layer, w.n_head, w.n_embd, n_positions, num_labels=1 if reward else None)
+    if w.arch == "gpt2":
+        config = gpt2_config(w.n_layer, w.n_head, w.n_embd, n_positions, num_labels=1 if reward else None)
+    else:
+        config = causal_lm_config(w.arch, w.n_layer, w.n_head, w.n_embd, n_positions)
+        if reward:
+            config.num_labels = 1
     config.vocab_size = w.vocab_size
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id

@@ -87,6 +87,7 @@ class PPO:
                 attention_mask=attention_mask,
                 missing_eos_penalty=c.missing_eos_penalty,
                 forward_chunk_size=c.rollout_forward_batch_size,
+                head_chunk=c.lm_head_chunk_size,
                 reward_norm=self.reward_norm,
                 generator=self.generator,
                 prompts=prompts,
@@ -119,15 +120,23 @@ class PPO:
             s.context_length,
             self.sampling.temperature,
             c.rollout_forward_batch_size,
+            c.lm_head_chunk_size,
         )
         return logprobs, values, None
 
     def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
-        """Tempered logits ``[B, R, V]``, values ``[B, R]`` and logprobs of the responses ``[B, R]``."""
-        logits, values = self.policy(mb.query_responses, mb.attention_mask, mb.position_ids, mb.context_length)
-        if self.sampling.temperature != 1.0:  # as in the rollout's logprobs
-            logits = logits / self.sampling.temperature
-        return logits, values, ppo.logprobs_from_logits(logits, mb.responses)
+        """Entropies, values and logprobs of the responses ``[B, R]`` at the sampling temperature
+        (as the rollout's logprobs), the LM head in chunks of ``ppo.lm_head_chunk_size``."""
+        logp, entropy, values = self.policy.score_responses(
+            mb.query_responses,
+            mb.attention_mask,
+            mb.position_ids,
+            mb.context_length,
+            self.sampling.temperature,
+            self.cfg.lm_head_chunk_size,
+            entropy_grad=self.cfg.ent_coef > 0,
+        )
+        return entropy, values, logp
 
     # ------------------------------------------------------------------------- part 2: learn
     def learn(self, r: Rollout, opt) -> Learned:
@@ -218,7 +227,7 @@ class PPO:
         plus ``kl_coef`` x the KL to the reference (``kl_in=loss``). Each token mean divides by
         the minibatch's ``n_tokens``, so micro-batches' losses add up to the minibatch's."""
         c, mask = self.cfg, part.response_mask
-        logits, new_values, new_logp = forward
+        entropies, new_values, new_logp = forward
         low, high = c.clip_low or c.clip, c.clip_high or c.clip
         pg_loss, pg_clipfrac = ppo.ppo_policy_loss(
             new_logp,
@@ -236,7 +245,7 @@ class PPO:
         with torch.no_grad():
             clip_lo, clip_hi = ppo.clip_fractions(new_logp, part.logprobs, part.advantages, mask, low, high, n_tokens)
         with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
-            entropy = ppo.token_mean(ppo.entropy_from_logits(logits.float()), mask, n_tokens)
+            entropy = ppo.token_mean(entropies, mask, n_tokens)
         stats = {
             "policy/clipfrac_avg": pg_clipfrac,
             "policy/clipfrac_low_avg": clip_lo,

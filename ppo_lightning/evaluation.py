@@ -74,6 +74,7 @@ def evaluate(
     metrics: dict | None = None,
     samples: list | None = None,
     max_samples: int = 8,
+    head_chunk: int | None = None,
 ) -> dict[str, float]:
     """The ``eval/*`` metrics over every rank's ``batches`` (``(batch, weight [B])`` pairs: a row of
     weight 0 pads a rank's share, and counts nowhere); with ``sources`` (every eval record's
@@ -95,8 +96,8 @@ def evaluate(
             seq = torch.cat([ids, resp], dim=1)
             full = torch.cat([am, mask.to(am.dtype)], dim=1)
             pos = position_ids_from_mask(full)
-            logp, _ = forward_logprobs(policy, None, seq, full, pos, P, params.temperature)
-            ref, _ = forward_logprobs(None, ref_lm, seq, full, pos, P, params.temperature)
+            logp, _ = forward_logprobs(policy, None, seq, full, pos, P, params.temperature, head_chunk=head_chunk)
+            ref, _ = forward_logprobs(None, ref_lm, seq, full, pos, P, params.temperature, head_chunk=head_chunk)
             per_row = {
                 "reward": raw.double(),
                 "length": mask.sum(1).double(),
@@ -185,6 +186,7 @@ def evaluate_module(module, samples: list | None = None) -> dict[str, float]:
         sources=dm.eval_sources(),
         metrics=module.eval_metrics,
         samples=samples,
+        head_chunk=module.ppo_cfg.lm_head_chunk_size,
     )
     for lg in module.loggers:
         if isinstance(lg, WandbLogger) and samples:

@@ -15,6 +15,7 @@ import functools
 import inspect
 import os
 import socket
+from contextlib import nullcontext
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_lightning.errors import ConfigError
+from ppo_lightning.lean_head import lean_head, unsupported
+from ppo_lightning.ppo import entropy_from_logits, logprobs_from_logits
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 DEFAULT_PAD_TOKEN = "<|pad|>"
@@ -251,7 +254,12 @@ class PolicyWithValueHead(nn.Module):
         return self
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, context_length: int
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        context_length: int,
+        lean: tuple[torch.Tensor, float, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and values at the positions that predict response tokens (values None without
         a value head).
@@ -259,31 +267,31 @@ class PolicyWithValueHead(nn.Module):
         ``input_ids`` is ``[B, T]`` = left-padded prompt (``context_length`` = P) + response (R).
         Position ``t`` predicts token ``t + 1``, so the response is scored by positions
         ``P-1 .. T-2``. Returns ``logits [B, R, V]`` (raw; divide by temperature for logprobs)
-        and ``values [B, R]`` (V of the state before each response token).
+        and ``values [B, R]`` (V of the state before each response token). With ``lean =
+        (responses, temperature, chunk)`` the head runs in chunks (``lean_head``) and the first
+        tensor is ``[B, R, 2]``: the responses' tempered logprobs and entropies.
         """
         R = input_ids.shape[1] - context_length
         kwargs = {"logits_to_keep": R + 1} if self._keep_kw else {}
-        if self.v_head is None:  # no critic: the LM alone
-            out = self.lm(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
-            )
-            return out.logits[:, -(R + 1) : -1], None
-        head = self.lm.get_output_embeddings() if self._hooked else None
+        head = self.lm.get_output_embeddings() if self._hooked and self.v_head is not None else None
         if head is not None:
             head.catch_input, head.head_input = True, None
         try:
-            out = self.lm(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                output_hidden_states=head is None,
-                use_cache=False,
-                **kwargs,
-            )
+            with lean_head(self.lm, *lean) if lean is not None else nullcontext():
+                out = self.lm(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    output_hidden_states=self.v_head is not None and head is None,
+                    use_cache=False,
+                    **kwargs,
+                )
         finally:
             if head is not None:
                 head.catch_input = False
-        logits = out.logits[:, -(R + 1) : -1]  # [B, R, V]
+        logits = out.logits if lean is not None else out.logits[:, -(R + 1) : -1]  # [B, R, V] (or [B, R, 2])
+        if self.v_head is None:  # no critic: the LM alone
+            return logits, None
         if head is not None:
             hidden, head.head_input = head.head_input, None  # do not hold the graph past this call
         else:
@@ -294,6 +302,37 @@ class PolicyWithValueHead(nn.Module):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             values = F.linear(hidden.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
         return logits, values  # [B, R, V], [B, R]
+
+    def score_responses(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        context_length: int,
+        temperature: float,
+        chunk: int | None = None,
+        entropy_grad: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(logprobs, entropy, values)`` ``[B, R]`` of the response tokens ``input_ids[:,
+        context_length:]`` under the policy at ``temperature`` (values None without a value head).
+
+        ``chunk``: the lean LM head (``lean_head``), this many response positions at a time, when
+        the LM's head allows it (``lean_head.unsupported``); else, and with None, the plain head's
+        ``[B, R, V]`` logits. ``entropy_grad=False`` keeps the plain path's entropy out of the
+        graph (a monitor: no softmax kept for the backward); the lean path's costs nothing extra.
+        """
+        responses = input_ids[:, context_length:]
+        if chunk and unsupported(self.lm) is None:
+            packed, values = self(
+                input_ids, attention_mask, position_ids, context_length, (responses, temperature, chunk)
+            )
+            return packed[..., 0], packed[..., 1], values
+        logits, values = self(input_ids, attention_mask, position_ids, context_length)
+        if temperature != 1.0:
+            logits = logits / temperature
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = entropy_from_logits(logits.float())
+        return logprobs_from_logits(logits, responses), entropy, values
 
 
 def make_reference(lm: nn.Module, dtype: str | None = None) -> nn.Module:

@@ -14,6 +14,7 @@ Everything after the first EOS is masked out of every loss and statistic ([N+] d
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor
 from ppo_lightning import estimators, ppo
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.generation.hf import logits_to_keep, stop_hits
+from ppo_lightning.lean_head import lean_head, unsupported
 from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
 from ppo_lightning.rewards.base import Normalization, RewardInputs, normalized
 
@@ -42,7 +44,7 @@ class _Sequences:
         return self.query_responses[:, self.context_length :]
 
 
-PolicyOutput = tuple[Tensor, Tensor | None, Tensor]  # tempered logits [B, R, V], values [B, R], logprobs [B, R]
+PolicyOutput = tuple[Tensor, Tensor | None, Tensor]  # entropies [B, R], values [B, R], logprobs [B, R]
 
 
 @dataclasses.dataclass
@@ -109,8 +111,11 @@ def forward_logprobs(
     context_length: int,
     temperature: float,
     chunk_size: int | None = None,
+    head_chunk: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Logprobs of the response tokens (and values, when ``policy`` is given), in row chunks.
+    """Logprobs of the response tokens (and values, when ``policy`` is given), in row chunks of
+    ``chunk_size``; with ``head_chunk``, the LM head in chunks of that many positions
+    (``lean_head``, when the head allows it; ``ppo.lm_head_chunk_size``).
 
     Logits are divided by the sampling temperature before the log-softmax, so the logprobs are
     those of the distribution the tokens were sampled from ([N+] detail).
@@ -118,22 +123,37 @@ def forward_logprobs(
     B = query_responses.shape[0]
     chunk_size = chunk_size or B
     responses = query_responses[:, context_length:]
+    R = responses.shape[1]
     logps, values = [], []
     for s in range(0, B, chunk_size):
         sl = slice(s, s + chunk_size)
         if policy is not None:
-            logits, v = policy(query_responses[sl], attention_mask[sl], position_ids[sl], context_length)
+            logp, _, v = policy.score_responses(
+                query_responses[sl],
+                attention_mask[sl],
+                position_ids[sl],
+                context_length,
+                temperature,
+                head_chunk,
+                entropy_grad=False,
+            )
             if v is not None:  # a policy without a value head (critic-free estimators) gives none
                 values.append(v)
-        else:
-            R = query_responses.shape[1] - context_length
-            logits = lm(
+            logps.append(logp)
+            continue
+        lean = head_chunk and unsupported(lm) is None
+        with lean_head(lm, responses[sl], temperature, head_chunk) if lean else nullcontext():
+            out = lm(
                 input_ids=query_responses[sl],
                 attention_mask=attention_mask[sl],
                 position_ids=position_ids[sl],
                 use_cache=False,
                 **logits_to_keep(lm, R + 1),
-            ).logits[:, -(R + 1) : -1]
+            ).logits
+        if lean:  # [B, R, 2]: logprobs and entropies
+            logps.append(out[..., 0])
+            continue
+        logits = out[:, -(R + 1) : -1]
         if temperature != 1.0:
             logits = logits / temperature
         logps.append(ppo.logprobs_from_logits(logits, responses[sl]))
@@ -283,6 +303,7 @@ def sample_and_score(
     attention_mask: Tensor,
     missing_eos_penalty: float | None = None,
     forward_chunk_size: int | None = None,
+    head_chunk: int | None = None,
     reward_norm: Normalization | None = None,
     generator: torch.Generator | None = None,
     prompts: list | None = None,
@@ -301,7 +322,7 @@ def sample_and_score(
     full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
     position_ids = position_ids_from_mask(full_mask)
     ref_logprobs, _ = forward_logprobs(
-        None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size
+        None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size, head_chunk
     )
 
     raw_scores, scored, term_scores = score_terms(

@@ -1,0 +1,88 @@
+"""Response logprobs and entropy without the ``[batch, response, vocab]`` logits: the LM head in chunks.
+
+An update needs, per response token, ``log pi(token)`` and the entropy of ``pi``. Computing them
+from the LM's logits holds ``[B, R, V]`` float32 logits, their log-softmax and, for the backward,
+the softmax: Qwen2's 151,936-entry vocabulary makes that 5 GB per tensor for 8 rows of 1,024
+tokens. Here the LM head runs on ``chunk`` response positions at a time, each chunk under
+activation checkpointing: the forward keeps only ``logp`` and ``entropy`` ``[B, R]`` (and each
+chunk's input), and the backward recomputes one chunk's logits at a time. The numbers are those
+of the plain path: the same operations (``F.linear``, the temperature, ``float()``, log-softmax)
+on the same rows, so values and gradients agree to float32 rounding (tests/test_lean_head.py).
+
+How: while the LM runs its own forward, its output-embedding module's ``forward`` is replaced by
+one that returns ``(logp, entropy)`` stacked as ``[B, R, 2]`` in place of the logits. The head
+runs where the LM calls it, so FSDP2's gathered weights are live there as they are for the plain
+head, and the value head's pre-hook still catches the head's input. ``unsupported`` says when
+this cannot be done (a head that is not a plain linear layer, logit soft-capping), and the
+callers then take the plain path.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+
+def unsupported(lm: nn.Module) -> str | None:
+    """Why ``lm``'s head cannot run in chunks here (None when it can)."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:  # a LoRA-wrapped or custom head computes something else
+        return f"its output embedding is a {type(head).__name__}, not a plain nn.Linear"
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    if getattr(config, "final_logit_softcapping", None):
+        return "it soft-caps its logits (final_logit_softcapping)"
+    return None
+
+
+def _logp_and_entropy(hidden: Tensor, tokens: Tensor, weight: Tensor, bias: Tensor | None, temperature: float):
+    """``log softmax(z)[token]`` and the entropy of ``softmax(z)``, ``z = (hidden W^T + b) / T``,
+    in float32, with exactly the plain path's operations (``PPO._policy_forward``,
+    ``ppo.logprobs_from_logits``, ``ppo.entropy_from_logits``)."""
+    z = F.linear(hidden, weight, bias)
+    if temperature != 1.0:
+        z = z / temperature
+    z = z.float()
+    logp = torch.gather(F.log_softmax(z, dim=-1), -1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return logp, entropy
+
+
+def chunked_logp_and_entropy(
+    hidden: Tensor, tokens: Tensor, head: nn.Linear, temperature: float, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """``(logp, entropy)`` ``[B, R]`` of ``tokens [B, R]`` under ``head`` applied to ``hidden
+    [B, R, H]``, ``chunk`` positions at a time; with gradients, each chunk is checkpointed."""
+    B, R, H = hidden.shape
+    flat_h, flat_t = hidden.reshape(B * R, H), tokens.reshape(B * R)
+    grad = torch.is_grad_enabled()
+    logps, entropies = [], []
+    for s in range(0, B * R, chunk):
+        args = (flat_h[s : s + chunk], flat_t[s : s + chunk], head.weight, head.bias, temperature)
+        lp, ent = checkpoint(_logp_and_entropy, *args, use_reentrant=False) if grad else _logp_and_entropy(*args)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps).view(B, R), torch.cat(entropies).view(B, R)
+
+
+@contextmanager
+def lean_head(lm: nn.Module, responses: Tensor, temperature: float, chunk: int):
+    """While inside, ``lm``'s forward returns ``[B, R, 2]`` = ``(logp, entropy)`` of ``responses
+    [B, R]`` in place of its logits. The LM must be called so that its head sees the positions
+    that predict the responses as its input's last ``R + 1`` (``logits_to_keep=R + 1``, or the
+    whole sequence): the last one predicts nothing and is dropped."""
+    head = lm.get_output_embeddings()
+    R = responses.shape[1]
+
+    def forward(hidden: Tensor) -> Tensor:
+        h = hidden[:, -(R + 1) : -1]
+        return torch.stack(chunked_logp_and_entropy(h, responses, head, temperature, chunk), dim=-1)
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) still run
+    try:
+        yield
+    finally:
+        del head.forward
