@@ -162,6 +162,8 @@ def test_the_headline_command_runs_offline_with_a_local_stand_in(tmp_path, cache
     assert p.returncode == 0, p.stderr[-4000:]
     assert "reviews: held-out prompts, before and after PPO" in p.stdout
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
-    assert len(rows) == 3 and rows[0]["objective/kl_coef"] == 0.2  # the reviews task's preset
+    iterations = [r for r in rows if "lr" in r]
+    assert len(iterations) == 3 and iterations[0]["objective/kl_coef"] == 0.2  # the reviews task's preset
+    assert [r["step"] for r in rows if "eval/metrics/sentiment/mean@1" in r] == [0, 3]  # the table's evaluations
     config = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
     assert "clip: 0.2" in config and "recipe: reviews" in config
