@@ -63,7 +63,7 @@ VARIANTS = {
     "checkpointing_and_micro_batches_4": ["model.gradient_checkpointing=true", "ppo.micro_batch_size=4"],
     "lora": ["model.lora.r=16"],
     "lora_and_checkpointing": ["model.lora.r=16", "model.gradient_checkpointing=true"],
-    "lean_head": ["ppo.lm_head_chunk_size=512"],
+    "lean_head": ["ppo.lm_head_chunk_size=256"],
 }
 TRL = "trl"  # TRL's PPOTrainer on the same workload: not a switch of ours, measured alongside
 MB = 2**20

@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lightning as L
 import torch
-from workloads import WORKLOADS, Workload, build_models, make_prompts
+from workloads import WORKLOADS, Workload, build_models, make_prompts, tokenizer_overrides
 
 
 class PerfTotals(L.Callback):
@@ -94,6 +94,7 @@ def compose(
         "reward.normalize=false",  # TRL's PPOTrainer scores raw: the same work on both sides
         f"paths.output_dir={out_dir}",
         f"paths.cache_dir={out_dir}",
+        *tokenizer_overrides(w, policy_dir),
         *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -205,16 +205,27 @@ def build_models(w: Workload, root: str | Path) -> tuple[Path, Path]:
     return policy, reward
 
 
+def tokenizer_dir(policy_dir: Path) -> Path:
+    """Where a non-GPT-2 word-vocabulary policy's tokenizer is saved on its own: beside a Qwen2
+    ``config.json``, ``AutoTokenizer`` would load ``Qwen2Tokenizer`` and rebuild a byte-level BPE
+    that encodes none of the words, so the run reads it from here (``model.tokenizer_name_or_path``)."""
+    return Path(f"{policy_dir}-tokenizer")
+
+
+def tokenizer_overrides(w: Workload, policy_dir: Path) -> list[str]:
+    """The config overrides that point the run at the workload's tokenizer (none for GPT-2s)."""
+    return [] if w.arch == "gpt2" or w.vocab_size is None else [f"model.tokenizer_name_or_path={tokenizer_dir(policy_dir)}"]
+
+
 def _save_word_model(path: Path, w: Workload, n_positions: int, reward: bool, seed: int) -> Path:
     """A random GPT-2 causal LM (or one-label sequence classifier) over the word vocabulary, with
     its tokenizer, dropout off (``ppo_lightning.tiny.save_random_model``, as the tiny models)."""
     tokenizer = build_word_tokenizer(w.vocab_size)
-    if w.arch == "gpt2":
+    if w.arch == "gpt2" or reward:  # the reward model is a GPT-2 whatever the policy (see tokenizer_dir)
         config = gpt2_config(w.n_layer, w.n_head, w.n_embd, n_positions, num_labels=1 if reward else None)
     else:
         config = causal_lm_config(w.arch, w.n_layer, w.n_head, w.n_embd, n_positions)
-        if reward:
-            config.num_labels = 1
+        tokenizer.save_pretrained(tokenizer_dir(path))
     config.vocab_size = w.vocab_size
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id

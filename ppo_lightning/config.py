@@ -498,13 +498,16 @@ class PPOConfig(_MovedPPOKeys):
     rollout_forward_batch_size: Optional[int] = param(None, ge=1)
     """Rows per policy / reference scoring forward during the rollout (bounds memory; null = the
     whole batch). The reward model uses ``reward.batch_size``."""
-    lm_head_chunk_size: Optional[int] = param(None, ge=1)
+    lm_head_chunk_size: Optional[int] = param(256, ge=1)
     """Response positions per chunk of the LM head when scoring responses (``lean_head``): the
     float32 ``[positions, vocab]`` logits, log-softmax and softmax exist for one chunk at a time,
     and the backward recomputes them chunk by chunk, instead of ``[batch, response, vocab]`` at
-    once. The same logprobs, entropies and gradients to float32 rounding; it matters for large
-    vocabularies (Qwen2: 151,936). Used by the update, the rollout's old and reference logprobs and
-    evaluation, whenever the head is a plain linear layer. null: the whole logits at once."""
+    once. The same logprobs, entropies and gradients to float32 rounding. It matters for large
+    vocabularies: on a Qwen2-vocabulary workload (151,936 entries, 8 x 256 response tokens) the
+    peak fell from 5.6 to 3.1 GB for 12% more update time; the small workload's time and memory
+    did not change (README, Memory switches). Used by the update, the rollout's old and reference
+    logprobs and evaluation, whenever the head is a plain linear layer (else the plain head).
+    null: the whole ``[batch, response, vocab]`` logits at once."""
     fuse_rollout_forward: bool = True
     """When one minibatch is the whole batch, the rollout's old-policy forward runs with gradients
     and the first update reuses it (``algorithm.PPO._old_logprobs_and_values``): the same numbers
