@@ -214,7 +214,11 @@ def tokenizer_dir(policy_dir: Path) -> Path:
 
 def tokenizer_overrides(w: Workload, policy_dir: Path) -> list[str]:
     """The config overrides that point the run at the workload's tokenizer (none for GPT-2s)."""
-    return [] if w.arch == "gpt2" or w.vocab_size is None else [f"model.tokenizer_name_or_path={tokenizer_dir(policy_dir)}"]
+    return (
+        []
+        if w.arch == "gpt2" or w.vocab_size is None
+        else [f"model.tokenizer_name_or_path={tokenizer_dir(policy_dir)}"]
+    )
 
 
 def _save_word_model(path: Path, w: Workload, n_positions: int, reward: bool, seed: int) -> Path:
