@@ -98,6 +98,7 @@ class PPO:
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
             r = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, kl_estimator=self.kl_estimator, cfg=c)
         r.first_forward, r.collect_time_s = first_forward, time.perf_counter() - t0
+        r.engine_logprobs = self.sampler.sampled_logprobs  # an engine's own view of its samples, or None
         return r
 
     def _old_logprobs_and_values(self, s: Samples) -> tuple[Tensor, Tensor | None, PolicyOutput | None]:
@@ -273,12 +274,13 @@ class PPO:
         return loss, stats, new_logp
 
     # ------------------------------------------------------------------------- between iterations
-    def end_iteration(self, kl: float, rows: int) -> None:
+    def end_iteration(self, kl: float, rows: int) -> float | None:
         """The KL controller steps from the measured KL (``rows`` episodes over all ranks; a
-        non-finite KL is skipped), and a backend with its own weights takes the new ones."""
+        non-finite KL is skipped), and a backend with its own weights takes the new ones: the
+        seconds that took (``perf/time_weight_sync_s``), or None for a backend with none."""
         if math.isfinite(kl):
             self.kl_ctl.update(kl, rows)
-        self.sampler.sync_weights(self.policy.lm.named_parameters())
+        return self.sampler.sync_weights()
 
 
 def _repeat(rows: list | None, n: int) -> list | None:

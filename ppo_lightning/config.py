@@ -663,13 +663,6 @@ class PathsConfig:
     """Recipe builds (``${recipe_dir:<name>}``), built tiny models and other reusable artefacts."""
 
 
-GENERATION_HF = {
-    "_target_": "ppo_lightning.generation.hf.HFBackend",
-    "_partial_": True,
-    "fast_decode": True,
-}  # conf/generation/hf.yaml
-
-
 @dataclass
 class TrainConfig:
     """The root: one field per config group, then the run-level keys."""
@@ -696,16 +689,18 @@ class TrainConfig:
     """The prompts (``DataConfig``)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The Lightning Trainer (``TrainerConfig``)."""
-    generation: Dict[str, Any] = field(default_factory=lambda: dict(GENERATION_HF))
+    generation: Dict[str, Any] = field(default_factory=dict)  # train.yaml selects generation: hf
     """The generation backend every sampler goes through (``conf/generation/*.yaml``): a
     ``_target_`` class instantiated as a partial (``_partial_: true``) and called with the LM to
     sample and its tokenizer, plus any options of its own. ``hf``: the live module with a KV
     cache (``ppo_lightning/generation/hf.py``); its option ``generation.fast_decode`` (default
-    true) samples an exact ``GPT2LMHeadModel`` (no cross-attention, no upcast attention, whole
-    unsharded weights) with a lean per-token step (``fast_decode.py``): the same ops on the same
-    weights, logits bitwise equal to the model's forward, about half the per-token overhead; the
-    prefill and every logprob PPO learns from still go through the model's forward, and other
-    models always decode through it. How every backend samples is ``sampling.*``."""
+    true) samples an exact ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
+    ``GPTNeoXForCausalLM`` (whole unsharded weights; SDPA attention and fixed rotary frequencies
+    for the rotary ones; ``fast_decode.py`` lists the rest) with a lean per-token step: the same
+    ops on the same weights, logits bitwise equal to the model's forward, about half the
+    per-token overhead; the prefill and every logprob PPO learns from still go through the
+    model's forward, and other models always decode through it. How every backend samples is
+    ``sampling.*``."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     """Output and cache directories (``PathsConfig``)."""
     logger: Dict[str, Any] = field(default_factory=dict)
@@ -1011,6 +1006,12 @@ def validate(cfg) -> None:
             f"reward.normalize_samples={r.normalize_samples} with {world} processes (trainer.devices x "
             f"trainer.num_nodes): each rank scores normalize_samples // {world} = 0 samples; set "
             f"reward.normalize_samples >= {max(2, world)}"
+        )
+    engine = str((cfg.get("generation") or {}).get("_target_", ""))
+    if engine.endswith("VLLMBackend") and world and world > 1:
+        raise ConfigError(
+            f"generation=vllm with {world} processes (trainer.devices x trainer.num_nodes): the "
+            "engine runs in one process; set trainer.devices=1, or use generation=hf"
         )
     if str(cfg.trainer.precision) in FP16_PRECISIONS:
         raise ConfigError(

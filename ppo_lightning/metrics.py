@@ -58,6 +58,7 @@ def iteration_metrics(
         **term_moments(r),
         **({"rollout/masked_truncated": (~r.contains_eos).float().sum()} if mask_truncated else {}),
         **({"rollout/unscored": (~r.scored).float().sum()} if r.scored is not None else {}),
+        **({"rollout/engine_logprob_diff": engine_logprob_diff(r)} if r.engine_logprobs is not None else {}),
         "val/num_eos_tokens": r.contains_eos.float().sum(),
         "perf/tokens_per_s": mask.sum() / (time_rollout + time_update),
         **{k: torch.stack(v).mean() for k, v in stats.items()},
@@ -81,6 +82,13 @@ def iteration_metrics(
         metrics[f"rewards/{name}/std"] = max(square / count - mean * mean, 0.0) ** 0.5 if count > 0 else float("nan")
     metrics.update({"perf/time_rollout_s": time_rollout, "perf/time_update_s": time_update})
     return metrics
+
+
+def engine_logprob_diff(r: Rollout) -> Tensor:
+    """The mean absolute difference, over response tokens, between the engine's logprobs of the
+    tokens it sampled and the training forward's (the old logprobs PPO uses): how far the
+    sampler's numerics are from the learner's (kernels, precision, batching)."""
+    return ppo.masked_mean((r.engine_logprobs - r.logprobs).abs(), r.response_mask)
 
 
 def term_moments(r: Rollout) -> dict[str, Tensor]:

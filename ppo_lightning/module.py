@@ -50,7 +50,8 @@ class PPOModule(L.LightningModule):
     ``sampling``: how every caller samples (the ``sampling.*`` node; null: ``SamplingParams``'
     defaults, 32 new tokens). ``backend``: the
     generation backend's factory (the ``generation`` config group; ``hf`` by default), called
-    once for the policy (``sampler``) and once for the reference (``ref_sampler``).
+    once for the policy (``sampler``) and once for the reference (``ref_sampler``; the ``hf``
+    backend when the policy's is an engine with weights of its own).
     ``reward_norm``: the ``(gain, bias)`` every raw score goes through, or None to fit it on
     ``normalize_reward_samples`` reference samples when the run starts. ``value_head_from_reward``:
     the value head was copied from the reward model's raw head, so the fit maps it too.
@@ -80,7 +81,10 @@ class PPOModule(L.LightningModule):
         self.tokenizer, self.ppo_cfg, self.optim_cfg, self.seed = tokenizer, ppo_cfg, optim_cfg, seed
         self.sampling = sampling or SamplingParams(max_new_tokens=32)
         make = backend or default_backend()
-        self.sampler, self.ref_sampler = make(policy.lm, tokenizer), make(ref_lm, tokenizer)
+        self.sampler = make(policy.lm, tokenizer)
+        # an engine with weights of its own holds the policy's: the reference samples live (hf)
+        live = self.sampler.samples_live_module
+        self.ref_sampler = (make if live else default_backend())(ref_lm, tokenizer)
         self.runtime = Runtime(self)
         self.algo = PPO(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, self.runtime)
         self.algo.reward_norm = reward_norm
@@ -190,7 +194,9 @@ class PPOModule(L.LightningModule):
         count_iteration(self.optimizers())
         self.lr_schedulers().step()
         rows = r.batch_size * self.trainer.world_size
-        self.algo.end_iteration(m["objective/kl"], rows)
+        sync_s = self.algo.end_iteration(m["objective/kl"], rows)
+        if sync_s is not None:
+            m["perf/time_weight_sync_s"] = sync_s
         self.episode += rows
         self.skipped_updates += learned.skipped
         self.nonfinite_streak = self.nonfinite_streak + 1 if learned.skipped else 0

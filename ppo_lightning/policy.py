@@ -382,7 +382,7 @@ def underlying(lm: nn.Module) -> nn.Module:
 
 def model_class(lm: nn.Module) -> type:
     """The class whose ``forward`` a call to ``lm`` runs (its signature says which keyword
-    arguments the model takes; ``fast_decode`` accepts exact GPT-2s only): ``underlying(lm)``'s,
+    arguments the model takes; ``fast_decode`` accepts exact classes only): ``underlying(lm)``'s,
     and for a module FSDP2 has sharded the class it was (``fully_shard`` swaps in a subclass
     ``FSDP<Name>(FSDPModule, <Name>)`` that adds hooks and no computation)."""
     from torch.distributed.fsdp import FSDPModule

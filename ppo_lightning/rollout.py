@@ -74,6 +74,7 @@ class Rollout(_Sequences):
     first_forward: PolicyOutput | None = None  # the old policy's forward with gradients, when fused
     # (algorithm.PPO._old_logprobs_and_values): the first update reuses it, once
     collect_time_s: float = 0.0  # wall time of sampling, scoring and the rollout's forwards
+    engine_logprobs: Tensor | None = None  # [B, R] an engine backend's logprobs of its samples (metrics)
 
     def is_finite(self) -> Tensor:
         """Whether every score, logprob, value and advantage is finite (a 0-dim bool tensor)."""

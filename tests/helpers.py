@@ -265,6 +265,8 @@ class RecordingBackend:
 
     calls: list = []
     syncs: list = []
+    samples_live_module = True
+    sampled_logprobs = None
 
     def __init__(self, lm, tokenizer, fast_decode: bool = True):
         from ppo_lightning.generation.hf import HFBackend
@@ -275,8 +277,8 @@ class RecordingBackend:
         RecordingBackend.calls.append((self.lm, params))
         return self.inner.generate(prompt_ids, attention_mask, params, generator)
 
-    def sync_weights(self, named_tensors) -> None:
-        RecordingBackend.syncs.append(len(list(named_tensors)))
+    def sync_weights(self) -> None:
+        RecordingBackend.syncs.append(self.lm)
 
 
 REWARD_CALLS: list[list] = []  # the qid column of each call to the own_answer rewards (in-process runs)

@@ -1,5 +1,5 @@
-"""The sampler's lean GPT-2 decode step: the same logits as the model's forward, and a fallback
-to that forward for every model it does not cover."""
+"""The sampler's lean decode step (GPT-2, Llama, Qwen2, GPT-NeoX): the same logits as the model's
+forward, and a fallback to that forward for every model it does not cover."""
 
 from __future__ import annotations
 
@@ -8,15 +8,48 @@ import types
 
 import pytest
 import torch
-from transformers import DynamicCache, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, GPT2LMHeadModel, LlamaForCausalLM
 
-from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
+from ppo_lightning.fast_decode import decoder_for, supports_fast_decode
 from ppo_lightning.lora import DisabledAdapters
 from ppo_lightning.policy import load_causal_lm, load_tokenizer, model_class, position_ids_from_mask, underlying
-from ppo_lightning.generation.hf import generate
+from ppo_lightning.generation.hf import _cache_kwarg, generate
+from ppo_lightning.tiny import causal_lm_config
 from tests.helpers import greedy_by_full_forward
 
 PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]  # left-padded: rows differ in length
+
+ROPE = {  # rotary types whose frequencies are fixed at load: the lean step takes them
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+}
+
+MODELS = {  # id: (architecture, config changes); Llama and Qwen2 with grouped-query attention
+    "llama": ("llama", {"num_key_value_heads": 2}),
+    "qwen2": ("qwen2", {"num_key_value_heads": 2}),
+    "gpt_neox": ("gpt_neox", {}),  # rotary_pct 0.25, parallel residual
+    "gpt_neox-sequential": ("gpt_neox", {"use_parallel_residual": False}),
+    **{f"llama-rope-{k}": ("llama", {"num_key_value_heads": 2, "rope_parameters": rope}) for k, rope in ROPE.items()},
+}
+
+
+def tiny(arch: str, attn_implementation: str = "sdpa", **config):
+    """A 2-layer, 4-head, 64-wide random causal LM of ``arch`` over the byte vocabulary, built
+    offline; ``config`` changes its config (``rope_parameters`` are merged into the default)."""
+    cfg = causal_lm_config(arch, 2, 4, 64, 128)
+    if "rope_parameters" in config:
+        config["rope_parameters"] = {**cfg.rope_parameters, **config["rope_parameters"]}
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation).eval()
 
 
 @pytest.fixture(scope="module")
@@ -25,22 +58,34 @@ def lm_and_tok(tiny_lm_dir):
     return load_causal_lm(str(tiny_lm_dir), tok), tok
 
 
-def test_decode_step_logits_equal_the_model_forward(lm_and_tok):
-    """Token by token under left padding, the lean step's logits are the HF forward's, bitwise."""
-    lm, tok = lm_and_tok
+@pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2", "gpt_neox"])
+def any_lm(request, lm_and_tok):
+    """Each architecture the lean step covers: the tiny GPT-2 (loaded from disk), the others built."""
+    return lm_and_tok[0] if request.param == "gpt2" else tiny(*MODELS[request.param])
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+@pytest.mark.parametrize("model", ["gpt2", *MODELS])
+def test_decode_step_logits_equal_the_model_forward(lm_and_tok, model, padded):
+    """Token by token, the lean step's logits are the HF forward's, bitwise: under left padding
+    (the model's mask is a boolean key mask) and without (no mask: grouped-query attention then
+    takes another SDPA path)."""
+    lm = lm_and_tok[0] if model == "gpt2" else tiny(MODELS[model][0], **MODELS[model][1])
+    tok = lm_and_tok[1]
     assert supports_fast_decode(lm)
-    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    enc = tok(PROMPTS if padded else ["abcd", "efgh", "ijkl"], return_tensors="pt", padding=True)
     ids, am = enc.input_ids, enc.attention_mask
-    assert (am == 0).any()
+    assert (am == 0).any() == padded
     B, P = ids.shape
     steps = 10
     tokens = torch.randint(0, 256, (B, steps), generator=torch.Generator().manual_seed(0))
+    cache_kw = _cache_kwarg(lm)  # transformers >= 5.24: cache=; earlier: past_key_values=
     with torch.inference_mode():
         caches = [DynamicCache(config=lm.config), DynamicCache(config=lm.config)]
         pos = position_ids_from_mask(am)
         for cache in caches:
-            lm(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, cache=cache)
-        decoder = GPT2Decoder(lm, caches[1], am, steps)
+            lm(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **{cache_kw: cache})
+        decoder = decoder_for(lm, caches[1], am, steps)
         mask = torch.cat([am, torch.ones(B, steps, dtype=am.dtype)], 1)
         next_pos = pos[:, -1] + 1
         for t in range(steps):
@@ -49,7 +94,7 @@ def test_decode_step_logits_equal_the_model_forward(lm_and_tok):
                 attention_mask=mask[:, : P + t + 1],
                 position_ids=next_pos[:, None],
                 use_cache=True,
-                cache=caches[0],
+                **{cache_kw: caches[0]},
             ).logits[:, -1]
             got = decoder.step(tokens[:, t], next_pos)
             assert torch.equal(got, want), (t, (got - want).abs().max().item())
@@ -57,8 +102,9 @@ def test_decode_step_logits_equal_the_model_forward(lm_and_tok):
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_generate_draws_the_same_tokens_with_and_without_the_fast_path(lm_and_tok, greedy):
-    lm, tok = lm_and_tok
+def test_generate_draws_the_same_tokens_with_and_without_the_fast_path(any_lm, lm_and_tok, greedy):
+    lm, tok = any_lm, lm_and_tok[1]
+    assert supports_fast_decode(lm)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     out = {}
     for fast in (True, False):
@@ -79,8 +125,8 @@ def test_generate_draws_the_same_tokens_with_and_without_the_fast_path(lm_and_to
     assert torch.equal(out[True][1], out[False][1])
 
 
-def test_models_the_lean_step_does_not_cover_decode_through_their_forward(lm_and_tok):
-    lm, tok = lm_and_tok
+def test_gpt2_variants_the_lean_step_does_not_cover_are_declined(lm_and_tok):
+    lm = lm_and_tok[0]
     upcast = copy.deepcopy(lm)
     upcast.config.reorder_and_upcast_attn = True  # eager attention in fp32: another computation
     assert not supports_fast_decode(upcast)
@@ -91,29 +137,32 @@ def test_models_the_lean_step_does_not_cover_decode_through_their_forward(lm_and
     custom = Custom(lm.config)
     assert not supports_fast_decode(custom)
 
+    eager = copy.deepcopy(lm)
+    eager.config._attn_implementation = "eager"  # matmul and softmax, not SDPA: other rounding
+    assert not supports_fast_decode(eager)
+
     dropout = copy.deepcopy(lm).train()
     dropout.transformer.drop.p = 0.1
     assert not supports_fast_decode(dropout)
     assert supports_fast_decode(dropout.eval())  # dropout is off in eval mode
 
-    torch.manual_seed(0)
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    ).eval()
-    assert not supports_fast_decode(llama)
+
+DECLINED = {  # id: (architecture, tiny() arguments): what the lean step would not compute bitwise
+    "rope-dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),  # rescaled per call
+    "sliding-window": ("qwen2", {"layer_types": ["sliding_attention"] * 2, "sliding_window": 4}),  # another mask
+    "eager-attention": ("llama", {"attn_implementation": "eager"}),  # matmul and softmax, not SDPA
+}
+
+
+@pytest.mark.parametrize("case", list(DECLINED))
+def test_rotary_configurations_the_lean_step_does_not_cover_decode_through_the_forward(lm_and_tok, case):
+    tok = lm_and_tok[1]
+    arch, kwargs = DECLINED[case]
+    lm = tiny(arch, **kwargs)
+    assert not supports_fast_decode(lm)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
-    resp, mask = generate(
-        llama,
+    resp, _ = generate(
+        lm,
         enc.input_ids,
         enc.attention_mask,
         max_new_tokens=6,
@@ -123,14 +172,37 @@ def test_models_the_lean_step_does_not_cover_decode_through_their_forward(lm_and
         greedy=True,
     )
     # the fallback is the model's own cached forward: greedy tokens match re-running it whole
-    assert torch.equal(greedy_by_full_forward(llama, enc.input_ids, enc.attention_mask, 6), resp)
+    assert torch.equal(greedy_by_full_forward(lm, enc.input_ids, enc.attention_mask, 6), resp)
 
 
-def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm_and_tok, monkeypatch):
+def test_rotary_models_with_other_forwards_are_declined():
+    """A subclass, attention dropout in train mode, LoRA layers injected into the projections
+    (``lora.apply_lora``) and LoRA's adapters-off view each run a forward the lean step does not."""
+
+    class Custom(LlamaForCausalLM):  # a subclass may change the forward
+        pass
+
+    llama = tiny("llama")
+    assert supports_fast_decode(llama) and not supports_fast_decode(Custom(llama.config))
+
+    dropout = tiny("llama", attention_dropout=0.1).train()
+    assert not supports_fast_decode(dropout)
+    assert supports_fast_decode(dropout.eval())  # dropout is off in eval mode
+
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(copy.deepcopy(llama), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    assert model_class(adapted.get_base_model()) is LlamaForCausalLM
+    assert not supports_fast_decode(adapted.get_base_model())  # q_proj is a LoRA layer now
+    assert not supports_fast_decode(DisabledAdapters(adapted))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm_and_tok, arch, monkeypatch):
     """Under FSDP2 (one gloo process here) a sharded LM holds DTensor weights that only its own
     forward gathers: the lean step declines it. Gathered for the rollout
     (``sharding.unsharded_for_rollout``) its weights are whole again, and the lean step samples
-    the tokens the unsharded model samples."""
+    the tokens the unsharded model samples (FSDP2 swapped the class of the LM and of each block:
+    the check sees through both)."""
     import socket
 
     import torch.distributed as dist
@@ -138,7 +210,7 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
 
     from ppo_lightning.sharding import is_sharded, shard_lm, unsharded_for_rollout
 
-    lm, tok = lm_and_tok
+    lm, tok = lm_and_tok if arch == "gpt2" else (tiny("llama", num_key_value_heads=2), lm_and_tok[1])
     sharded = copy.deepcopy(lm)
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     kw = dict(
@@ -154,7 +226,7 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
     try:
         shard_lm(sharded, init_device_mesh("cpu", (1,)))
         # what it really is: the class FSDP2 swapped out, sharded also behind LoRA's adapters-off view
-        assert type(sharded) is not GPT2LMHeadModel and model_class(sharded) is GPT2LMHeadModel
+        assert type(sharded) is not type(lm) and model_class(sharded) is type(lm)
         view = DisabledAdapters(types.SimpleNamespace(get_base_model=lambda: sharded))
         assert is_sharded(sharded) and is_sharded(view) and not is_sharded(lm)
         assert not supports_fast_decode(sharded)

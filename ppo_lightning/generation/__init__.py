@@ -6,16 +6,18 @@ passes sampling arguments of its own. A backend is chosen by the ``generation`` 
 (``_target_``, instantiated as a partial and called with the LM to sample and its tokenizer):
 
 - ``hf`` (``hf.HFBackend``, the default): samples the live module with a KV cache.
+- ``vllm`` (``vllm.VLLMBackend``): a colocated vLLM engine with its own copy of the policy's
+  weights, which receives the new ones through ``sync_weights`` after each iteration's updates.
 
-An engine that keeps its own copy of the weights (vLLM) receives the new ones through
-``sync_weights`` after each iteration's updates. Old logprobs never come from a backend: they
-are the training forward's, so the first update's ratio is exactly 1 whatever the backend's
-numerics.
+Old logprobs never come from a backend: they are the training forward's, so the first update's
+ratio is exactly 1 whatever the backend's numerics.
+
+The reference is sampled (reward normalisation's samples, once per run) by the ``hf`` backend
+whatever the group says: an engine holds one model's weights, the policy's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Callable, Protocol
 
 import torch
@@ -25,6 +27,10 @@ from ppo_lightning.generation.params import SamplingParams, StopSequences
 
 
 class GenerationBackend(Protocol):
+    samples_live_module: bool
+    """True: ``generate`` runs the module it was given (``hf``); False: an engine's copy of its
+    weights, which ``sync_weights`` refreshes (``vllm``)."""
+
     def generate(
         self,
         prompt_ids: Tensor,
@@ -36,8 +42,15 @@ class GenerationBackend(Protocol):
         pad after each row's stop, ``R <= params.max_new_tokens``, the mask 1 up to and
         including the stop."""
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Take the policy's new weights (after an iteration's updates)."""
+    sampled_logprobs: Tensor | None
+    """The engine's own logprobs ``[B, R]`` of the tokens the last ``generate`` sampled (0 after
+    each stop), to compare with the training forward's; None for a backend that samples the
+    training module itself."""
+
+    def sync_weights(self) -> float | None:
+        """Take the policy's new weights after an iteration's updates: the seconds it took, or
+        None when there was nothing to take (the backend samples the live module, or its engine
+        has not started)."""
 
 
 BackendFactory = Callable[..., GenerationBackend]  # (lm, tokenizer, fast_decode=...) -> backend

