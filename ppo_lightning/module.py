@@ -233,6 +233,10 @@ class PPOModule(L.LightningModule):
                 lg.log_metrics(m, step=self.global_step)
                 lg.save()
 
+    def teardown(self, stage: str) -> None:
+        """The fit is over (finished, stopped or failed): an engine backend frees its engine."""
+        self.sampler.close()
+
     def _evaluates_at(self, step: int | None) -> bool:
         return evaluation.due(self.eval_cfg, self.trainer.datamodule, step)
 

@@ -280,6 +280,9 @@ class RecordingBackend:
     def sync_weights(self) -> None:
         RecordingBackend.syncs.append(self.lm)
 
+    def close(self) -> None:
+        self.inner.close()
+
 
 REWARD_CALLS: list[list] = []  # the qid column of each call to the own_answer rewards (in-process runs)
 

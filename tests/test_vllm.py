@@ -141,6 +141,22 @@ def test_with_lora_the_engine_samples_the_merged_policy_and_a_sync_sends_the_ada
     assert torch.equal(greedy(vb, plain)[0], greedy(hf, plain)[0])
 
 
+def test_close_frees_the_engine_and_the_next_generate_starts_one_from_the_current_weights(cache_dir):
+    """What a fit's end does (``PPOModule.teardown``): the engine and the process group it made
+    are gone; sampling again starts a new engine, from the weights as they are then."""
+    from ppo_lightning.generation.hf import HFBackend
+    from ppo_lightning.generation.params import SamplingParams
+
+    lm, tok = tiny_lm(cache_dir, "qwen2")
+    vb, plain = engine(lm, tok), SamplingParams(max_new_tokens=8, greedy=True)
+    greedy(vb, plain)
+    vb.close()
+    assert vb.llm is None and not torch.distributed.is_initialized()
+    perturb(lm, seed=2)  # changed while no engine ran: the new one starts from these weights
+    assert torch.equal(greedy(vb, plain)[0], greedy(HFBackend(lm, tok), plain)[0])
+    vb.close()
+
+
 RUN = [*KV_CACHE, "generation=vllm", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 

@@ -52,6 +52,10 @@ class GenerationBackend(Protocol):
         None when there was nothing to take (the backend samples the live module, or its engine
         has not started)."""
 
+    def close(self) -> None:
+        """Free what the backend holds of its own (an engine); the next ``generate`` starts over.
+        Called when a fit ends."""
+
 
 BackendFactory = Callable[..., GenerationBackend]  # (lm, tokenizer, fast_decode=...) -> backend
 

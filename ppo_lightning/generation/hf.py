@@ -59,6 +59,9 @@ class HFBackend:
     def sync_weights(self) -> None:
         """Nothing to do: this backend samples the module the optimizer updates."""
 
+    def close(self) -> None:
+        """Nothing to free: the module is the policy's."""
+
 
 def sample_next_token(
     logits: Tensor,

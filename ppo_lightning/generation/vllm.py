@@ -36,6 +36,7 @@ patches the Hugging Face classes of this process (the policy's own), so such a m
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import tempfile
@@ -128,6 +129,7 @@ class VLLMBackend:
         self.fused: dict[str, list[str]] = {}  # vLLM's fused module -> the Hugging Face modules in it
         self.sampled_logprobs: Tensor | None = None  # [B, R] of the last generate, 0 after each stop
         self._config_dir: tempfile.TemporaryDirectory | None = None
+        self._owns_process_group = False  # the engine initialised torch.distributed (one process)
 
     # ------------------------------------------------------------------------- the engine
     def _engine(self):
@@ -150,6 +152,7 @@ class VLLMBackend:
         self._config_dir = tempfile.TemporaryDirectory(prefix="ppo_lightning-vllm-")
         underlying(self.lm).config.save_pretrained(self._config_dir.name)
         self.tokenizer.save_pretrained(self._config_dir.name)
+        self._owns_process_group = not torch.distributed.is_initialized()
         rng = _global_rng_state()  # vLLM seeds the global generators of the process it runs in
         try:
             self.llm = LLM(
@@ -198,6 +201,25 @@ class VLLMBackend:
                 if leaf in members:
                     changed.update(f"{parent}.{m}" if parent else m for m in members)
         return {k: v for k, v in weights.items() if k.rpartition(".")[0] in changed}
+
+    def close(self) -> None:
+        """Shut the engine down and free what it holds (weights, KV cache, the process group it
+        made); a later ``generate`` starts a new one from the weights as they are then. The
+        module calls it when a fit ends, so the jobs of a sweep in one process do not pile up
+        engines."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        if self._owns_process_group:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self._config_dir.cleanup()
 
     def sync_weights(self) -> float | None:
         """Push the weights the updates can have changed into the engine; the seconds it took, or
