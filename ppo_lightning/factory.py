@@ -110,6 +110,7 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
     if not needs_model(r):
         build_reward(r)  # imports reward.fn (or every term's)
     build_eval_metrics(cfg.eval.metrics)  # imports each eval.metrics function
+    check_backend(cfg.get("generation"))
     sources = [
         (
             "model.name_or_path",
@@ -239,6 +240,20 @@ def build_backend(node: DictConfig | None):
     if not callable(factory):
         raise ConfigError(f"generation._target_={node._target_!r}: not a class or function to call")
     return factory
+
+
+def check_backend(node: DictConfig | None) -> None:
+    """The generation backend's class imports, and its ``preflight`` (if it has one: vllm's
+    checks that the package imports) passes, before any model loads."""
+    if not node or "_target_" not in node:
+        return  # build_backend says what is missing
+    try:
+        cls = hydra.utils.get_object(node._target_)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"generation._target_={node._target_!r}: cannot import it ({e})") from None
+    preflight = getattr(cls, "preflight", None)
+    if preflight is not None:
+        preflight()
 
 
 def build_reference(cfg: DictConfig, lm, tokenizer):

@@ -117,3 +117,24 @@ def test_a_generation_node_without_a_target_names_the_key(tmp_path, cache_dir):
 
     with pytest.raises(ConfigError, match=r"^generation: expected a mapping with a _target_"):
         build_module(compose_cfg(["~generation._target_"], tmp_path, cache_dir))
+
+
+def test_generation_vllm_without_vllm_fails_before_any_model_loads_naming_generation(tmp_path, cache_dir):
+    """Where vLLM is not installed, ``generation=vllm`` stops ``python train.py`` with one line
+    that names the key and says how to install it, before any model is built."""
+    import importlib.util
+
+    from tests.helpers import run_train
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here: tests/test_vllm.py covers generation=vllm")
+    model_dir = cache_dir / "tiny-for-generation-vllm"  # model=tiny would build it here
+    p = run_train(
+        ["experiment=tiny_char", "generation=vllm", f"model.name_or_path={model_dir}", f"hydra.run.dir={tmp_path}"],
+        cache_dir,
+    )
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    (line,) = [ln for ln in p.stderr.splitlines() if "generation=vllm" in ln]
+    assert "vllm package cannot be imported" in line and "pip install" in line
+    assert not model_dir.exists()

@@ -97,6 +97,7 @@ class VLLMBackend:
     """
 
     samples_live_module = False
+    preflight = staticmethod(require_vllm)  # factory.check_inputs: before any model loads
 
     def __init__(
         self,
