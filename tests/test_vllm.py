@@ -186,16 +186,26 @@ def test_ppo_and_grpo_under_vllm_raise_the_reward(tmp_path, cache_dir, advantage
     assert max(r["rollout/engine_logprob_diff"] for r in rows) < 1e-4
 
 
-def test_first_update_ratio_is_exactly_one_with_the_engine_sampling(tmp_path, cache_dir):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_first_update_ratio_is_exactly_one_with_the_engine_sampling(tmp_path, cache_dir, precision):
+    """Old logprobs are the training forward's in the update's precision, so the ratio is 1 on
+    every token. Under bf16 autocast the engine still computes in its own dtype (float32 here:
+    the rollout's autocast is kept out of it), so its logprobs differ from the bf16 forward's by
+    bf16 rounding, and by float32 rounding otherwise."""
     from ppo_lightning.jobs import train
 
     overrides = ["trainer.max_steps=1", "ppo.ppo_epochs=1", "data.batch_size=8", "ppo.minibatch_size=8"]
-    cfg = compose_cfg(
-        [*RUN, *overrides, "ppo.fuse_rollout_forward=false", "callbacks=none", "export_dir=null"], tmp_path, cache_dir
-    )
-    train(cfg)
+    overrides += [
+        f"trainer.precision={precision}",
+        "ppo.fuse_rollout_forward=false",
+        "callbacks=none",
+        "export_dir=null",
+    ]
+    train(compose_cfg([*RUN, *overrides], tmp_path, cache_dir))
     (row,) = read_metrics(tmp_path / "metrics.csv")
     assert row["val/ratio"] == 1.0 and row["val/ratio_var"] == 0.0 and row["policy/approxkl_avg"] == 0.0
+    diff = row["rollout/engine_logprob_diff"]
+    assert diff < 1e-5 if precision == "32-true" else 1e-5 < diff < 0.05
 
 
 @pytest.mark.slow  # two runs

@@ -36,6 +36,7 @@ patches the Hugging Face classes of this process (the policy's own), so such a m
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -264,7 +265,8 @@ class VLLMBackend:
             seeds = seeds.tolist()
         mask = attention_mask.bool().cpu()
         requests = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(prompt_ids.cpu(), mask)]
-        outputs = llm.generate(requests, [EngineParams(seed=s, **common) for s in seeds], use_tqdm=False)
+        with _no_autocast():  # the engine runs in this thread: keep the rollout's autocast out of it
+            outputs = llm.generate(requests, [EngineParams(seed=s, **common) for s in seeds], use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logps = [[lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)] for toks, o in zip(tokens, outputs)]
         R = max(1, max(len(t) for t in tokens))
@@ -282,6 +284,16 @@ class VLLMBackend:
             response_mask = torch.ones(B, R)
         self.sampled_logprobs = (sampled * response_mask).to(device)
         return responses.to(device), response_mask.to(device)
+
+
+def _no_autocast() -> contextlib.ExitStack:
+    """Autocast off on every device type that has it on: the engine computes in its own dtype
+    (``generation.dtype``), as it would in a process of its own."""
+    stack = contextlib.ExitStack()
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 def _packed_modules(worker) -> dict[str, list[str]]:
