@@ -56,7 +56,8 @@ def run(
     p = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if p.returncode:
         sys.exit(f"{script} failed:\n{p.stderr[-4000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    # the last JSON line: a backend's engine (vLLM) may log to stdout too
+    return json.loads(next(line for line in reversed(p.stdout.splitlines()) if line.startswith("{")))
 
 
 def main() -> None:
