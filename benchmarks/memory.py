@@ -63,7 +63,8 @@ VARIANTS = {
     "checkpointing_and_micro_batches_4": ["model.gradient_checkpointing=true", "ppo.micro_batch_size=4"],
     "lora": ["model.lora.r=16"],
     "lora_and_checkpointing": ["model.lora.r=16", "model.gradient_checkpointing=true"],
-    "lean_head": ["ppo.lm_head_chunk_size=256"],
+    "lean_head": ["ppo.lm_head_chunk_size=256"],  # the default since; "full" runs it too
+    "plain_head": ["ppo.lm_head_chunk_size=null"],  # [batch, response, vocab] logits at once
 }
 TRL = "trl"  # TRL's PPOTrainer on the same workload: not a switch of ours, measured alongside
 MB = 2**20
