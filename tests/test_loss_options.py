@@ -224,6 +224,7 @@ def _token_mean_worker(rank: int, world: int, port: int, out: str) -> None:
         grads[mode] = model.module.weight.grad.clone()
     torch.save(grads, f"{out}/rank{rank}.pt")
     dist.barrier()  # an orderly end: no rank exits while gloo still talks to it
+    del model  # DDP's reducer before its process group: freed after it, gloo's threads can abort the exit
     dist.destroy_process_group()
 
 
