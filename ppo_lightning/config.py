@@ -701,7 +701,8 @@ class TrainConfig:
     per-token overhead; the prefill and every logprob PPO learns from still go through the
     model's forward, and other models always decode through it. ``vllm``: a colocated vLLM
     engine with its own copy of the policy's weights, synced after every iteration
-    (``ppo_lightning/generation/vllm.py``; one process, architectures vLLM implements natively).
+    (``ppo_lightning/generation/vllm.py``; architectures vLLM implements natively; with several
+    processes, an engine per rank, a sharded policy gathered for each sync).
     Its options: ``generation.dtype`` (the engine's weights; ``auto``: the policy's dtype),
     ``enforce_eager`` (true: no CUDA graphs or ``torch.compile``, a start in seconds),
     ``gpu_memory_utilization`` (the GPU share the engine may take), ``kv_cache_memory_bytes``
@@ -1014,12 +1015,6 @@ def validate(cfg) -> None:
             f"reward.normalize_samples={r.normalize_samples} with {world} processes (trainer.devices x "
             f"trainer.num_nodes): each rank scores normalize_samples // {world} = 0 samples; set "
             f"reward.normalize_samples >= {max(2, world)}"
-        )
-    engine = str((cfg.get("generation") or {}).get("_target_", ""))
-    if engine.endswith("VLLMBackend") and world and world > 1:
-        raise ConfigError(
-            f"generation=vllm with {world} processes (trainer.devices x trainer.num_nodes): the "
-            "engine runs in one process; set trainer.devices=1, or use generation=hf"
         )
     if str(cfg.trainer.precision) in FP16_PRECISIONS:
         raise ConfigError(

@@ -29,9 +29,17 @@ strings, not token sequences), and everything after a row's first stop is paddin
 the ``hf`` backend pads and masks. ``SamplingParams.chunk_size`` does not apply: the engine
 schedules its own batches (``generation.max_num_seqs`` bounds them).
 
-Scope: one process (``trainer.devices=1``), a model architecture vLLM implements natively, and
-an unsharded policy. vLLM runs an architecture it lacks through its Transformers backend, which
-patches the Hugging Face classes of this process (the policy's own), so such a model is refused.
+Several processes (DDP, FSDP). Each rank runs an engine of its own and samples its own prompts,
+as with the ``hf`` backend: TRL's "colocate" mode, vLLM's ``external_launcher`` executor, which
+joins the process group the trainer set up (one tensor-parallel rank per engine). A sharded
+policy's weights are gathered for the sync (every rank takes part in each all-gather, in the same
+order, and only for the weights that can have changed), so each rank's engine holds the whole
+policy. The engines start and stop together (vLLM builds its groups over the trainer's), and
+shutting one down leaves the trainer's process group alone.
+
+Scope: a model architecture vLLM implements natively. vLLM runs an architecture it lacks through
+its Transformers backend, which patches the Hugging Face classes of this process (the policy's
+own), so such a model is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import os
 import random
 import tempfile
 import time
+from unittest import mock
 
 import torch
 from torch import Tensor, nn
@@ -140,12 +149,6 @@ class VLLMBackend:
         return self.llm
 
     def _start(self) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if torch.distributed.get_world_size() > 1:
-                raise ConfigError(
-                    "generation=vllm: runs in one process (trainer.devices=1); use generation=hf for "
-                    f"{torch.distributed.get_world_size()} processes"
-                )
         from vllm import LLM
 
         # The engine is built from the policy's config with dummy weights, then loaded from the
@@ -155,6 +158,8 @@ class VLLMBackend:
         underlying(self.lm).config.save_pretrained(self._config_dir.name)
         self.tokenizer.save_pretrained(self._config_dir.name)
         self._owns_process_group = not torch.distributed.is_initialized()
+        shared = not self._owns_process_group and torch.distributed.get_world_size() > 1
+        launcher = _join_process_group() if shared else {}
         rng = _global_rng_state()  # vLLM seeds the global generators of the process it runs in
         try:
             self.llm = LLM(
@@ -163,6 +168,7 @@ class VLLMBackend:
                 generation_config="vllm",  # no sampling defaults from the model's generation_config
                 logprobs_mode="processed_logprobs",  # of the distribution sampled from
                 seed=0,
+                **launcher,
                 **self.engine_args,
             )
         finally:
@@ -177,32 +183,33 @@ class VLLMBackend:
         self.llm.reset_prefix_cache()  # cached prompt keys and values are the old weights'
 
     def engine_weights(self, changed_only: bool) -> dict[str, Tensor]:
-        """The policy's weights under Hugging Face checkpoint names, adapters merged; with
-        ``changed_only``, those of the modules holding a trainable parameter, widened to whole
-        fused modules (see the module docstring)."""
+        """The policy's weights under Hugging Face checkpoint names, adapters merged, whole (a
+        sharded policy's gathered: a collective, every rank calls it); with ``changed_only``,
+        those of the modules holding a trainable parameter, widened to whole fused modules (see
+        the module docstring)."""
         from ppo_lightning.lora import merged_state_dict
-        from ppo_lightning.sharding import is_sharded
 
         lm = underlying(self.lm)
-        if is_sharded(lm):
-            raise ConfigError("generation=vllm: the policy is sharded (FSDP); use generation=hf")
-        has_lora = any(".lora_" in k for k in lm.state_dict())
         # Tied weights under both names (GPT-2's lm_head.weight is its token embedding): vLLM ties
         # the two modules and reloads each, and a module left out would get its old tensor back.
         state = lm.state_dict()
-        weights = merged_state_dict(lm, state) if has_lora else {k: v.detach() for k, v in state.items()}
-        if not changed_only:
-            return weights
-        changed = set()
-        for name, p in lm.named_parameters(remove_duplicate=False):  # a tied weight under each name
-            if p.requires_grad:
-                changed.add(name.partition(".lora_")[0] if ".lora_" in name else name.rpartition(".")[0])
+        if changed_only:
+            changed = self._changed_modules(lm)
+            state = {k: v for k, v in state.items() if _hf_module(k) in changed}
+        state = _gathered(state)
+        return merged_state_dict(lm, state) if any(".lora_" in k for k in state) else state
+
+    def _changed_modules(self, lm: nn.Module) -> set[str]:
+        """The Hugging Face names of the modules an update can change: those holding a trainable
+        parameter (a LoRA layer: the module it adapts), and every other member of a vLLM fused
+        module one of them belongs to."""
+        changed = {_hf_module(name) for name, p in lm.named_parameters(remove_duplicate=False) if p.requires_grad}
         for module in list(changed):
             parent, _, leaf = module.rpartition(".")
             for members in self.fused.values():
                 if leaf in members:
                     changed.update(f"{parent}.{m}" if parent else m for m in members)
-        return {k: v for k, v in weights.items() if k.rpartition(".")[0] in changed}
+        return changed
 
     def close(self) -> None:
         """Shut the engine down and free what it holds (weights, KV cache, the process group it
@@ -211,13 +218,19 @@ class VLLMBackend:
         engines."""
         if self.llm is None:
             return
-        self.llm.llm_engine.engine_core.shutdown()
-        self.llm = None
-        if self._owns_process_group:
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        from vllm.distributed import parallel_state
 
-            destroy_model_parallel()
-            destroy_distributed_environment()
+        # The engine's shutdown destroys vLLM's groups and then the default process group: its
+        # own in one process; the trainer's, which outlives the engine, in several.
+        keep = contextlib.nullcontext()
+        if not self._owns_process_group:
+            keep = mock.patch.object(parallel_state, "destroy_distributed_environment", _destroy_world_group)
+        with keep:
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        if self._owns_process_group:  # shutdown leaves them after an error; a no-op otherwise
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -294,6 +307,53 @@ def _no_autocast() -> contextlib.ExitStack:
         if torch.is_autocast_enabled(device):
             stack.enter_context(torch.autocast(device, enabled=False))
     return stack
+
+
+def _hf_module(key: str) -> str:
+    """The Hugging Face module a state-dict key or parameter name belongs to: a LoRA layer's
+    ``q_proj.base_layer.weight`` and ``q_proj.lora_A.default.weight`` both to ``q_proj``."""
+    module = key.partition(".lora_")[0] if ".lora_" in key else key.rpartition(".")[0]
+    return module.replace(".base_layer", "")
+
+
+def _gathered(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with each sharded tensor (an FSDP2 ``DTensor``) gathered whole, once per tensor
+    (a tied weight appears under two keys): an all-gather per tensor, in the dict's order, which
+    is the same on every rank."""
+    from ppo_lightning.sharding import full_tensor
+
+    whole: dict[int, Tensor] = {}
+    out = {}
+    for k, v in state.items():
+        if id(v) not in whole:
+            whole[id(v)] = full_tensor(v.detach())
+        out[k] = whole[id(v)]
+    return out
+
+
+def _join_process_group() -> dict:
+    """``vllm.LLM`` arguments for an engine in one of the trainer's processes: vLLM's
+    ``external_launcher`` executor takes the rank from the environment and builds its groups
+    over the trainer's process group (one tensor-parallel rank per engine, so every rank
+    samples on its own)."""
+    rank = torch.distributed.get_rank()
+    os.environ["RANK"] = str(rank)  # the process group's, over anything a parent process left
+    if torch.cuda.is_available():  # the engine's device: the one the trainer gave this rank
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
+    else:
+        os.environ.setdefault("LOCAL_RANK", str(rank))
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
+
+
+def _destroy_world_group() -> None:
+    """In place of vLLM's ``destroy_distributed_environment`` when the trainer owns the default
+    process group: only vLLM's world group goes."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
 
 
 def _packed_modules(worker) -> dict[str, list[str]]:
