@@ -85,7 +85,7 @@ def main() -> None:
         syncs = [vllm.sync_weights() for _ in range(args.syncs)]
         result["weight_sync_s"] = round(statistics.median(syncs), 4)
         result["weights_synced_mb"] = round(
-            sum(t.numel() * t.element_size() for t in vllm.engine_weights(True).values()) / 2**20, 1
+            sum(t.numel() * t.element_size() for _, t in vllm.engine_weights(True)) / 2**20, 1
         )
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result), flush=True)

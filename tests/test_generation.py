@@ -138,3 +138,29 @@ def test_generation_vllm_without_vllm_fails_before_any_model_loads_naming_genera
     (line,) = [ln for ln in p.stderr.splitlines() if "generation=vllm" in ln]
     assert "vllm package cannot be imported" in line and "pip install" in line
     assert not model_dir.exists()
+
+
+def test_the_vllm_sync_gathers_one_tensor_at_a_time_and_a_tied_one_once(monkeypatch):
+    """What an FSDP rank sends its engine (``vllm._gathered``): each weight gathered whole only
+    when the engine takes it, so a rank never holds a second whole copy of the policy; a tied
+    weight (under two keys) is gathered once."""
+    import torch
+
+    import ppo_lightning.sharding
+    from ppo_lightning.generation.vllm import _gathered
+
+    gathers = []
+
+    def full_tensor(t):
+        gathers.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(ppo_lightning.sharding, "full_tensor", full_tensor)
+    emb, w = torch.randn(5, 3), torch.randn(3, 3)
+    state = {"wte.weight": emb, "h.0.weight": w, "lm_head.weight": emb}
+    stream = _gathered(state)
+    name, first = next(stream)
+    assert name == "wte.weight" and len(gathers) == 1  # nothing gathered ahead of the engine
+    rest = dict(stream)
+    assert [t.data_ptr() for t in gathers] == [emb.data_ptr(), w.data_ptr()]
+    assert rest["lm_head.weight"] is first and torch.equal(rest["h.0.weight"], w)

@@ -143,7 +143,7 @@ def test_with_lora_the_engine_samples_the_merged_policy_and_a_sync_sends_the_ada
     plain = SamplingParams(max_new_tokens=12, greedy=True)
     assert torch.equal(greedy(vb, plain)[0], greedy(hf, plain)[0])
 
-    sent = vb.engine_weights(changed_only=True)
+    sent = dict(vb.engine_weights(changed_only=True))
     layers = {k.split(".self_attn.")[0] for k in sent}
     assert layers == {f"model.layers.{i}" for i in range(lm.config.num_hidden_layers)}
     assert {k.split(".self_attn.")[1] for k in sent} == {f"{m}_proj.weight" for m in "qkv"}

@@ -32,9 +32,9 @@ schedules its own batches (``generation.max_num_seqs`` bounds them).
 Several processes (DDP, FSDP). Each rank runs an engine of its own and samples its own prompts,
 as with the ``hf`` backend: TRL's "colocate" mode, vLLM's ``external_launcher`` executor, which
 joins the process group the trainer set up (one tensor-parallel rank per engine). A sharded
-policy's weights are gathered for the sync (every rank takes part in each all-gather, in the same
-order, and only for the weights that can have changed), so each rank's engine holds the whole
-policy. The engines start and stop together (vLLM builds its groups over the trainer's), and
+policy's weights are gathered for the sync, one tensor at a time as the engine takes them (every
+rank takes part in each all-gather, in the same order, and only for the weights that can have
+changed), so each rank's engine holds the whole policy and no rank holds a second whole copy. The engines start and stop together (vLLM builds its groups over the trainer's), and
 shutting one down leaves the trainer's process group alone.
 
 Scope: a model architecture vLLM implements natively. vLLM runs an architecture it lacks through
@@ -50,6 +50,8 @@ import os
 import random
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from unittest import mock
 
 import torch
@@ -176,17 +178,21 @@ class VLLMBackend:
         self.fused = self.llm.collective_rpc(_packed_modules)[0]
         self._load(self.engine_weights(changed_only=False))
 
-    def _load(self, weights: dict[str, Tensor]) -> None:
+    def _load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(weights.items()), "is_checkpoint_format": True}
+            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
         )
         self.llm.reset_prefix_cache()  # cached prompt keys and values are the old weights'
 
-    def engine_weights(self, changed_only: bool) -> dict[str, Tensor]:
-        """The policy's weights under Hugging Face checkpoint names, adapters merged, whole (a
-        sharded policy's gathered: a collective, every rank calls it); with ``changed_only``,
-        those of the modules holding a trainable parameter, widened to whole fused modules (see
-        the module docstring)."""
+    def engine_weights(self, changed_only: bool) -> Iterator[tuple[str, Tensor]]:
+        """The policy's weights as ``(name, tensor)`` under Hugging Face checkpoint names,
+        adapters merged, whole; with ``changed_only``, those of the modules holding a trainable
+        parameter, widened to whole fused modules (see the module docstring).
+
+        A sharded policy's weights are gathered as the engine takes them, one tensor at a time
+        (a collective: every rank iterates it to the end, in the same order), so a rank holds one
+        whole tensor beyond its shards, not a whole copy of the policy; with LoRA, the adapted
+        modules are gathered together to be merged."""
         from ppo_lightning.lora import merged_state_dict
 
         lm = underlying(self.lm)
@@ -196,8 +202,10 @@ class VLLMBackend:
         if changed_only:
             changed = self._changed_modules(lm)
             state = {k: v for k, v in state.items() if _hf_module(k) in changed}
-        state = _gathered(state)
-        return merged_state_dict(lm, state) if any(".lora_" in k for k in state) else state
+        if any(".lora_" in k for k in state):
+            yield from merged_state_dict(lm, dict(_gathered(state))).items()
+        else:
+            yield from _gathered(state)
 
     def _changed_modules(self, lm: nn.Module) -> set[str]:
         """The Hugging Face names of the modules an update can change: those holding a trainable
@@ -316,19 +324,24 @@ def _hf_module(key: str) -> str:
     return module.replace(".base_layer", "")
 
 
-def _gathered(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``state`` with each sharded tensor (an FSDP2 ``DTensor``) gathered whole, once per tensor
-    (a tied weight appears under two keys): an all-gather per tensor, in the dict's order, which
-    is the same on every rank."""
+def _gathered(state: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """``state``'s items with each sharded tensor (an FSDP2 ``DTensor``) gathered whole, one at
+    a time, in the dict's order (the same on every rank); a tensor under two keys (a tied weight)
+    is gathered once and kept until its last key."""
     from ppo_lightning.sharding import full_tensor
 
-    whole: dict[int, Tensor] = {}
-    out = {}
+    keys_left = Counter(id(v) for v in state.values())
+    kept: dict[int, Tensor] = {}
     for k, v in state.items():
-        if id(v) not in whole:
-            whole[id(v)] = full_tensor(v.detach())
-        out[k] = whole[id(v)]
-    return out
+        whole = kept.get(id(v))
+        if whole is None:
+            whole = full_tensor(v.detach())
+        keys_left[id(v)] -= 1
+        if keys_left[id(v)]:
+            kept[id(v)] = whole
+        else:
+            kept.pop(id(v), None)
+        yield k, whole
 
 
 def _join_process_group() -> dict:
