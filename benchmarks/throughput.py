@@ -171,9 +171,12 @@ def run_ppo(
     generations: int | None = None,
     iterations: int | None = None,
     backend: str = "hf",
+    callbacks: Sequence[L.Callback] = (),
 ) -> dict:
     """One timed ``trainer.fit`` of the workload: PPO (``trainer_kind="ppo"``, the workload's
-    shape) or GRPO (``"grpo"``, ``prompts`` x ``generations`` completions per iteration)."""
+    shape) or GRPO (``"grpo"``, ``prompts`` x ``generations`` completions per iteration).
+    ``callbacks`` join the Trainer's after the timers (``profile_iteration.py`` profiles one
+    iteration with one)."""
     from ppo_lightning.factory import build
 
     iterations = iterations or w.iterations
@@ -197,6 +200,7 @@ def run_ppo(
         sys.exit(f"generation={backend} not available: {type(e).__name__}: {e}")
     totals = PerfTotals(w.response_tokens)
     trainer.callbacks.append(totals)
+    trainer.callbacks.extend(callbacks)
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     total = time.perf_counter() - t0
