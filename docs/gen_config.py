@@ -187,6 +187,8 @@ def what_it_sets(group: str, path: Path) -> tuple[list[str], dict[str, object]]:
         if isinstance(entry, dict):
             for k, v in entry.items():
                 picks.append(f"{k.replace('override ', '').lstrip('/')}={v}")
+        elif entry == "_self_":
+            continue
         elif entry.endswith("_schema@task"):
             picks.append(f"task.*: {TASK_STAGES[path.stem].__name__} defaults")
         else:
@@ -283,6 +285,8 @@ def keys_section() -> str:
         default = default_of(f)
         if dataclasses.is_dataclass(default):
             parts.append(key_table(type(default), f.name, sets, f"`{f.name}` (`{type(default).__name__}`)"))
+    parts.append(key_table(C.EnvConfig, "env", sets, "`env` (`EnvConfig`, every `env` choice but `none`)"))
+    parts.append(key_table(C.ToolsConfig, "env", sets, "`env=tools` (`ToolsConfig`, `ppo_lightning/envs/tools.py`)"))
     parts.append(run_level_table(sets))
     for name, cls in TASK_STAGES.items():
         parts.append(

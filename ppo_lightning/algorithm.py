@@ -27,6 +27,7 @@ from ppo_lightning.config import PPOConfig
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.kl_control import build_kl_controller
 from ppo_lightning.policy import PolicyWithValueHead
+from ppo_lightning.rewards import pop_reward_logs
 from ppo_lightning.rollout import PolicyOutput, Rollout, Samples, finish_rollout, forward_logprobs, sample_and_score
 
 
@@ -56,9 +57,11 @@ class PPO:
         sampling: SamplingParams,
         sampler: GenerationBackend,
         runtime,
+        episodes=None,
     ):
         self.policy, self.ref_lm, self.reward_fn, self.tokenizer = policy, ref_lm, reward_fn, tokenizer
         self.cfg, self.sampling, self.sampler, self.runtime = cfg, sampling, sampler, runtime
+        self.episodes = episodes  # an envs.EpisodeRunner: multi-turn episodes (env=...); None: single-turn
         self.kl_ctl = build_kl_controller(cfg.kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
         self.kl_estimator = ppo.kl_estimator_for(cfg.kl_in, cfg.kl_estimator)  # null: per placement
         self.reward_norm: tuple[float, float] | None = None  # set by the module: configured, fitted or restored
@@ -93,12 +96,15 @@ class PPO:
                 prompts=prompts,
                 columns=columns,
                 mask_truncated=c.mask_truncated_completions,
+                episodes=self.episodes,
             )
+            reward_logs = pop_reward_logs(self.reward_fn)  # log_metric calls of the reward functions
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
             r = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, kl_estimator=self.kl_estimator, cfg=c)
         r.first_forward, r.collect_time_s = first_forward, time.perf_counter() - t0
         r.engine_logprobs = self.sampler.sampled_logprobs  # an engine's own view of its samples, or None
+        r.reward_logs, r.records = reward_logs, (prompts, columns) if prompts is not None else None
         return r
 
     def _old_logprobs_and_values(self, s: Samples) -> tuple[Tensor, Tensor | None, PolicyOutput | None]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
+from ppo_lightning.envs.template import conversation_text
 from ppo_lightning.rollout import decode_prompts_and_responses
 
 
@@ -15,7 +16,8 @@ class SampleTable(L.Callback):
     """Every ``every_n_steps`` PPO iterations, record prompts, responses and scores.
 
     Rows go to ``<dirpath>/samples.jsonl`` (one JSON object per sample, with the iteration, and
-    with ``reward.terms`` each term's raw score as a column of its own) and,
+    with ``reward.terms`` each term's raw score as a column of its own; in a multi-turn run the
+    prompt and the response are the conversation's messages, each under its role) and,
     when a W&B logger is attached, to a W&B table ``samples`` at that step. Seeing what the policy
     writes is the first check against reward hacking.
     """
@@ -30,9 +32,14 @@ class SampleTable(L.Callback):
         if r is None or step % self.every_n_steps != 0 or not trainer.is_global_zero:
             return
         n = min(self.n_samples, r.batch_size)
-        prompts, responses = decode_prompts_and_responses(
-            pl_module.tokenizer, r.query_responses[:n, : r.context_length], r.responses[:n], r.response_mask[:n]
-        )
+        if r.episodes is None:
+            prompts, responses = decode_prompts_and_responses(
+                pl_module.tokenizer, r.query_responses[:n, : r.context_length], r.responses[:n], r.response_mask[:n]
+            )
+        else:  # multi-turn: the whole conversation, each message under its role
+            episodes = r.episodes.episodes[:n]
+            prompts = [conversation_text(e.prompt_messages) for e in episodes]
+            responses = [conversation_text(e.completion) for e in episodes]
         scores = r.scores[:n].tolist()
         terms = {name: x[:n].tolist() for name, x in r.term_scores.items()}  # reward.terms, raw
         rows = [

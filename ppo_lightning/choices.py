@@ -36,3 +36,6 @@ REWARD_INPUTS = ("auto", "tokens", "text")  # reward.input: see RewardModel.use_
 
 PROMPT_TRUNCATION = ("left", "error")  # data.truncation: keep a long prompt's last tokens, or refuse it
 SFT_TRUNCATION = ("truncate", "drop", "error")  # task.truncation of task=sft (stages/sft.py)
+
+ENV_ERROR_MODES = ("count", "raise")  # env.on_error: an environment whose step raises (envs/episodes.py)
+TOOL_PARSERS = ("hermes",)  # env.parser (envs/parsers.PARSERS)

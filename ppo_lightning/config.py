@@ -363,16 +363,21 @@ class SamplingConfig:
     """Sample from the k most likely tokens (0 = off)."""
     top_p: float = param(1.0, gt=0, le=1)
     """Nucleus sampling mass (1.0 = off); at least one token is always kept."""
+    min_p: float = param(0.0, ge=0, lt=1, hint="0 turns it off")
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's (0 = off),
+    after temperature, top-k and top-p (Hugging Face's order; vLLM applies it before top-k and
+    top-p, so with those set the backends differ, and ``generation=vllm`` warns)."""
     stop_at_eos: bool = True
     """Stop a response at its first EOS (or stop token / string). False runs every response to
     ``max_new_tokens``, EOS an ordinary token, ``ppo.missing_eos_penalty`` ignored (benchmarks)."""
     stop_token_ids: List[int] = field(default_factory=list)
     """More token ids that end a response, as EOS does (kept, the last token of the response)."""
     stop_strings: List[str] = field(default_factory=list)
-    """Strings that end a response: each is tokenised with the policy's tokenizer, and a response
-    stops when its last tokens are that sequence (the string tokenised differently, e.g. merged
-    with the token before it, does not stop it: prefer strings that start a token, like "\n\n").
-    A response that stops on one counts as ended for ``ppo.missing_eos_penalty``."""
+    """Strings that end a response, matched on the decoded text as Hugging Face's
+    ``StopStringCriteria`` and vLLM's ``stop=`` match them: the response stops at the token that
+    completes the string, however the tokenizer split it (that token is kept whole, with any text
+    it holds after the string). A response that stops on one counts as ended for
+    ``ppo.missing_eos_penalty``."""
     chunk_size: Optional[int] = param(None, ge=1)
     """Rows sampled at a time (null = the whole batch): bounds the KV cache,
     which grows with rows x (prompt + response) x layers x width. Greedy decoding gives the same
@@ -513,6 +518,12 @@ class PPOConfig(_MovedPPOKeys):
     and the first update reuses it (``algorithm.PPO._old_logprobs_and_values``): the same numbers
     (the weights have not moved), one policy forward fewer per iteration. False always runs a
     separate no-grad forward."""
+    rollout_dump: bool = False
+    """Write each iteration's episodes to ``rollouts/iter_<k>.jsonl`` in the run directory (one
+    file per rank under DDP: ``iter_<k>.rank<r>.jsonl``), for debugging: per line the record's
+    columns, ``prompt_ids`` and ``response_ids`` (no padding), ``loss_mask`` (one 0/1 per
+    response id: 1 where the policy's own token trains), ``messages``, ``reward`` (raw),
+    ``score`` (what PPO learned from) and ``turns``. Single-turn runs too (one assistant message)."""
 
 
 @dataclass
@@ -614,6 +625,69 @@ class TrainerConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (the ``env`` group, ``ppo_lightning/envs``): the policy writes, an
+    environment answers (a tool's result, a user's or a game's reply), the policy writes again,
+    and the whole conversation is scored. ``env=none`` (the default): no environment, an episode
+    is one prompt and one response. ``env=tools``: tool calling (``ToolEnvironment``, keys below).
+    ``env=function env._target_=my_pkg.MyEnv``: any class with ``reset(record)`` and
+    ``step(messages) -> EnvStep`` (``envs/base.py``), one instance per episode. These keys are
+    the episode loop's (``envs/episodes.py``); every other key of the group is an argument of
+    ``env._target_``'s constructor (``+env.some_arg=3``). Only the policy's own sampled tokens
+    train: the environment's are in the sequence, with no loss, KL, entropy or value target, and
+    GAE steps over policy tokens only."""
+
+    _target_: Optional[str] = None
+    """The environment class (null: single-turn); must import, checked before any model loads."""
+    max_turns: int = param(4, ge=1)
+    """Policy turns per episode at most (each one generation call for all unfinished episodes)."""
+    max_total_tokens: int = param(512, ge=1)
+    """Response positions per episode at most, policy and environment tokens together; each
+    policy turn is also bounded by ``sampling.max_new_tokens``. An environment answer that would
+    not leave the policy a token to answer ends the episode as truncated, its tokens dropped."""
+    max_observation_tokens: Optional[int] = param(256, ge=1)
+    """Tokens of one environment message at most: a longer one is cut (counted,
+    ``env/truncated_observations``). Null: no limit."""
+    on_error: str = param("count", choices=choices.ENV_ERROR_MODES)
+    """An environment whose ``step`` raises: ``count`` ends that episode with ``error_reward``
+    and counts it (``env/env_errors``), so one bad episode cannot end a long run; ``raise``
+    stops the run (for debugging an environment). A tool that fails is never an error of the
+    environment: its message tells the policy what went wrong."""
+    error_reward: float = 0.0
+    """The score of an episode whose environment raised (``on_error=count``), instead of the
+    reward's."""
+
+
+@dataclass
+class ToolsConfig:
+    """``env=tools`` (``ppo_lightning.envs.ToolEnvironment``): tools the policy calls, their JSON
+    schemas (from type hints and docstrings) in the prompt through the chat template's ``tools=``
+    argument, calls parsed in the model family's format. A malformed call, a tool that raises
+    and one that runs past ``tool_timeout_s`` are answered with an ``error: ...`` message and
+    counted (``env/malformed_calls``, ``env/tool_errors``, ``env/tool_timeouts``); none stops
+    the run. A turn with no tool call ends the episode."""
+
+    tools: List[str] = field(default_factory=list)
+    """Dotted paths of functions, each with type hints and a Google-style docstring
+    (``ppo_lightning.envs.calculator.calculator`` is a safe arithmetic tool)."""
+    environment: Optional[str] = None
+    """A class written for TRL's GRPOTrainer ``environment_factory``, unchanged: one instance per
+    episode, ``reset(**columns)`` returning None or text appended to the last user message, its
+    public methods the tools, and an optional ``get_reward()`` scoring the finished episode as one
+    more reward term named after the class."""
+    parser: str = param("hermes", choices=choices.TOOL_PARSERS)
+    """The tool-call format: ``hermes``, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    (Hermes, Qwen2.5, Qwen3)."""
+    tool_timeout_s: Optional[float] = param(10.0, gt=0)
+    """Seconds a tool call may run; a slower one is answered with an error (its thread finishes
+    on its own). Null: no limit."""
+    stop_at_tool_call: bool = True
+    """End a policy turn at the end of its first tool call (the parser's stop strings, added to
+    ``sampling.stop_strings``), so the policy never writes a tool's result itself; false lets it
+    make several calls in one turn, ending the turn at EOS."""
+
+
+@dataclass
 class EvalConfig:
     """Evaluation during training, on held-out prompts (off unless ``path`` or ``split_fraction``
     gives some). At the start of iteration 0 (``before_training``) and of every
@@ -689,6 +763,10 @@ class TrainConfig:
     """The prompts (``DataConfig``)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The Lightning Trainer (``TrainerConfig``)."""
+    env: Dict[str, Any] = field(default_factory=dict)  # train.yaml selects env: none
+    """Multi-turn episodes: the environment class (``_target_``) and its arguments, and the
+    episode loop's keys (``conf/env/*.yaml``; ``EnvConfig`` and ``ToolsConfig`` below). Empty
+    (``env=none``): single-turn."""
     generation: Dict[str, Any] = field(default_factory=dict)  # train.yaml selects generation: hf
     """The generation backend every sampler goes through (``conf/generation/*.yaml``): a
     ``_target_`` class instantiated as a partial (``_partial_: true``) and called with the LM to
@@ -1008,6 +1086,7 @@ def validate(cfg) -> None:
                     "estimators run no value head; unset it, or use ppo.advantage=gae"
                 )
     _check_estimator_options(p)
+    _check_env(cfg)
     world = processes_per_job(cfg.trainer)
     r = cfg.reward
     if r.normalize and world and r.normalize_samples < world:
@@ -1102,6 +1181,27 @@ def _check_estimator_options(p) -> None:
             f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in=loss: as a loss term k1's gradient "
             "has expectation 0 under the policy's own samples, so it pulls nothing toward the "
             f"reference; choose one of {' | '.join(choices.LOSS_KL_ESTIMATORS)} (null: k3)"
+        )
+
+
+TOOL_ENVIRONMENT = "ppo_lightning.envs.ToolEnvironment"  # env=tools' class (conf/env/tools.yaml)
+
+
+def _check_env(cfg) -> None:
+    """The ``env`` group's keys: a class chosen, the loop's keys (and a tool environment's) in
+    range, and turns that can end (stop at EOS)."""
+    env = cfg.get("env")
+    if not env:
+        return
+    if not env.get("_target_"):
+        raise ConfigError("env._target_ is null: name the environment class, env=function env._target_=my_pkg.MyEnv")
+    check_fields(env, EnvConfig, "env")
+    if env.get("_target_") in (TOOL_ENVIRONMENT, "ppo_lightning.envs.tools.ToolEnvironment"):
+        check_fields(env, ToolsConfig, "env")
+    if not cfg.sampling.stop_at_eos:
+        raise ConfigError(
+            "sampling.stop_at_eos=false with env: a policy turn must end (at EOS or a stop string) for the "
+            "environment to answer; unset sampling.stop_at_eos"
         )
 
 

@@ -267,15 +267,21 @@ def chat_template_of(value: str | None, key: str = "data.chat_template") -> str 
 
 
 def render_prompts(
-    records: list[PromptRecord], tokenizer, chat_template: str | None = None, system_prompt: str | None = None
+    records: list[PromptRecord],
+    tokenizer,
+    chat_template: str | None = None,
+    system_prompt: str | None = None,
+    chat: bool = False,
+    tools: list[dict] | None = None,
 ) -> list[str]:
     """The text the policy continues, per record: a string prompt as it is (or, with
-    ``chat_template``, as one user message), a list of messages through the chat template
-    (``chat_template``, else the tokenizer's) with ``add_generation_prompt=True``, after
-    ``system_prompt`` as a first system message when the messages have none."""
+    ``chat_template`` or ``chat``, as one user message), a list of messages through the chat
+    template (``chat_template``, else the tokenizer's) with ``add_generation_prompt=True`` and
+    the ``tools`` schemas, after ``system_prompt`` as a first system message when the messages
+    have none."""
     texts = []
     for r in records:
-        if not r.is_chat and chat_template is None:
+        if not r.is_chat and chat_template is None and not chat:
             texts.append(r.prompt)
             continue
         messages = r.prompt if r.is_chat else [{"role": "user", "content": r.prompt}]
@@ -290,7 +296,7 @@ def render_prompts(
         try:
             texts.append(
                 tokenizer.apply_chat_template(
-                    messages, chat_template=template, tokenize=False, add_generation_prompt=True
+                    messages, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
                 )
             )
         except Exception as e:  # the template's own checks (a role it rejects, alternation)
@@ -443,11 +449,15 @@ EVAL_SPLIT_SEED = 20_241_201  # eval.split_fraction's own seed: the same held-ou
 
 class PromptDataModule(L.LightningDataModule):
     """PPO's prompts (``data.*``) and, with ``eval_cfg`` (``eval.*``), the held-out eval prompts:
-    from ``eval.path``, or ``eval.split_fraction`` of ``data.path``'s taken out of training."""
+    from ``eval.path``, or ``eval.split_fraction`` of ``data.path``'s taken out of training. With
+    ``chat`` (multi-turn episodes) every prompt is rendered as a chat, with the ``tools`` schemas:
+    as the episodes render them before an environment's ``reset`` adds anything, so that length
+    limits and bad records fail before training."""
 
-    def __init__(self, cfg, tokenizer, seed: int = 0, eval_cfg=None):
+    def __init__(self, cfg, tokenizer, seed: int = 0, eval_cfg=None, chat: bool = False, tools: list | None = None):
         super().__init__()
         self.cfg = cfg
+        self.chat, self.tools = chat, tools  # multi-turn: every prompt a chat, rendered with the tools
         self.tokenizer = tokenizer
         self.seed = seed
         self.eval_cfg = eval_cfg
@@ -458,7 +468,9 @@ class PromptDataModule(L.LightningDataModule):
 
     def _items(self, records: list[PromptRecord], source: str) -> list[dict]:
         c = self.cfg
-        texts = render_prompts(records, self.tokenizer, chat_template_of(c.chat_template), c.system_prompt)
+        texts = render_prompts(
+            records, self.tokenizer, chat_template_of(c.chat_template), c.system_prompt, self.chat, self.tools
+        )
         ids = tokenize_prompts(texts, self.tokenizer, c.max_prompt_length, c.truncation, source)
         return [{"input_ids": x, "prompt": r.prompt, "columns": r.columns} for x, r in zip(ids, records)]
 

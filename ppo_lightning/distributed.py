@@ -96,6 +96,17 @@ class Runtime:
     def reduce_sum(self, x: Tensor) -> Tensor:
         return self.trainer.strategy.reduce(x, reduce_op="sum") if self.world_size > 1 else x
 
+    def union(self, keys) -> list[str]:
+        """The sorted union of every rank's ``keys``: metric names that some ranks may lack (an
+        environment's info, a reward's ``log_metric``), so every rank reduces the same vector."""
+        if self.world_size == 1:
+            return sorted(set(keys))
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, sorted(set(keys)))
+        return sorted(set().union(*gathered))
+
     # ------------------------------------------------------------------------- gradients
     def gradient_sync(self, sync: bool):
         """A context for a forward and its backward: ``sync=False`` accumulates gradients without

@@ -107,10 +107,13 @@ def critic_free_advantages(
     gamma: float = 1.0,
     scale_by_std: bool = True,
     distributed: bool = False,
+    turn_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(advantages, returns)`` ``[B, R]`` of a critic-free ``estimator`` from the responses'
     ``scores [B]`` and the per-token KL penalty ``kl_rewards [B, R]`` (``-beta * KL_t``; zeros
-    when the KL is a loss term, ``ppo.kl_in=loss``).
+    when the KL is a loss term, ``ppo.kl_in=loss``). ``turn_rewards [B, R]``: a multi-turn
+    episode's rewards for its turns, each on its turn's last token (None: none); REINFORCE++
+    keeps them there, GRPO and RLOO compare the episode totals, score plus turn rewards.
 
     GRPO and RLOO compare the *scores* within each group, then add each token's return-to-go of
     the KL penalty: ``A_t = group_advantage(score)_i - beta * sum_{s >= t} KL_s`` (OpenRLHF's
@@ -125,7 +128,11 @@ def critic_free_advantages(
     ``returns`` are the return-to-go of the score plus the KL penalty, for every estimator (a
     record; no value head learns from them).
     """
+    if turn_rewards is not None and estimator != "reinforce_pp":
+        scores = scores + turn_rewards.sum(1)  # the episode's total, compared within the group
     rewards = kl_rewards + score_at_last_token(scores, mask)  # [B, R]
+    if turn_rewards is not None and estimator == "reinforce_pp":
+        rewards = rewards + turn_rewards
     if estimator == "reinforce_pp":
         return reinforce_pp_advantages(rewards, mask, gamma, distributed)
     if estimator == "grpo":
@@ -140,8 +147,10 @@ def critic_free_advantages(
 
 def score_at_last_token(scores: Tensor, mask: Tensor) -> Tensor:
     """``scores [B]`` placed on each row's last response token ``[B, R]`` (0 elsewhere): the
-    score is the reward of the whole response, earned by its last action ([N+] detail)."""
-    last = (mask.sum(1).long() - 1).clamp(min=0)  # index of the last real response token
+    score is the reward of the whole response, earned by its last action ([N+] detail). In a
+    multi-turn episode that is the policy's last token: ``mask`` is 1 on the policy's tokens."""
+    R = mask.shape[1]
+    last = R - 1 - (mask > 0).flip(1).to(torch.int8).argmax(1)  # index of the last masked token
     return torch.zeros_like(mask, dtype=torch.float32).scatter(1, last[:, None], scores[:, None].float()) * mask
 
 

@@ -13,6 +13,7 @@ its columns reach the reward), and reduces sums over ranks once. Metrics (``docs
   that one of k responses passes (its score, or ``eval.pass_term``'s, reaches
   ``eval.pass_threshold``), mean over prompts;
 - ``eval/response_length`` and ``eval/kl`` (k1 to the reference, summed over the response);
+- with an ``env``, the episodes' ``eval/env/turns_mean`` and ``eval/env/tool_calls_mean``;
 - with a ``data_source`` column, each of these per source too: ``eval/<source>/reward/mean@n``,
   ``eval/<source>/pass@k``, ... (as verl reports its validation).
 """
@@ -28,7 +29,9 @@ from torch import Tensor
 
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.policy import position_ids_from_mask
-from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs, score_terms
+from ppo_lightning.envs.template import conversation_text
+from ppo_lightning.rewards import pop_reward_logs
+from ppo_lightning.rollout import decode_prompts_and_responses, forward_logprobs, score_episodes, score_terms
 
 
 class EvalPoint(NamedTuple):
@@ -75,12 +78,16 @@ def evaluate(
     samples: list | None = None,
     max_samples: int = 8,
     head_chunk: int | None = None,
+    episodes=None,
 ) -> dict[str, float]:
     """The ``eval/*`` metrics over every rank's ``batches`` (``(batch, weight [B])`` pairs: a row of
     weight 0 pads a rank's share, and counts nowhere); with ``sources`` (every eval record's
     ``data_source``, the same list on every rank) per source as well. ``samples``, when given,
     receives up to ``max_samples`` of this rank's ``(prompt, response, reward)`` rows. ``metrics``
-    (``eval.metrics``: name -> scorer) are scored on the same samples, apart from the reward."""
+    (``eval.metrics``: name -> scorer) are scored on the same samples, apart from the reward.
+    With ``episodes`` (an ``envs.EpisodeRunner``) each prompt is played as a multi-turn episode,
+    scored on its outcome (its score plus its turn rewards), its length the policy's tokens, and
+    ``eval/env/turns_mean`` and ``eval/env/tool_calls_mean`` are logged too."""
     n, ks = num_samples, pass_ks(num_samples)
     sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
     with runtime.rollout_context(policy, ref_lm):
@@ -90,11 +97,29 @@ def evaluate(
             prompts = [p for p in batch["prompts"] for _ in range(n)]
             columns = [c for c in batch["columns"] for _ in range(n)]
             w = weight.to(device, torch.float64)
-            resp, mask = sampler.generate(ids, am, params, generator)
-            raw, _, terms = score_terms(reward_fn, tokenizer, ids, am, resp, mask, prompts, columns)
-            P = ids.shape[1]
-            seq = torch.cat([ids, resp], dim=1)
-            full = torch.cat([am, mask.to(am.dtype)], dim=1)
+            if episodes is None:
+                resp, mask = sampler.generate(ids, am, params, generator)
+                raw, _, terms = score_terms(reward_fn, tokenizer, ids, am, resp, mask, prompts, columns)
+                P = ids.shape[1]
+                seq = torch.cat([ids, resp], dim=1)
+                full = torch.cat([am, mask.to(am.dtype)], dim=1)
+                extra = {}
+            else:  # multi-turn: each eval prompt played as an episode; its outcome is its return
+                played = episodes.run(prompts, columns, sampler, params, generator, device)
+                raw, _, terms = score_episodes(reward_fn, tokenizer, played, episodes.cfg.error_reward)
+                raw = raw + played.turn_rewards.sum(1)
+                P, seq, full, mask = (
+                    played.context_length,
+                    played.query_responses,
+                    played.attention_mask,
+                    played.loss_mask,
+                )
+                extra = {
+                    "env/turns_mean": torch.tensor([e.turns for e in played.episodes], dtype=torch.float64),
+                    "env/tool_calls_mean": torch.tensor(
+                        [e.counts["tool_calls"] for e in played.episodes], dtype=torch.float64
+                    ),
+                }
             pos = position_ids_from_mask(full)
             logp, _ = forward_logprobs(policy, None, seq, full, pos, P, params.temperature, head_chunk=head_chunk)
             ref, _ = forward_logprobs(None, ref_lm, seq, full, pos, P, params.temperature, head_chunk=head_chunk)
@@ -103,13 +128,21 @@ def evaluate(
                 "length": mask.sum(1).double(),
                 "kl": ((logp - ref) * mask).sum(1).double(),
                 **{f"term/{name}": t.double().nan_to_num(0.0) for name, t in terms.items()},
+                **{f"extra/{k}": v.to(device) for k, v in extra.items()},
             }
             for name, fn in (metrics or {}).items():
-                score, _, _ = score_terms(fn, tokenizer, ids, am, resp, mask, prompts, columns)
+                if episodes is None:
+                    score, _, _ = score_terms(fn, tokenizer, ids, am, resp, mask, prompts, columns)
+                else:
+                    score, _, _ = score_episodes(fn, tokenizer, played, episodes.cfg.error_reward)
                 per_row[f"metric/{name}"] = score.double()
             if samples is not None and len(samples) < max_samples:
-                prompt_texts, texts = decode_prompts_and_responses(tokenizer, ids, resp, mask)
                 real = w.repeat_interleave(n) > 0
+                if episodes is None:
+                    prompt_texts, texts = decode_prompts_and_responses(tokenizer, ids, resp, mask)
+                else:  # the whole conversation, each message under its role
+                    prompt_texts = [conversation_text(e.prompt_messages) for e in played.episodes]
+                    texts = [conversation_text(e.completion) for e in played.episodes]
                 rows_here = [(p, r, float(x)) for p, r, x, ok in zip(prompt_texts, texts, raw.tolist(), real) if ok]
                 samples.extend(rows_here[: max_samples - len(samples)])
             judged = terms[pass_term] if pass_term else raw
@@ -142,6 +175,8 @@ def evaluate(
             out[f"eval/{prefix}rewards/{name}/mean@{n}"] = total[f"{prefix}term/{name}"] / rows
         for name in (k[len(f"{prefix}metric/") :] for k in names if k.startswith(f"{prefix}metric/")):
             out[f"eval/{prefix}metrics/{name}/mean@{n}"] = total[f"{prefix}metric/{name}"] / rows
+        for name in (k[len(f"{prefix}extra/") :] for k in names if k.startswith(f"{prefix}extra/")):
+            out[f"eval/{prefix}{name}"] = total[f"{prefix}extra/{name}"] / rows
         for k in ks:
             out[f"eval/{prefix}pass@{k}"] = total[f"{prefix}pass@{k}"] / prompts
     return out
@@ -187,7 +222,9 @@ def evaluate_module(module, samples: list | None = None) -> dict[str, float]:
         metrics=module.eval_metrics,
         samples=samples,
         head_chunk=module.ppo_cfg.lm_head_chunk_size,
+        episodes=module.algo.episodes,
     )
+    pop_reward_logs(module.reward_fn)  # log_metric calls of eval scoring are not the training rollout's
     for lg in module.loggers:
         if isinstance(lg, WandbLogger) and samples:
             lg.log_table(

@@ -21,6 +21,7 @@ from ppo_lightning.checkpoint import AtomicCheckpointIO, stop_every_rank_on_writ
 from ppo_lightning.preemption import StopOnPreemption
 from ppo_lightning.config import validate
 from ppo_lightning.data import PromptDataModule, read_prompts, record_formats
+from ppo_lightning.envs import build_runner, check_env
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.generation import SamplingParams
 from ppo_lightning.module import PPOModule
@@ -38,6 +39,7 @@ from ppo_lightning.policy import (
 )
 from ppo_lightning.recipes import RECIPES, recipe_root
 from ppo_lightning.rewards import build_eval_metrics, build_reward, function_scorers, needs_model
+from ppo_lightning.rewards.environment import with_environment_reward
 from ppo_lightning.rewards.function import check_reward_columns
 from ppo_lightning.tiny import ensure_tiny_model
 
@@ -111,6 +113,8 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
         build_reward(r)  # imports reward.fn (or every term's)
     build_eval_metrics(cfg.eval.metrics)  # imports each eval.metrics function
     check_backend(cfg.get("generation"))
+    if cfg.get("env"):
+        check_env(cfg.env)  # the environment class imports and builds, its tools have schemas
     sources = [
         (
             "model.name_or_path",
@@ -168,10 +172,14 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     reward_fn = None if needs_model(cfg.reward) else build_reward(cfg.reward)
 
-    tokenizer = load_tokenizer(
-        cfg.model.tokenizer_name_or_path or cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
+    tokenizer_path = cfg.model.tokenizer_name_or_path or cfg.model.name_or_path
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
+    # multi-turn: the chat template checked (prefix-preserving, renders tools) before any model loads
+    episodes = build_runner(cfg.env, cfg.data, tokenizer, tokenizer_path) if cfg.get("env") else None
+    tools = episodes.probe_tools() if episodes is not None else None
+    datamodule = PromptDataModule(
+        cfg.data, tokenizer, seed=cfg.seed, eval_cfg=cfg.eval, chat=episodes is not None, tools=tools
     )
-    datamodule = PromptDataModule(cfg.data, tokenizer, seed=cfg.seed, eval_cfg=cfg.eval)
     datamodule.load()  # reads, renders (chat templates) and tokenises the prompts
     for fn in function_scorers(cfg.reward):  # every record has the columns each function asks for
         check_reward_columns(fn, [*datamodule.records, *datamodule.eval_records])
@@ -181,11 +189,12 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
 
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
     ctx = context_length(lm.config)
-    need = cfg.data.max_prompt_length + cfg.sampling.max_new_tokens
+    response = "env.max_total_tokens" if episodes is not None else "sampling.max_new_tokens"
+    need = cfg.data.max_prompt_length + OmegaConf.select(cfg, response)
     if ctx is not None and need > ctx:
         raise ConfigError(
-            f"data.max_prompt_length + sampling.max_new_tokens = {need} exceeds the model's "
-            f"context of {ctx} tokens; lower data.max_prompt_length or sampling.max_new_tokens"
+            f"data.max_prompt_length + {response} = {need} exceeds the model's "
+            f"context of {ctx} tokens; lower data.max_prompt_length or {response}"
         )
     ref_lm = build_reference(cfg, lm, tokenizer)  # before LoRA: a copy, if any, of the plain LM
     peft_model = None
@@ -203,6 +212,9 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     if reward_fn is None:
         reward_fn = build_reward(cfg.reward)
         reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
+    owner = episodes.reward_owner() if episodes is not None else None
+    if owner is not None:  # a TRL environment's get_reward(): one more term, named after its class
+        reward_fn = with_environment_reward(reward_fn, owner)
     # reward normalisation: fitted when the run starts, else the configured gain and bias
     reward_norm = None if cfg.reward.normalize else (cfg.reward.gain, cfg.reward.bias)
     if cfg.model.value_head_init == "reward_model":  # on the raw scale when a fit will rescale it
@@ -225,6 +237,8 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
         normalize_reward_samples=cfg.reward.normalize_samples,
         value_head_from_reward=cfg.model.value_head_init == "reward_model",
         backend=build_backend(cfg.get("generation")),
+        episodes=episodes,
+        rollout_dir=str(Path(cfg.paths.output_dir) / "rollouts") if cfg.ppo.rollout_dump else None,
     )
     return module, datamodule
 

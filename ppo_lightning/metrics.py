@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ppo_lightning import estimators, ppo
+from ppo_lightning.envs.episodes import COUNTED_METRICS
 from ppo_lightning.rollout import Rollout
 
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
@@ -63,6 +64,9 @@ def iteration_metrics(
         "perf/tokens_per_s": mask.sum() / (time_rollout + time_update),
         **{k: torch.stack(v).mean() for k, v in stats.items()},
     }
+    if r.episodes is not None:
+        local.update(r.episodes.metrics())
+        local["env/turn_reward_mean"] = r.turn_rewards.sum(1).mean()
     for k in UPDATE_METRICS:  # an iteration whose updates were all skipped has none
         local.setdefault(k, torch.tensor(float("nan"), device=mask.device))
     if not has_critic:
@@ -71,9 +75,10 @@ def iteration_metrics(
     names = list(local)
     values = runtime.reduce_mean(torch.stack([local[k].float().detach() for k in names]))
     metrics = {k: float(v) for k, v in zip(names, values.cpu())}
-    for k in SUMMED_METRICS:
+    for k in (*SUMMED_METRICS, *COUNTED_METRICS):
         if k in metrics:
             metrics[k] *= runtime.world_size
+    metrics.update(sparse_means(r, runtime, mask.device))
     for name in r.term_scores:  # over every rank's rows where the term applies
         count = metrics.pop(f"rewards/{name}/_count")
         total, square = metrics.pop(f"rewards/{name}/_sum"), metrics.pop(f"rewards/{name}/_square")
@@ -82,6 +87,20 @@ def iteration_metrics(
         metrics[f"rewards/{name}/std"] = max(square / count - mean * mean, 0.0) ** 0.5 if count > 0 else float("nan")
     metrics.update({"perf/time_rollout_s": time_rollout, "perf/time_update_s": time_update})
     return metrics
+
+
+def sparse_means(r: Rollout, runtime, device) -> dict[str, float]:
+    """Means over every rank of the metrics that only some ranks may have: each environment
+    ``info`` key (over every step that reported it) and each reward's ``log_metric`` name (over
+    the ranks that logged it), reduced over the union of the ranks' names in one collective."""
+    sums = dict(r.episodes.info_sums()) if r.episodes is not None else {}
+    sums.update({k: (v, 1.0) for k, v in r.reward_logs.items()})
+    names = runtime.union(sums)
+    if not names:
+        return {}
+    local = torch.tensor([sums.get(k, (0.0, 0.0)) for k in names], dtype=torch.float64, device=device)
+    total = runtime.reduce_sum(local).cpu()
+    return {k: float(s / n) if n > 0 else float("nan") for k, (s, n) in zip(names, total.tolist())}
 
 
 def engine_logprob_diff(r: Rollout) -> Tensor:

@@ -26,12 +26,13 @@ from ppo_lightning.evaluation import EvalPoint
 from ppo_lightning.algorithm import PPO
 from ppo_lightning.config import OptimizerConfig, PPOConfig
 from ppo_lightning.distributed import Runtime
+from ppo_lightning.dumps import episode_rows, write_rollout
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.generation import BackendFactory, SamplingParams, default_backend
 from ppo_lightning.lightning_compat import count_iteration
 from ppo_lightning.optim import configure_optimizers
 from ppo_lightning.policy import PolicyWithValueHead
-from ppo_lightning.rewards import fit_normalization, normalized
+from ppo_lightning.rewards import fit_normalization, normalized, pop_reward_logs
 from ppo_lightning.rollout import Rollout, reference_scores
 from ppo_lightning.sharding import FSDP2Strategy, initialize_root, is_sharded, shard_module, tied_aliases
 
@@ -55,6 +56,9 @@ class PPOModule(L.LightningModule):
     ``reward_norm``: the ``(gain, bias)`` every raw score goes through, or None to fit it on
     ``normalize_reward_samples`` reference samples when the run starts. ``value_head_from_reward``:
     the value head was copied from the reward model's raw head, so the fit maps it too.
+    ``episodes``: an ``envs.EpisodeRunner`` (``env``): every rollout, reference sample and
+    evaluation plays multi-turn episodes; None: single-turn. ``rollout_dir``: where
+    ``ppo.rollout_dump`` writes each iteration's episodes.
     """
 
     def __init__(
@@ -73,6 +77,8 @@ class PPOModule(L.LightningModule):
         sampling: SamplingParams | None = None,
         eval_cfg=None,
         eval_metrics: dict | None = None,
+        episodes=None,
+        rollout_dir: str | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -86,7 +92,10 @@ class PPOModule(L.LightningModule):
         live = self.sampler.samples_live_module
         self.ref_sampler = (make if live else default_backend())(ref_lm, tokenizer)
         self.runtime = Runtime(self)
-        self.algo = PPO(policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, self.runtime)
+        self.algo = PPO(
+            policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, self.runtime, episodes
+        )
+        self.rollout_dir = rollout_dir  # ppo.rollout_dump's directory (the run's rollouts/)
         self.algo.reward_norm = reward_norm
         self.normalize_reward_samples = normalize_reward_samples
         self.value_head_from_reward = value_head_from_reward
@@ -164,10 +173,12 @@ class PPOModule(L.LightningModule):
                 self.trainer.datamodule.normalization_batches(need),
                 rt.new_generator(self.seed + 7919, stride=1),
                 self.device,
+                episodes=self.algo.episodes,
             )
         gain, bias = fit_normalization(
             raw, rt.reduce_sum if world > 1 else None, source=getattr(self.reward_fn, "name", "the reward")
         )
+        pop_reward_logs(self.reward_fn)  # log_metric calls of the fit are no iteration's
         self.algo.reward_norm = (gain, bias)
         if self.value_head_from_reward:
             self.policy.v_head.weight.mul_(gain)
@@ -219,6 +230,9 @@ class PPOModule(L.LightningModule):
         self._eval_due = {}
         self.last_metrics = m
         metrics.log_metrics(self, m, self._callback_metrics, r.batch_size)
+        if self.ppo_cfg.rollout_dump and self.rollout_dir:
+            rows = episode_rows(r, self.tokenizer)
+            write_rollout(self.rollout_dir, self.global_step - 1, rows, self.global_rank, self.trainer.world_size)
         if self.nonfinite_streak >= self.ppo_cfg.max_nonfinite_iterations:
             raise NonFiniteError(
                 f"{self.nonfinite_streak} PPO iterations in a row had non-finite values (last: {learned.nonfinite}); "

@@ -113,6 +113,29 @@ def compute_gae(
     return advantages, returns
 
 
+def policy_token_order(mask: Tensor) -> Tensor | None:
+    """``[B, R]`` indices that move each row's policy tokens (``mask`` 1) to its front, in order,
+    for a mask with gaps (a multi-turn episode, whose environment tokens sit between the policy's
+    turns); None for a mask that is already a prefix (a single-turn response).
+
+    GAE and every return-to-go step over policy tokens only: gathered with these indices
+    (``to_policy_tokens``), an environment span is neither a step nor a discount, and the value
+    bootstrapped after a turn's last token is that of the next turn's first token. The results go
+    back to their positions with ``from_policy_tokens``."""
+    m = mask > 0
+    if not (m[:, 1:] & ~m[:, :-1]).any():  # no token after a gap
+        return None
+    return torch.sort((~m).to(torch.int8), dim=1, stable=True).indices
+
+
+def to_policy_tokens(x: Tensor, order: Tensor | None) -> Tensor:
+    return x if order is None else x.gather(1, order)
+
+
+def from_policy_tokens(x: Tensor, order: Tensor | None) -> Tensor:
+    return x if order is None else torch.zeros_like(x).scatter(1, order, x)
+
+
 # ----------------------------------------------------------------------------- losses
 def token_mean(x: Tensor, mask: Tensor, token_count: Tensor | None = None) -> Tensor:
     """``masked_mean`` over all tokens, or ``masked_sum / token_count``: a micro-batch's share of

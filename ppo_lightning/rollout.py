@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import nullcontext
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 
 from ppo_lightning import estimators, ppo
-from ppo_lightning.generation import GenerationBackend, SamplingParams
-from ppo_lightning.generation.hf import logits_to_keep, stop_hits
+from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows
+from ppo_lightning.generation.hf import logits_to_keep
 from ppo_lightning.lean_head import lean_head, unsupported
 from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
 from ppo_lightning.rewards.base import Normalization, RewardInputs, normalized
+
+if TYPE_CHECKING:
+    from ppo_lightning.envs import EpisodeBatch, EpisodeRunner
 
 
 class _Sequences:
@@ -75,6 +78,10 @@ class Rollout(_Sequences):
     # (algorithm.PPO._old_logprobs_and_values): the first update reuses it, once
     collect_time_s: float = 0.0  # wall time of sampling, scoring and the rollout's forwards
     engine_logprobs: Tensor | None = None  # [B, R] an engine backend's logprobs of its samples (metrics)
+    turn_rewards: Tensor | None = None  # [B, R] multi-turn: each turn's EnvStep.reward on its last token
+    episodes: "EpisodeBatch | None" = None  # multi-turn: the episodes as played (metrics, dumps)
+    reward_logs: dict[str, float] = dataclasses.field(default_factory=dict)  # rewards/<term>/<name>: log_metric
+    records: tuple[list, list] | None = None  # each row's prompt as written and its columns (rollout dumps)
 
     def is_finite(self) -> Tensor:
         """Whether every score, logprob, value and advantage is finite (a 0-dim bool tensor)."""
@@ -96,7 +103,8 @@ class Rollout(_Sequences):
 
     def index(self, idx: Tensor | slice) -> "Rollout":
         """The rows ``idx`` of every tensor: a minibatch, or a micro-batch of one."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "first_forward"}
+        skip = ("first_forward", "episodes", "reward_logs", "records")  # used once / the whole iteration's
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         fields["term_scores"] = {k: v[idx] for k, v in self.term_scores.items()}
         return Rollout(**{k: v[idx] if isinstance(v, Tensor) else v for k, v in fields.items()})
 
@@ -247,6 +255,46 @@ def score_terms(
     return total.to(device), applies.to(device), {k: v.to(device) for k, v in terms.items()}
 
 
+def score_episodes(
+    reward_fn: Callable, tokenizer, played: EpisodeBatch, error_reward: float = 0.0
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """``score_terms`` for multi-turn episodes: the reward sees the whole conversation (a reward
+    function: ``prompts`` the episode's prompt messages, ``completions`` its messages after them,
+    ``completion_ids`` every response token, ``environments``; a reward model: the rendered
+    sequence). An episode whose environment raised scores ``error_reward``, its terms NaN."""
+    eps, P, device = played.episodes, played.context_length, played.loss_mask.device
+    prompt_ids, responses = played.query_responses[:, :P], played.query_responses[:, P:]
+    response_attention = played.attention_mask[:, P:]
+    if getattr(reward_fn, "token_input", False):
+        total = reward_fn.score_tokens(played.query_responses, played.attention_mask).float().to(device)
+        applies, terms = torch.ones_like(total, dtype=torch.bool), {}
+    else:
+        prompt_texts, texts = decode_prompts_and_responses(tokenizer, prompt_ids, responses, response_attention)
+        if not hasattr(reward_fn, "score_applies"):
+            total = torch.as_tensor(reward_fn(prompt_texts, texts), dtype=torch.float32).to(device)
+            applies, terms = torch.ones_like(total, dtype=torch.bool), {}
+        else:
+            inputs = RewardInputs(
+                prompt_texts,
+                texts,
+                [e.response_ids for e in eps],
+                [e.prompt_messages for e in eps],
+                [e.record.columns for e in eps],
+                completions=[e.completion for e in eps],
+                environments=[getattr(e.env, "environment", None) or e.env for e in eps],
+            )
+            out = reward_fn.score_applies(inputs)
+            total, applies, terms = out if len(out) == 3 else (*out, {})
+            total = torch.where(applies, total, torch.zeros_like(total)).to(device)
+            applies, terms = applies.to(device), {k: v.to(device) for k, v in terms.items()}
+    failed = torch.tensor([e.env_error is not None for e in eps], dtype=torch.bool, device=device)
+    if failed.any():  # the environment broke: its score, not the reward's
+        total = torch.where(failed, torch.full_like(total, error_reward), total)
+        applies = applies | failed
+        terms = {k: torch.where(failed, torch.full_like(v, float("nan")), v) for k, v in terms.items()}
+    return total, applies, terms
+
+
 @torch.no_grad()
 def reference_scores(
     ref_sampler: GenerationBackend,
@@ -256,12 +304,20 @@ def reference_scores(
     batches,
     generator: torch.Generator,
     device,
+    episodes: EpisodeRunner | None = None,
 ) -> Tensor:
     """The raw scores of the reference's responses to ``batches`` of prompts, sampled and scored
-    as the rollouts are (what reward normalisation is fitted on)."""
+    as the rollouts are (what reward normalisation is fitted on); with ``episodes``, of the
+    reference's episodes, each its score plus its turn rewards (the episode's return)."""
     raw = []
     for batch in batches:
         ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        if episodes is not None:
+            played = episodes.run(batch["prompts"], batch["columns"], ref_sampler, params, generator, device)
+            total, applies, _ = score_episodes(reward_fn, tokenizer, played, episodes.cfg.error_reward)
+            total = total + played.turn_rewards.sum(1)
+            raw.append(torch.where(applies, total, torch.full_like(total, float("nan"))))
+            continue
         resp, mask = ref_sampler.generate(ids, am, params, generator)
         raw.append(
             score_responses(reward_fn, tokenizer, ids, am, resp, mask, batch.get("prompts"), batch.get("columns"))
@@ -290,6 +346,8 @@ class Samples(_Sequences):
     context_length: int  # P
     term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
     scored: Tensor | None = None  # [B] bool: some reward applies (False: it returned None; masked out)
+    turn_rewards: Tensor | None = None  # [B, R] multi-turn: turn rewards on their turns' last tokens
+    episodes: "EpisodeBatch | None" = None  # multi-turn: the episodes as played
 
 
 @torch.no_grad()
@@ -310,27 +368,39 @@ def sample_and_score(
     prompts: list | None = None,
     columns: list[dict] | None = None,
     mask_truncated: bool = False,
+    episodes: EpisodeRunner | None = None,
 ) -> Samples:
     """Sample responses to left-padded prompts through ``sampler`` (the policy's backend) as
-    ``params`` say; reference logprobs and reward scores for them.
+    ``params`` say; reference logprobs and reward scores for them. With ``episodes`` (an
+    ``env``), each prompt record is played out as a multi-turn episode instead
+    (``envs.EpisodeRunner``, from ``prompts`` and ``columns``): the response holds every turn, the
+    environment's tokens attended to but out of ``response_mask``.
 
     ``reward_norm = (gain, bias)``: the score is ``gain * raw + bias`` ([N+] reward
-    normalisation, fitted by ``rewards.fit_normalization``; None leaves it raw).
+    normalisation, fitted by ``rewards.fit_normalization``; None leaves it raw); turn rewards are
+    scaled by the gain.
     """
-    P = input_ids.shape[1]
-    responses, response_mask = sampler.generate(input_ids, attention_mask, params, generator)
-    query_responses = torch.cat([input_ids, responses], dim=1)  # [B, T]
-    full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
+    turn_rewards = played = None
+    if episodes is None:
+        P = input_ids.shape[1]
+        responses, response_mask = sampler.generate(input_ids, attention_mask, params, generator)
+        query_responses = torch.cat([input_ids, responses], dim=1)  # [B, T]
+        full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
+        raw_scores, scored, term_scores = score_terms(
+            reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
+        )
+        contains_eos = stopped_rows(responses, response_mask, params, tokenizer)
+    else:
+        played = episodes.run(prompts, columns, sampler, params, generator, input_ids.device)
+        P, query_responses, full_mask = played.context_length, played.query_responses, played.attention_mask
+        response_mask, contains_eos = played.loss_mask, played.stopped
+        raw_scores, scored, term_scores = score_episodes(reward_fn, tokenizer, played, episodes.cfg.error_reward)
+        turn_rewards = played.turn_rewards * (reward_norm or (1.0, 0.0))[0]
     position_ids = position_ids_from_mask(full_mask)
     ref_logprobs, _ = forward_logprobs(
         None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size, head_chunk
     )
-
-    raw_scores, scored, term_scores = score_terms(
-        reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
-    )
     scores = normalized(raw_scores, reward_norm)
-    contains_eos = (stop_hits(responses, tokenizer.eos_token_id, params.stop_sequences) & (response_mask > 0)).any(1)
     if missing_eos_penalty is not None and params.stop_at_eos:
         scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
     # out of every loss: responses no reward applies to (raw score 0, as TRL), and with
@@ -350,6 +420,8 @@ def sample_and_score(
         context_length=P,
         term_scores=term_scores,
         scored=scored,
+        turn_rewards=None if turn_rewards is None else turn_rewards * response_mask,
+        episodes=played,
     )
 
 
@@ -378,23 +450,36 @@ def finish_rollout(
     kl_rewards = -kl_coef * per_token_kl  # [B, R]
     non_score_reward = kl_rewards.sum(1)
     rewards = kl_rewards + estimators.score_at_last_token(s.scores, mask)
+    turn = s.turn_rewards  # multi-turn: each turn's reward on its last token; None: single-turn
+    if turn is not None and advantage == "gae":
+        rewards = rewards + turn
+    # multi-turn: the advantages are computed over the policy's tokens only, each row's gathered
+    # to its front (an environment span is neither a step nor a discount), then put back
+    order = ppo.policy_token_order(mask)
+    c_mask, c_values = ppo.to_policy_tokens(mask, order), ppo.to_policy_tokens(values, order)
     if advantage == "gae":
+        c_rewards = ppo.to_policy_tokens(rewards, order)
         if whiten_rewards:
-            rewards = ppo.whiten(rewards, mask, shift_mean=False, distributed=True)
-        values_next = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)  # compute_gae masks it
-        advantages, returns = ppo.compute_gae(rewards, values, values_next, mask, cfg.gamma, cfg.lam)
-        advantages = ppo.whiten(advantages, mask, distributed=True)
+            c_rewards = ppo.whiten(c_rewards, c_mask, shift_mean=False, distributed=True)
+        values_next = torch.cat([c_values[:, 1:], torch.zeros_like(c_values[:, :1])], dim=1)  # compute_gae masks it
+        advantages, returns = ppo.compute_gae(c_rewards, c_values, values_next, c_mask, cfg.gamma, cfg.lam)
+        advantages = ppo.whiten(advantages, c_mask, distributed=True)
+        rewards = ppo.from_policy_tokens(c_rewards, order)  # whitened, with whiten_rewards
     else:
         advantages, returns = estimators.critic_free_advantages(
             advantage,
             s.scores,
-            kl_rewards,
-            mask,
+            ppo.to_policy_tokens(kl_rewards, order),
+            c_mask,
             group_size=cfg.num_generations,
             gamma=cfg.gamma,
             scale_by_std=cfg.scale_by_group_std,
             distributed=True,
+            turn_rewards=None if turn is None else ppo.to_policy_tokens(turn, order),
         )
+    advantages, returns = ppo.from_policy_tokens(advantages, order), ppo.from_policy_tokens(returns, order)
+    if turn is not None:
+        rewards = rewards if advantage == "gae" else rewards + turn  # the per-token record of every reward
     return Rollout(
         query_responses=s.query_responses,
         attention_mask=s.attention_mask,
@@ -414,4 +499,6 @@ def finish_rollout(
         context_length=s.context_length,
         term_scores=s.term_scores,
         scored=s.scored,
+        turn_rewards=s.turn_rewards,
+        episodes=s.episodes,
     )

@@ -29,12 +29,15 @@ BYTE_VOCAB_SIZE = 258  # 256 bytes + EOS + pad
 
 
 TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if tools %}<|tools|>{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unknown role: ' + m['role']) }}{% endif %}"
     "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-"""The byte tokenizer's chat template: one ``<|role|>content`` line per message (system, user or
-assistant), then ``<|assistant|>`` to generate after. Written in bytes, like everything else."""
+"""The byte tokenizer's chat template: the tools' JSON schemas (``tools=``) after ``<|tools|>``,
+one per line, then one ``<|role|>content`` line per message (system, user, assistant or tool),
+then ``<|assistant|>`` to generate after. Prefix-preserving, so episodes can append an
+environment's messages as its delta. Written in bytes, like everything else."""
 
 
 def build_byte_tokenizer():

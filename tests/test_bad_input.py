@@ -223,3 +223,76 @@ def test_the_stages_never_build_the_tiny_model_into_a_users_directory(tmp_path, 
     )
     assert code == 1 and f"model.name_or_path='{user}'" in err, err
     assert (list(user.iterdir()) == []) if exists else not user.exists()
+
+
+CALC = "ppo_lightning.envs.calculator.calculator"
+ENV_CASES = {
+    "env class not importable": (
+        ["env=function", "env._target_=no_pkg.Env"],
+        "env._target_='no_pkg.Env': cannot import",
+    ),
+    "env class not named": (["env=function"], "env._target_ is null: name the environment class"),
+    "env tool not a function": (
+        ["env=tools", "env.tools=[tests.multiturn.NOT_A_FUNCTION]"],
+        "env.tools[0]='tests.multiturn.NOT_A_FUNCTION' is a int, not a callable",
+    ),
+    "env tool without type hints": (
+        ["env=tools", "env.tools=[tests.multiturn.no_hints]"],
+        "env.tools[0]: cannot describe tool no_hints",
+    ),
+    "env max_turns below one": (
+        ["env=tools", f"env.tools=[{CALC}]", "env.max_turns=0"],
+        "env.max_turns=0: must be >= 1",
+    ),
+    "env on_error unknown": (
+        ["env=tools", f"env.tools=[{CALC}]", "env.on_error=crash"],
+        "env.on_error='crash': choose one of count | raise",
+    ),
+    "env argument unknown": (
+        ["env=tools", f"env.tools=[{CALC}]", "+env.bogus=1"],
+        "unexpected keyword argument 'bogus'",
+    ),
+    "env without stops": (
+        ["env=tools", f"env.tools=[{CALC}]", "sampling.stop_at_eos=false"],
+        "sampling.stop_at_eos=false with env",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ENV_CASES))
+def test_bad_env_input_fails_before_any_model_loads(name, tmp_path, cache_dir, monkeypatch, capfd):
+    import ppo_lightning.factory as factory
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model loaded before the check")
+
+    monkeypatch.setattr(factory, "load_causal_lm", no_model)
+    args, expected = ENV_CASES[name]
+    code, err = run_main(args, tmp_path, cache_dir, monkeypatch, capfd)
+    assert code == 1 and expected in err, err
+    assert "a model loaded" not in err
+    assert sum("error:" in line for line in err.splitlines()) == 1  # one line
+
+
+def test_a_tokenizer_whose_template_cannot_render_tools_needs_data_chat_template(
+    tmp_path, cache_dir, monkeypatch, capfd
+):
+    """The byte tokenizer with a template that ignores ``tools``: refused before any model loads,
+    naming the tokenizer and ``data.chat_template``; with a template that renders them it runs."""
+    import ppo_lightning.factory as factory
+    from ppo_lightning.tiny import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tok.save_pretrained(tmp_path / "tok")
+    monkeypatch.setattr(
+        factory, "load_causal_lm", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded"))
+    )
+    args = ["env=tools", f"env.tools=[{CALC}]", f"model.tokenizer_name_or_path={tmp_path / 'tok'}"]
+    code, err = run_main(args, tmp_path, cache_dir, monkeypatch, capfd)
+    assert code == 1 and "model loaded" not in err, err
+    assert f"the tokenizer's chat template of {tmp_path / 'tok'} cannot render tools" in err
+    assert "set data.chat_template" in err

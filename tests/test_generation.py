@@ -57,7 +57,7 @@ def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(
     assert sampled == ["reference", "policy", "policy", "policy", "policy"]  # normalisation, eval, 2 rollouts, eval
     assert all(params is module.sampling for _, params in RecordingBackend.calls[2:4])
     assert all(params == module.sampling for _, params in RecordingBackend.calls)
-    assert module.sampling.top_k == 5 and len(module.sampling.stop_sequences) == 1
+    assert module.sampling.top_k == 5 and module.sampling.stop_strings == ("xy",)
     assert RecordingBackend.syncs == [module.policy.lm] * 2  # the policy's backend, after each iteration
 
 
@@ -87,7 +87,7 @@ def test_sampling_params_come_from_the_sampling_node(tmp_path, cache_dir):
             temperature=0.7,
             top_p=0.9,
             stop_at_eos=False,
-            stop_sequences=((5,),),
+            stop_token_ids=(5,),
             chunk_size=4,
         )
     )

@@ -14,7 +14,8 @@ import torch
 
 from ppo_lightning import ppo
 from ppo_lightning.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
-from ppo_lightning.generation.hf import _mask_after_stop, sample_next_token
+from ppo_lightning.generation import StopChecker
+from ppo_lightning.generation.hf import sample_next_token
 
 F64 = torch.float64
 
@@ -538,7 +539,7 @@ def test_mask_after_eos():
             [1, 1, 2, 2, 1, 1],
         ]
     )
-    out = _mask_after_stop(responses, eos)
+    out = StopChecker(eos).mask(responses)
     assert out.dtype == torch.float32
     expected = torch.tensor(
         [
@@ -555,4 +556,4 @@ def test_mask_after_eos():
     assert torch.equal(out, naive_mask_after_eos(responses, eos))
 
     random = torch.randint(0, 6, (32, 12), generator=torch.Generator().manual_seed(36))
-    assert torch.equal(_mask_after_stop(random, eos), naive_mask_after_eos(random, eos))
+    assert torch.equal(StopChecker(eos).mask(random), naive_mask_after_eos(random, eos))

@@ -60,7 +60,7 @@ def test_bad_chat_records_are_named_by_file_and_line(tmp_path):
     f.write_text(json.dumps({"prompt": [{"role": "user"}]}) + "\n")
     with pytest.raises(ConfigError, match=r"bad.jsonl' line 1: message 0 of 'prompt' must be an object with string"):
         read_prompt_records(f)
-    f.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": [{"role": "tool", "content": "x"}]}))
+    f.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": [{"role": "robot", "content": "x"}]}))
     records = read_prompt_records(f)
     with pytest.raises(ConfigError, match=r"bad.jsonl' line 2: the chat template rejects these messages: unknown role"):
         render_prompts(records, build_byte_tokenizer())

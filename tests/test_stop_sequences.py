@@ -1,63 +1,109 @@
-"""Stopping on more than EOS (``sampling.stop_token_ids``, ``sampling.stop_strings``): the mask ends at the
-first stop, sampling ends the row there, and both decode paths agree."""
+"""Stopping on more than EOS (``sampling.stop_token_ids``, ``sampling.stop_strings``): the mask ends at
+the first stop, sampling ends the row there, both decode paths agree, and a stop string stops the
+response at the token that completes it however the tokenizer split the text (a BPE tokenizer,
+where the splits differ: the byte tokenizer cannot show this)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ppo_lightning.generation.hf import _mask_after_stop, generate, stop_hits
+from ppo_lightning.generation import SamplingParams, StopChecker, stopped_rows
+from ppo_lightning.generation.hf import generate
+from tests.multiturn import build_bpe_tokenizer, save_bpe_lm
 
 
-def _naive_mask(responses, eos, seqs):
+def _naive_mask(responses, stop_ids):
     out = torch.zeros(responses.shape)
     for b, row in enumerate(responses.tolist()):
         for t in range(len(row)):
             out[b, t] = 1.0
-            if row[t] == eos or any(len(s) <= t + 1 and tuple(row[t + 1 - len(s) : t + 1]) == s for s in seqs):
+            if row[t] in stop_ids:
                 break
     return out
 
 
-def test_the_mask_ends_at_the_first_eos_or_stop_sequence():
+def test_the_mask_ends_at_the_first_eos_or_stop_token():
     torch.manual_seed(0)
     responses = torch.randint(0, 6, (64, 12))
-    seqs = ((4,), (2, 3), (1, 1, 5))
-    assert torch.equal(_mask_after_stop(responses, 0, seqs), _naive_mask(responses, 0, seqs))
-    assert torch.equal(_mask_after_stop(responses, 0, ()), _naive_mask(responses, 0, ()))
-    hits = stop_hits(torch.tensor([[7, 2, 3, 9]]), 0, ((2, 3),))
-    assert hits.tolist() == [[False, False, True, False]]  # at the sequence's last token
+    assert torch.equal(StopChecker(0, (4, 5)).mask(responses), _naive_mask(responses, {0, 4, 5}))
+    assert torch.equal(StopChecker(0).mask(responses), _naive_mask(responses, {0}))
+
+
+@pytest.fixture(scope="module")
+def bpe_lm(tmp_path_factory):
+    from ppo_lightning.policy import load_causal_lm, load_tokenizer
+
+    path = save_bpe_lm(tmp_path_factory.mktemp("bpe") / "lm")
+    tok = load_tokenizer(str(path))
+    return load_causal_lm(str(path), tok), tok
 
 
 @pytest.mark.parametrize("fast_decode", [True, False])
-def test_sampling_stops_each_row_at_its_first_stop(tiny_lm_dir, fast_decode):
-    """Greedy decoding without stops, then with a stop token and a 2-token stop sequence taken
-    from what row 0 wrote: row 0 now ends at their first occurrence, with the same tokens up to
-    it and pad after, whichever decode path samples."""
+def test_sampling_stops_each_row_at_its_first_stop_token(tiny_lm_dir, fast_decode):
+    """Greedy decoding without stops, then with a stop token taken from what row 0 wrote: row 0
+    now ends at its first occurrence, with the same tokens up to it and pad after."""
     from ppo_lightning.policy import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(tiny_lm_dir))
     lm = load_causal_lm(str(tiny_lm_dir), tok)
     enc = tok(["hello there", "the cat sat on", "xyz"], return_tensors="pt", padding=True)
-    kw = dict(
-        max_new_tokens=10,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        greedy=True,
-        fast_decode=fast_decode,
-    )
-    free, free_mask = generate(lm, enc.input_ids, enc.attention_mask, **kw)
+    kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+    free, _ = generate(lm, enc.input_ids, enc.attention_mask, fast_decode=fast_decode, **kw)
     row = free[0].tolist()
-    for seqs in (((row[4],),), ((row[3], row[4]),)):
-        got, mask = generate(lm, enc.input_ids, enc.attention_mask, stop_sequences=seqs, **kw)
-        want_mask = _naive_mask(free, tok.eos_token_id, seqs)
-        n = int(want_mask[0].sum())
-        assert n <= 5 and int(mask[0].sum()) == n
-        assert got[0, :n].tolist() == row[:n] and (got[0, n:] == tok.pad_token_id).all()
-        assert torch.equal(mask, want_mask[:, : mask.shape[1]])
+    got, mask = generate(lm, enc.input_ids, enc.attention_mask, fast_decode=fast_decode, stop_token_ids=(row[4],), **kw)
+    want_mask = _naive_mask(free, {tok.eos_token_id, row[4]})
+    n = int(want_mask[0].sum())
+    assert n <= 5 and int(mask[0].sum()) == n
+    assert got[0, :n].tolist() == row[:n] and (got[0, n:] == tok.pad_token_id).all()
+    assert torch.equal(mask, want_mask[:, : mask.shape[1]])
 
 
-def test_stop_strings_become_token_sequences_and_bad_ones_name_the_key(tmp_path, cache_dir):
+@pytest.mark.parametrize("fast_decode", [True, False])
+def test_a_stop_string_stops_at_the_token_that_completes_it_however_it_was_split(bpe_lm, fast_decode):
+    """The stop string is a piece of the model's free output that starts inside one token and
+    ends inside the next: tokenised alone it is other ids (so matching ids never fires), yet
+    sampling stops at the token that completes it, that token kept whole."""
+    lm, tok = bpe_lm
+    enc = tok(["<|user|>What is 3 * 4?\n<|assistant|>", "so the sum"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+    free, free_mask = generate(lm, enc.input_ids, enc.attention_mask, fast_decode=fast_decode, **kw)
+    row = free[0].tolist()
+    pieces = [tok.decode([t]) for t in row]
+    k = next(i for i in range(2, len(row) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][1:] + pieces[k + 1][:1]  # from inside token k to inside token k + 1
+    assert tuple(tok.encode(stop, add_special_tokens=False)) != tuple(row[k : k + 2])  # other ids alone
+    assert stop not in tok.decode(row[: k + 1])  # first completed by token k + 1
+    got, mask = generate(
+        lm, enc.input_ids, enc.attention_mask, fast_decode=fast_decode, stop_strings=(stop,), tokenizer=tok, **kw
+    )
+    assert int(mask[0].sum()) == k + 2 and got[0, : k + 2].tolist() == row[: k + 2]
+    assert (got[0, k + 2 :] == tok.pad_token_id).all()
+    params = SamplingParams(max_new_tokens=24, stop_strings=(stop,))
+    assert (
+        stopped_rows(got, mask, params, tok)[0]
+        and not stopped_rows(free, free_mask, params.replace(stop_strings=()), tok)[0]
+    )
+
+
+def test_the_audits_split_stops_where_matching_ids_would_not():
+    """``</answer>`` alone is one token here; a model that writes ``.</answer>`` as one other
+    token (or as ``is 12`` then ``</answer>``) completes it all the same."""
+    tok = build_bpe_tokenizer()
+    stops = StopChecker(tok.eos_token_id, (), ("</answer>",), tok)
+    alone = tok.encode("</answer>", add_special_tokens=False)
+    merged = tok.encode("so 12.</answer>", add_special_tokens=False)
+    assert not set(alone) & set(merged[-1:])  # the last token is not the string's own
+    assert stops.ends_at(merged) and not stops.ends_at(merged[:-1])
+    assert stops.first_stops(torch.tensor([merged + [5, 6]])).tolist() == [len(merged) - 1]
+    text = tok.encode("the </answ", add_special_tokens=False) + tok.encode("er> and", add_special_tokens=False)
+    first = stops.first_stops(torch.tensor([text]))
+    assert tok.decode(text[: int(first) + 1]).find("</answer>") >= 0 and "</answer>" not in tok.decode(
+        text[: int(first)]
+    )
+
+
+def test_stop_settings_reach_the_sampler_and_bad_ones_name_the_key(tmp_path, cache_dir):
     from ppo_lightning.errors import ConfigError
     from ppo_lightning.factory import build_module
     from tests.conftest import compose_cfg
@@ -65,13 +111,8 @@ def test_stop_strings_become_token_sequences_and_bad_ones_name_the_key(tmp_path,
     module, _ = build_module(
         compose_cfg(["sampling.stop_strings=['ab',' c']", "sampling.stop_token_ids=[5]"], tmp_path, cache_dir)
     )
-    tok = module.tokenizer
-    assert module.sampling.stop_sequences == (
-        (5,),
-        tuple(tok.encode("ab", add_special_tokens=False)),
-        tuple(tok.encode(" c", add_special_tokens=False)),
-    )
+    assert module.sampling.stop_token_ids == (5,) and module.sampling.stop_strings == ("ab", " c")
     with pytest.raises(ConfigError, match=r"^sampling.stop_token_ids: \[99999\] outside"):
         build_module(compose_cfg(["sampling.stop_token_ids=[99999]"], tmp_path, cache_dir))
-    with pytest.raises(ConfigError, match=r"^sampling.stop_strings: '' is no token"):
+    with pytest.raises(ConfigError, match=r"^sampling.stop_strings: an empty string would stop"):
         build_module(compose_cfg(["sampling.stop_strings=['']"], tmp_path, cache_dir))

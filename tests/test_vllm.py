@@ -82,9 +82,10 @@ def test_greedy_tokens_stops_and_masks_equal_the_hf_backends_before_and_after_a_
     got = greedy(vb, plain)
     assert torch.equal(got[0], tokens) and torch.equal(got[1], mask)
 
-    # stops: EOS, a one-token stop (inside the engine) and a two-token one (found afterwards)
+    # stops: EOS, a stop token and a stop string, all inside the engine (the string on its text)
     row = tokens[1].tolist()
-    params = plain.replace(stop_sequences=((row[2],), (row[5], row[6])))
+    t = next(i for i in range(3, len(row) - 1) if all(32 <= x < 127 for x in row[i : i + 2]))  # printable bytes
+    params = plain.replace(stop_token_ids=(row[2],), stop_strings=(tok.decode(row[t : t + 2]),))
     want, got = greedy(hf, params), greedy(vb, params)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert want[1].sum() < mask.sum()  # the stops cut some rows

@@ -63,3 +63,33 @@ def build_word_tokenizer(words: list[str], *, char_level: bool = False):
         clean_up_tokenization_spaces=False,
         model_max_length=1_000_000,
     )
+
+
+def build_char_tokenizer(chars: list[str], *, added: tuple[str, ...] = (), chat_template: str | None = None):
+    """A ``PreTrainedTokenizerFast`` with one token per character of ``chars``, whitespace
+    included (so decoding gives back the text exactly: a tool call's JSON parses), plus ``added``
+    tokens matched whole before the split (chat markers, tool-call tags; kept by decoding) and
+    EOS, pad and unk as above."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(chars)
+    if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
+        raise ValueError("chars must be distinct single characters")
+    vocab = {c: i for i, c in enumerate(chars + list(added) + list(SPECIAL_TOKENS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+    tok.decoder = decoders.Fuse()
+    tok.add_tokens([AddedToken(t, normalized=False) for t in added])
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=1_000_000,
+        chat_template=chat_template,
+    )

@@ -23,7 +23,8 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from ppo_lightning.generation.params import SamplingParams, StopSequences
+from ppo_lightning.generation.params import SamplingParams
+from ppo_lightning.generation.stops import StopChecker
 
 
 class GenerationBackend(Protocol):
@@ -60,10 +61,23 @@ class GenerationBackend(Protocol):
 BackendFactory = Callable[..., GenerationBackend]  # (lm, tokenizer, fast_decode=...) -> backend
 
 
+def stopped_rows(responses: Tensor, response_mask: Tensor, params: SamplingParams, tokenizer) -> Tensor:
+    """``[B]`` bool: the response holds a stop (EOS or a stop token among its tokens, or, with
+    ``stop_at_eos``, a stop string completed by its last token), so it ended on its own rather
+    than at ``max_new_tokens``."""
+    ids = torch.tensor([tokenizer.eos_token_id, *params.stop_token_ids], device=responses.device)
+    hit = (torch.isin(responses, ids) & (response_mask > 0)).any(1)
+    if params.stop_strings and params.stop_at_eos:
+        checker = StopChecker(tokenizer.eos_token_id, params.stop_token_ids, params.stop_strings, tokenizer)
+        rows = [r[: int(n)] for r, n in zip(responses.tolist(), response_mask.sum(1).tolist())]
+        hit = hit | torch.tensor([checker.ends_at(r) for r in rows], device=responses.device)
+    return hit
+
+
 def default_backend() -> BackendFactory:
     from ppo_lightning.generation.hf import HFBackend
 
     return HFBackend
 
 
-__all__ = ["BackendFactory", "GenerationBackend", "SamplingParams", "StopSequences", "default_backend"]
+__all__ = ["BackendFactory", "GenerationBackend", "SamplingParams", "StopChecker", "default_backend", "stopped_rows"]

@@ -3,9 +3,9 @@
 ``HFBackend`` samples the module itself (the policy, or the reference), so it has no weights of
 its own to sync. The sampling loop (``generate``) runs the prompt through the model's forward,
 then one token at a time through the model's forward or, for an exact GPT-2, Llama, Qwen2 or
-GPT-NeoX, the lean step of ``fast_decode.py``; temperature, top-k and top-p shape the draw; a
-row stops at EOS or at the last token of a stop sequence, and everything after the first stop is
-masked. Callers go through ``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself
+GPT-NeoX, the lean step of ``fast_decode.py``; temperature, top-k, top-p and min-p shape the
+draw; a row stops at EOS, at a stop token, or at the token that completes a stop string, and
+everything after the first stop is masked (``stops.py``: stop strings are matched on the decoded text). Callers go through ``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself
 is the low-level function its tests and the sampler benchmarks call.
 """
 
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ppo_lightning.fast_decode import decoder_for
-from ppo_lightning.generation.params import SamplingParams, StopSequences
+from ppo_lightning.generation.params import SamplingParams
+from ppo_lightning.generation.stops import StopChecker
 from ppo_lightning.policy import model_class, position_ids_from_mask
 from ppo_lightning.sharding import is_sharded
 
@@ -33,7 +34,7 @@ class HFBackend:
     samples_live_module = True
 
     def __init__(self, lm: nn.Module, tokenizer, fast_decode: bool = True):
-        self.lm, self.fast_decode = lm, fast_decode
+        self.lm, self.fast_decode, self.tokenizer = lm, fast_decode, tokenizer
         self.sampled_logprobs = None  # the logprobs PPO uses are the training forward's
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
@@ -54,6 +55,7 @@ class HFBackend:
             pad_token_id=self.pad_token_id,
             generator=generator,
             fast_decode=self.fast_decode,
+            tokenizer=self.tokenizer,
         )
 
     def sync_weights(self) -> None:
@@ -70,8 +72,10 @@ def sample_next_token(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     greedy: bool = False,
+    min_p: float = 0.0,
 ) -> Tensor:
-    """Sample one token per row from ``logits [B, V]`` after temperature, top-k and top-p."""
+    """Sample one token per row from ``logits [B, V]`` after temperature, top-k, top-p and min-p
+    (Hugging Face's order of logits processors)."""
     if greedy:
         return logits.argmax(-1)
     logits = logits.float()
@@ -88,6 +92,8 @@ def sample_next_token(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
+    if min_p > 0.0:  # HF's MinPLogitsWarper: below min_p x the top probability (the top token stays)
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
     # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p (each p_i / E_i is
     # the inverse of an Exp(p_i) arrival time; the first arrival is i with probability p_i).
     # -log(U) with U ~ U[0, 1) is Exp(1); U = 0 gives +inf, so that token cannot win. Same
@@ -124,6 +130,7 @@ def generate(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     fast_decode: bool = True,
+    tokenizer=None,
     **sampling,
 ) -> tuple[Tensor, Tensor]:
     """Sample responses to left-padded prompts with a KV cache, as ``params`` say (or a
@@ -131,8 +138,8 @@ def generate(
 
     Returns ``responses [B, R]`` (pad after the first stop, ``R <= max_new_tokens``: the loop
     stops once every row has stopped) and ``response_mask [B, R]`` (1 up to and including the
-    stop). A row stops at EOS or at the last token of any of ``stop_sequences`` (token-id
-    sequences: ``sampling.stop_token_ids`` and the tokenised ``sampling.stop_strings``). With
+    stop). A row stops at EOS, at one of ``stop_token_ids``, or at the token that completes one of
+    ``stop_strings`` in the decoded text (``tokenizer`` decodes; ``stops.StopChecker``). With
     ``stop_at_eos=False`` every row runs to ``max_new_tokens`` and neither stops it (benchmarks
     use this for a fixed workload).
 
@@ -169,6 +176,7 @@ def generate(
                     pad_token_id,
                     generator,
                     fast_decode,
+                    tokenizer,
                 )
                 for s in range(0, B, chunk_size)
             ]
@@ -184,9 +192,10 @@ def generate(
 
 
 def _sample_loop(
-    lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast_decode
+    lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast_decode, tokenizer
 ):
-    max_new_tokens, stop_at_eos, stop_sequences = params.max_new_tokens, params.stop_at_eos, params.stop_sequences
+    max_new_tokens, stop_at_eos = params.max_new_tokens, params.stop_at_eos
+    stops = StopChecker(eos_token_id, params.stop_token_ids, params.stop_strings, tokenizer) if stop_at_eos else None
     from transformers import DynamicCache
 
     B, P = input_ids.shape
@@ -210,16 +219,20 @@ def _sample_loop(
     decoder = decoder_for(lm, cache, attention_mask, max_new_tokens) if fast_decode else None
     responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    window = max((len(seq) for seq in stop_sequences), default=1)  # the tokens a stop can span
+    stopped_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # each row's first stop
     n = 0
     for t in range(max_new_tokens):
-        token = sample_next_token(logits, params.temperature, params.top_k, params.top_p, generator, params.greedy)
+        token = sample_next_token(
+            logits, params.temperature, params.top_k, params.top_p, generator, params.greedy, params.min_p
+        )
         if stop_at_eos:
             token = token.masked_fill(finished, pad_token_id)
         responses[:, t] = token
         n = t + 1
-        if stop_at_eos:  # a stop ending at this token: stop_hits' last column over the last tokens
-            finished |= stop_hits(responses[:, max(0, n - window) : n], eos_token_id, stop_sequences)[:, -1]
+        if stop_at_eos:  # a stop ending at this token, in a row still running
+            now = stops.at_last(responses[:, :n]) & ~finished
+            stopped_at = torch.where(now, t, stopped_at)
+            finished |= now
             # .all() syncs with the device; on GPU checking every few steps would save a little
             if bool(finished.all()):
                 break
@@ -237,27 +250,8 @@ def _sample_loop(
             ).logits[:, -1, :]
         next_pos = next_pos + 1
     responses = responses[:, :n]
-    if stop_at_eos:
-        response_mask = _mask_after_stop(responses, eos_token_id, stop_sequences)
+    if stop_at_eos:  # 1 up to and including the first stop
+        response_mask = (torch.arange(n, device=device)[None, :] <= stopped_at[:, None]).to(torch.float32)
     else:
         response_mask = torch.ones_like(responses, dtype=torch.float32)
     return responses, response_mask
-
-
-def stop_hits(responses: Tensor, eos_token_id: int, stop_sequences: StopSequences = ()) -> Tensor:
-    """``[B, R]`` bool: the response stops at position ``t`` (EOS there, or the last token of a
-    stop sequence)."""
-    hits = responses == eos_token_id
-    for seq in stop_sequences:
-        k = len(seq)
-        if k <= responses.shape[1]:
-            windows = responses.unfold(1, k, 1)  # [B, R - k + 1, k]: the k tokens ending at k-1 .. R-1
-            hits[:, k - 1 :] |= (windows == responses.new_tensor(seq)).all(-1)
-    return hits
-
-
-def _mask_after_stop(responses: Tensor, eos_token_id: int, stop_sequences: StopSequences = ()) -> Tensor:
-    """1 on tokens up to and including the first stop (EOS or a stop sequence's last token), 0
-    after it."""
-    hits = stop_hits(responses, eos_token_id, stop_sequences).long()
-    return ((hits.cumsum(-1) - hits) == 0).to(torch.float32)  # no stop strictly before t

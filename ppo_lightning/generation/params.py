@@ -6,8 +6,6 @@ import dataclasses
 
 from ppo_lightning.errors import ConfigError
 
-StopSequences = tuple[tuple[int, ...], ...]  # token-id sequences that end a response (besides EOS)
-
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -24,10 +22,16 @@ class SamplingParams:
     """Draw from the k most likely tokens; 0 = off."""
     top_p: float = 1.0
     """Nucleus mass; 1.0 = off (at least one token is kept)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely one; 0 = off. Applied after
+    temperature, top-k and top-p, in Hugging Face's order of logits processors."""
     stop_at_eos: bool = True
     """Stop a row at its first EOS or stop sequence; False runs every row to ``max_new_tokens``."""
-    stop_sequences: StopSequences = ()
-    """Token-id sequences that end a response as EOS does (``sampling.stop_token_ids``, ``sampling.stop_strings``)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response as EOS does (``sampling.stop_token_ids``)."""
+    stop_strings: tuple[str, ...] = ()
+    """Strings that end a response, matched on the decoded text (``sampling.stop_strings``,
+    ``generation/stops.py``): the response stops at the token that completes one."""
     greedy: bool = False
     """Argmax instead of a draw (evaluations)."""
     chunk_size: int | None = None
@@ -36,33 +40,38 @@ class SamplingParams:
 
     @classmethod
     def from_config(cls, cfg, tokenizer) -> "SamplingParams":
-        """The run's sampling: the ``sampling.*`` node (``config.SamplingConfig``), its stop
-        token ids and strings tokenised (``stop_sequences``)."""
+        """The run's sampling: the ``sampling.*`` node (``config.SamplingConfig``), its stop token
+        ids checked against the tokenizer's vocabulary."""
         return cls(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
+            min_p=cfg.min_p,
             stop_at_eos=cfg.stop_at_eos,
             chunk_size=cfg.chunk_size,
-            stop_sequences=stop_sequences(tokenizer, cfg.stop_token_ids, cfg.stop_strings),
+            stop_token_ids=checked_stop_ids(tokenizer, cfg.stop_token_ids),
+            stop_strings=checked_stop_strings(cfg.stop_strings),
         )
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
 
-def stop_sequences(tokenizer, token_ids, strings) -> StopSequences:
-    """``sampling.stop_token_ids`` (one token each) and ``sampling.stop_strings`` tokenised without special
-    tokens, as the token-id sequences the samplers stop on (``SamplingParams.stop_sequences``)."""
-    seqs = [(int(i),) for i in token_ids]
-    for text in strings:
-        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
-        if not ids:
-            raise ConfigError(f"sampling.stop_strings: {text!r} is no token in the policy's tokenizer; remove it")
-        seqs.append(ids)
+def checked_stop_ids(tokenizer, token_ids) -> tuple[int, ...]:
+    """``sampling.stop_token_ids``, each inside the tokenizer's vocabulary."""
     vocab = len(tokenizer)
     bad = [i for i in token_ids if not 0 <= int(i) < vocab]
     if bad:
         raise ConfigError(f"sampling.stop_token_ids: {bad} outside the tokenizer's {vocab} ids")
-    return tuple(seqs)
+    return tuple(int(i) for i in token_ids)
+
+
+def checked_stop_strings(strings) -> tuple[str, ...]:
+    """``sampling.stop_strings``, none empty (an empty string would stop every response at once)."""
+    strings = tuple(strings)
+    if any(not s for s in strings):
+        raise ConfigError(
+            "sampling.stop_strings: an empty string would stop every response at its first token; remove it"
+        )
+    return strings

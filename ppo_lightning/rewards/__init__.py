@@ -27,7 +27,20 @@ __all__ = [
     "WeightedReward",
     "build_reward",
     "needs_model",
+    "pop_reward_logs",
 ]
+
+
+def pop_reward_logs(reward_fn) -> dict[str, float]:
+    """What the reward functions passed to ``log_metric`` since the last call, as
+    ``rewards/<term>/<name>`` (a lone function's term is its name), means over the calls."""
+    if isinstance(reward_fn, WeightedReward):
+        logged = reward_fn.pop_logged()
+    elif hasattr(reward_fn, "pop_logged"):
+        logged = {f"{reward_fn.short_name}/{k}": v for k, v in reward_fn.pop_logged().items()}
+    else:
+        logged = {}
+    return {f"rewards/{k}": v for k, v in logged.items()}
 
 
 def _get(cfg, key: str, default=None):

@@ -37,13 +37,25 @@ class RewardInputs:
     decoded whole sequence (what a reward model with its own tokenizer reads). ``prompts`` are the
     prompts as the user wrote them (strings, or lists of chat messages), and ``columns`` each
     row's metadata (the other fields of its record), both repeated for each of a prompt's samples;
-    None when the caller has none (the text alone)."""
+    None when the caller has none (the text alone). ``completion_ids``: the response token ids
+    (in an episode, every turn's, the environment's included)."""
 
     prompt_texts: list[str]
     responses: list[str]
     completion_ids: list[list[int]] | None = None
     prompts: list | None = None
     columns: list[dict[str, Any]] | None = None
+    completions: list[list[dict]] | None = None  # multi-turn: each episode's messages after its prompt
+    environments: list | None = None  # multi-turn: each episode's environment (TRL's ``environments``)
+
+    def completion_messages(self) -> list:
+        """TRL's ``completions``: an episode's messages after its prompt; for chat prompts each
+        response as one assistant message; else the response texts."""
+        if self.completions is not None:
+            return self.completions
+        if self.prompts is not None and any(isinstance(p, list) for p in self.prompts):
+            return [[{"role": "assistant", "content": r}] for r in self.responses]
+        return self.responses
 
 
 class RewardError(RuntimeError):

@@ -1,22 +1,28 @@
-"""A reward from any importable Python callable, with either of two signatures.
+"""A reward from any importable Python callable, called as TRL's GRPOTrainer calls it.
 
 Chosen on the command line: ``reward=function reward.fn=my_pkg.my_module.my_fn``; extra keyword
 arguments come from ``reward.kwargs``. The import happens when the run is built, so a typo fails
-before any model is loaded. The signature is chosen by the function's parameters:
+before any model is loaded. Two signatures:
 
-- with a parameter named ``completions``, TRL's: ``fn(prompts=, completions=, completion_ids=,
-  **columns)``, all by keyword. ``prompts`` are as the user wrote them (strings, or lists of chat
-  messages); ``completions`` the response texts (for chat prompts, each as a one-message list
-  ``[{"role": "assistant", "content": text}]``, as TRL gives them); ``completion_ids`` the
-  response token ids.
+- TRL's (a function naming ``completions`` or ``completion_ids``, or taking fewer than two
+  positional parameters): called by keyword, as TRL calls it, with what it asks for: ``prompts``
+  (as the user wrote them: strings, or lists of chat messages), ``completions`` (the response
+  texts; for chat prompts each a list of messages: ``[{"role": "assistant", "content": text}]``,
+  and for a multi-turn episode every message after the prompt, assistant, tool and user turns),
+  ``completion_ids`` (the response token ids), ``log_metric`` (``log_metric(name, value)`` logs a
+  scalar under ``rewards/<term>/<name>``), ``environments`` (with ``env``: each episode's
+  environment) and the record columns by name. A function that takes ``**kwargs`` gets all of
+  them, so ``def f(completion_ids, **kwargs)`` and ``def f(completions, solution, **kwargs)`` both
+  work unchanged.
 - otherwise ``fn(prompts, responses, **kwargs)``: the decoded prompt and response texts
   (``prompt + response`` is the decoded whole sequence).
 
-Either way, a parameter that ``reward.kwargs`` does not set and that is not one of the call's own
-is a column of the prompt records (``answer``, ``data_source``, ...), one value per response: a
-parameter without a default must exist in every record (checked before any model loads), one
-with a default is passed where the records have it. A TRL-style function that takes ``**kwargs``
-gets every column, as TRL's do.
+A parameter that ``reward.kwargs`` does not set and that is not one of the call's own is a column
+of the prompt records (``answer``, ``data_source``, ...), one value per response: one without a
+default must exist in every record (checked before any model loads), one with a default is passed
+where the records have it. A column with the name of a ``reward.kwargs`` key or of a call
+argument never replaces it: the configured value and the call's own argument win, and the column
+gets one warning.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
@@ -31,7 +39,10 @@ import torch
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.rewards.base import RewardError, RewardInputs, check_scores
 
-TRL_ARGS = ("prompts", "completions", "completion_ids")  # the TRL-style call's own parameters
+TRL_ARGS = ("prompts", "completions", "completion_ids")  # the TRL-style call's own data arguments
+CALL_ARGS = (*TRL_ARGS, "log_metric", "environments")  # everything the call itself passes, columns aside
+
+log = logging.getLogger(__name__)
 
 
 def import_callable(path: str, key: str = "reward.fn") -> Callable:
@@ -60,6 +71,7 @@ class FunctionReward:
 
     NaN or inf scores pass through by default: the PPO step skips that iteration, counts it and
     names the prompt, and stops the run if it keeps happening (``ppo.max_nonfinite_iterations``).
+    ``logged``: what the function passed to ``log_metric`` since the last ``pop_logged``.
     """
 
     def __init__(
@@ -67,16 +79,24 @@ class FunctionReward:
     ):
         self.name = fn
         raw, kwargs = import_callable(fn, key), dict(kwargs or {})
+        self.short_name = getattr(raw, "__name__", fn.rsplit(".", 1)[-1])
+        self.kwargs = kwargs
         self.fn = functools.partial(raw, **kwargs)
         self.allow_nonfinite = allow_nonfinite
         params = inspect.signature(raw).parameters
-        self.trl_style = "completions" in params
         named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        own = set(TRL_ARGS) if self.trl_style else {p.name for p in named[:2]}  # (prompts, responses)
+        positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.trl_style = bool({"completions", "completion_ids"} & set(params)) or len(positional) < 2
+        self.takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        own = set(CALL_ARGS) if self.trl_style else {p.name for p in named[:2]}  # (prompts, responses)
+        self.call_args = tuple(a for a in CALL_ARGS if a in params or self.takes_all) if self.trl_style else ()
         columns = [p for p in named if p.name not in own and p.name not in kwargs]
         self.required_columns = tuple(p.name for p in columns if p.default is p.empty)
         self.optional_columns = tuple(p.name for p in columns if p.default is not p.empty)
-        self.every_column = self.trl_style and any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self.every_column = self.trl_style and self.takes_all
+        self.reserved = own | set(kwargs)  # names a column may not take over
+        self.logged: dict[str, list[float]] = defaultdict(list)
+        self._warned: set[str] = set()
 
     def __call__(self, prompts: list[str], responses: list[str]):
         """Scores of decoded texts alone (no records; NaN where None): the columns a function
@@ -88,29 +108,26 @@ class FunctionReward:
         values, applies = self.score_applies(inputs)
         return torch.where(applies, values, torch.full_like(values, float("nan")))
 
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar for ``rewards/<term>/<name>``, averaged over the iteration."""
+        self.logged[str(name)].append(float(value))
+
+    def pop_logged(self) -> dict[str, float]:
+        """The mean of each ``log_metric`` name since the last call, and forget them."""
+        out = {k: sum(v) / len(v) for k, v in self.logged.items() if v}
+        self.logged.clear()
+        return out
+
     def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scores [B], applies [B] bool)``, the call chosen by the signature: ``None`` from the
         function means "does not apply to this response" (its score there is 0 and ``applies``
         False)."""
-        columns = self._columns(inputs)
+        args = self._arguments(inputs)
         try:
-            if self.trl_style:
-                chat = inputs.prompts is not None and any(isinstance(p, list) for p in inputs.prompts)
-                completions = (
-                    [[{"role": "assistant", "content": r}] for r in inputs.responses] if chat else inputs.responses
-                )
-                scores = self.fn(
-                    prompts=inputs.prompts if inputs.prompts is not None else inputs.prompt_texts,
-                    completions=completions,
-                    completion_ids=inputs.completion_ids,
-                    **columns,
-                )
-            else:
-                scores = self.fn(inputs.prompt_texts, inputs.responses, **columns)
+            scores = self._call(args)
         except Exception as e:
             raise RewardError(
-                f"reward {self.name} raised {type(e).__name__}: {e} "
-                f"({self._culprit(inputs.prompt_texts, inputs.responses, columns)})"
+                f"reward {self.name} raised {type(e).__name__}: {e} ({self._culprit(inputs, args)})"
             ) from e
         applies = None
         if not isinstance(scores, torch.Tensor):
@@ -124,8 +141,31 @@ class FunctionReward:
         values = check_scores(scores, inputs.prompt_texts, self.name, self.allow_nonfinite)
         return values, applies if applies is not None else torch.ones(len(values), dtype=torch.bool)
 
+    def _call(self, args: dict[str, list]):
+        if self.trl_style:
+            return self.fn(**args)
+        rest = {k: v for k, v in args.items() if k not in ("prompts", "responses")}
+        return self.fn(args["prompts"], args["responses"], **rest)
+
+    def _arguments(self, inputs: RewardInputs) -> dict[str, list]:
+        """Everything this call passes, one list (a value per response) each: the call's own
+        arguments the function takes, then its columns."""
+        if self.trl_style:
+            own = {
+                "prompts": inputs.prompts if inputs.prompts is not None else inputs.prompt_texts,
+                "completions": inputs.completion_messages(),
+                "completion_ids": inputs.completion_ids,
+                "log_metric": self.log_metric,
+                "environments": inputs.environments,
+            }
+            args = {k: own[k] for k in self.call_args if k != "environments" or inputs.environments is not None}
+        else:
+            args = {"prompts": inputs.prompt_texts, "responses": inputs.responses}
+        return {**args, **self._columns(inputs)}
+
     def _columns(self, inputs: RewardInputs) -> dict[str, list]:
-        """The columns this function takes, one list each (a value per response)."""
+        """The columns this function takes, one list each (a value per response); a column named
+        like a ``reward.kwargs`` key or a call argument is left out, with one warning."""
         rows = inputs.columns or [{} for _ in inputs.responses]
         present = set(rows[0]) if rows else set()
         missing = [c for c in self.required_columns if c not in present]
@@ -139,20 +179,29 @@ class FunctionReward:
             if self.every_column
             else [*self.required_columns, *(c for c in self.optional_columns if c in present)]
         )
-        return {c: [row.get(c) for row in rows] for c in names}
+        for c in [c for c in names if c in self.reserved and c not in self._warned]:
+            self._warned.add(c)
+            log.warning(
+                "reward %s: the records' column %r has the name of %s; the %s wins and the column is not passed",
+                self.name,
+                c,
+                "a reward.kwargs key" if c in self.kwargs else "one of the call's own arguments",
+                "configured value" if c in self.kwargs else "call's argument",
+            )
+        return {c: [row.get(c) for row in rows] for c in names if c not in self.reserved}
 
-    def _culprit(self, prompts: list[str], responses: list[str], columns: dict[str, list]) -> str:
-        """Find the first row that fails on its own, so the message can name the prompt."""
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            row = {c: v[i : i + 1] for c, v in columns.items()}
+    def _culprit(self, inputs: RewardInputs, args: dict[str, list]) -> str:
+        """Find the first row that fails on its own, called with that row's own arguments (its
+        prompt, completion, ids and columns), so the message can name the prompt."""
+        n = len(inputs.responses)
+        for i in range(n):
+            row = {k: (v if callable(v) else v[i : i + 1]) for k, v in args.items() if v is not None}
             try:
-                if self.trl_style:
-                    self.fn(prompts=[p], completions=[r], completion_ids=None, **row)
-                else:
-                    self.fn([p], [r], **row)
+                self._call(row)
             except Exception:
+                p, r = inputs.prompt_texts[i], inputs.responses[i]
                 return f"on prompt {i} {p[:60]!r} with response {r[:60]!r}"
-        return f"on a batch of {len(prompts)} that fails only as a whole"
+        return f"on a batch of {n} that fails only as a whole"
 
 
 def check_reward_columns(reward_fn, records) -> None:

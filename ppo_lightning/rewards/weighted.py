@@ -37,6 +37,14 @@ class WeightedReward(nn.Module):
     def use_policy_tokens(self, policy_tokenizer, mode: str = "auto") -> bool:
         return False
 
+    def pop_logged(self) -> dict[str, float]:
+        """Each term's ``log_metric`` scalars since the last call, as ``<term>/<name>``."""
+        return {
+            f"{name}/{k}": v
+            for name, (fn, _) in self.terms.items()
+            for k, v in (fn.pop_logged() if hasattr(fn, "pop_logged") else {}).items()
+        }
+
     def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """``(weighted sum [B], applies [B], {name: the term's raw scores [B]})``. A term that
         returns None for a response is left out of that response's sum, and its raw score there

@@ -1,0 +1,343 @@
+"""The episode loop: a batch of records played out as multi-turn episodes, token in, token out.
+
+Each record becomes one episode with one environment instance of its own. The loop, for all
+episodes of a batch together::
+
+    reset(record)            -> the prompt's messages, rendered with the tools once, tokenised once
+    repeat:
+        every unfinished episode's context (prompt + response so far) -> one backend call
+        the sampled ids appended as they are                              loss_mask 1
+        step(conversation)   -> EnvStep(messages, reward, done, info)
+        done / no messages / a budget reached -> the episode ends
+        the answer's tokens: the chat template's delta, tokenised once    loss_mask 0
+
+The policy's turns are never decoded and re-encoded: the ids the backend sampled are the ids the
+update trains on (decoding happens only to show the environment the text). The environment's
+tokens are attended to but never trained on. An episode never ends on environment tokens: an
+answer that arrives when the policy may not speak again (``max_turns``, ``max_total_tokens``) is
+dropped. A ``step`` that raises ends its episode with ``env.error_reward`` (``on_error=count``),
+counted, or stops the run (``on_error=raise``); a ``step`` returning the wrong types is a bug in
+the environment and raises ``EnvError`` naming the class and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter, defaultdict
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ppo_lightning.envs.base import EnvError, Message, check_reset, check_step
+from ppo_lightning.envs.template import ChatRenderer
+from ppo_lightning.envs.tools import COUNTERS
+from ppo_lightning.errors import ConfigError
+from ppo_lightning.generation import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Record:
+    """What ``Environment.reset`` reads: the prompt as written (a string or chat messages) and
+    the record's metadata columns (``data.PromptRecord``'s fields)."""
+
+    prompt: str | list[Message]
+    columns: dict[str, Any]
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+@dataclasses.dataclass
+class Episode:
+    """One episode as it was played: the prompt's ids, then the response ids (the policy's turns
+    as sampled and the environment's answers), with ``loss_mask`` 1 on the policy's tokens."""
+
+    record: Record
+    env: Any
+    prompt_messages: list[Message]
+    prompt_ids: list[int]
+    tools: list[dict] | None = None
+    messages: list[Message] = dataclasses.field(default_factory=list)  # the prompt's, then every turn's
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    turn_ends: list[int] = dataclasses.field(default_factory=list)  # each policy turn's last token, in the response
+    turn_rewards: list[float | None] = dataclasses.field(default_factory=list)  # EnvStep.reward of each turn
+    stopped: bool = False  # the last policy turn ended on a stop (EOS, a stop token or string)
+    truncated: bool = False  # ended by a budget while the environment expected more
+    env_error: str | None = None  # what the environment's step raised (on_error=count)
+    done: bool = False
+    info: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    counts: Counter = dataclasses.field(default_factory=Counter)
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_ends)
+
+    @property
+    def completion(self) -> list[Message]:
+        """The conversation after the prompt: assistant turns and the environment's messages."""
+        return self.messages[len(self.prompt_messages) :]
+
+    def dump(self) -> dict:
+        """The episode as one JSON line of ``ppo.rollout_dump``."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "loss_mask": self.loss_mask,
+            "messages": self.messages,
+            "turns": self.turns,
+            "truncated": self.truncated,
+            **({"env_error": self.env_error} if self.env_error else {}),
+        }
+
+
+@dataclasses.dataclass
+class EpisodeBatch:
+    """A batch of episodes as the rollout's tensors: ``query_responses [B, P + R]`` (prompts
+    left-padded to ``P``, responses right-padded to ``R``), ``attention_mask`` 1 on every real
+    token (the environment's too), ``loss_mask [B, R]`` 1 on the policy's tokens only,
+    ``turn_rewards [B, R]`` each turn's ``EnvStep.reward`` on its last token, ``stopped [B]``."""
+
+    episodes: list[Episode]
+    query_responses: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+    turn_rewards: Tensor
+    stopped: Tensor
+    context_length: int
+    env_time_s: float
+
+    def metrics(self) -> dict[str, Tensor]:
+        """This rank's ``env/*`` statistics, the same names on every rank: means over its
+        episodes, and the counts of ``COUNTED_METRICS`` (the caller sums those over ranks)."""
+        eps, device = self.episodes, self.loss_mask.device
+        n = max(len(eps), 1)
+        tokens = float(sum(len(e.response_ids) for e in eps))
+        env_tokens = tokens - float(self.loss_mask.sum())
+        out = {
+            "env/turns_mean": sum(e.turns for e in eps) / n,
+            "env/tool_calls_mean": sum(e.counts["tool_calls"] for e in eps) / n,
+            "env/env_token_frac": env_tokens / max(tokens, 1.0),
+            "env/truncated_frac": sum(e.truncated for e in eps) / n,
+            "env/time_s": self.env_time_s,
+        }
+        for key in (*COUNTERS[1:], "env_errors", "truncated_observations"):
+            out[f"env/{key}"] = float(sum(e.counts[key] for e in eps))
+        return {k: torch.tensor(float(v), device=device) for k, v in out.items()}
+
+    def info_sums(self) -> dict[str, tuple[float, float]]:
+        """``env/<key>: (sum, count)`` of every ``EnvStep.info`` scalar of these episodes (all of
+        their steps), for the mean over every rank's steps."""
+        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for e in self.episodes:
+            for k, values in e.info.items():
+                sums[f"env/{k}"][0] += sum(values)
+                sums[f"env/{k}"][1] += len(values)
+        return {k: (v[0], v[1]) for k, v in sums.items()}
+
+
+COUNTED_METRICS = tuple(f"env/{k}" for k in (*COUNTERS[1:], "env_errors", "truncated_observations"))
+"""The ``env/*`` metrics that count events in an iteration: summed over ranks, not averaged."""
+
+
+class EpisodeRunner:
+    """Plays batches of records as episodes with ``make_env`` (one instance per episode), the
+    episode loop's ``cfg`` (``config.EnvConfig``), prompts rendered by ``renderer`` after
+    ``system_prompt`` (``data.system_prompt``) and cut as ``data.max_prompt_length`` /
+    ``data.truncation`` say."""
+
+    def __init__(
+        self,
+        make_env: Callable[[], Any],
+        renderer: ChatRenderer,
+        cfg,
+        tokenizer,
+        system_prompt: str | None = None,
+        max_prompt_length: int | None = None,
+        truncation: str = "left",
+    ):
+        self.make_env, self.renderer, self.cfg, self.tokenizer = make_env, renderer, cfg, tokenizer
+        self.system_prompt, self.max_prompt_length, self.truncation = system_prompt, max_prompt_length, truncation
+        self._warned_long = False
+        self.probe = make_env()  # one instance, for what every episode's shares (tools, reward owner)
+
+    def probe_tools(self) -> list[dict] | None:
+        """The tool schemas the environment puts in every prompt (None: none)."""
+        return list(getattr(self.probe, "tools", None) or []) or None
+
+    def reward_owner(self) -> type | None:
+        """The class of a TRL-style environment that scores its own episodes (``get_reward``)."""
+        env = getattr(self.probe, "environment", None)
+        return type(env) if env is not None and callable(getattr(env, "get_reward", None)) else None
+
+    # ------------------------------------------------------------------------- one batch
+    @torch.no_grad()
+    def run(
+        self, prompts: list, columns: list[dict], sampler, params, generator: torch.Generator | None, device
+    ) -> EpisodeBatch:
+        """The episodes of ``prompts`` (as written) with their ``columns``, sampled through
+        ``sampler`` as ``params`` say (each turn at most ``params.max_new_tokens``)."""
+        env_time = 0.0
+        t0 = time.perf_counter()
+        episodes = [self._start(Record(p, dict(c or {}))) for p, c in zip(prompts, columns)]
+        env_time += time.perf_counter() - t0
+        extra_stops = tuple(getattr(episodes[0].env, "stop_strings", ())) if episodes else ()
+        turn_params = params.replace(stop_strings=tuple(dict.fromkeys((*params.stop_strings, *extra_stops))))
+        stops = StopChecker(
+            self.tokenizer.eos_token_id, turn_params.stop_token_ids, turn_params.stop_strings, self.tokenizer
+        )
+        budget = self.cfg.max_total_tokens
+        while True:
+            active = [e for e in episodes if not e.done]
+            if not active:
+                break
+            rooms = [budget - len(e.response_ids) for e in active]
+            contexts = [e.prompt_ids + e.response_ids for e in active]
+            ids, mask = _pad_left(contexts, self.tokenizer.pad_token_id, device)
+            max_new = min(params.max_new_tokens, max(rooms))
+            out, out_mask = sampler.generate(ids, mask, turn_params.replace(max_new_tokens=max_new), generator)
+            lengths = out_mask.sum(1).long().tolist()
+            rows = out.tolist()
+            t0 = time.perf_counter()
+            for e, row, n, room in zip(active, rows, lengths, rooms):
+                self._take_turn(e, row[: min(n, room)], cut=n > room, stops=stops)
+            env_time += time.perf_counter() - t0
+        return self._batch(episodes, device, env_time)
+
+    # ------------------------------------------------------------------------- one episode
+    def _start(self, record: Record) -> Episode:
+        env = self.make_env()
+        try:
+            messages = check_reset(env.reset(record), env)
+        except EnvError:
+            raise
+        except Exception as e:
+            raise EnvError(f"{type(env).__name__}.reset raised {type(e).__name__}: {e}") from e
+        if messages is None:
+            messages = list(record.prompt) if record.is_chat else [{"role": "user", "content": record.prompt}]
+        if self.system_prompt is not None and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        tools = list(getattr(env, "tools", None) or []) or None
+        prompt_ids = self.renderer.prompt_ids(messages, tools)
+        limit = self.max_prompt_length
+        if limit is not None and len(prompt_ids) > limit:
+            if self.truncation == "error":
+                raise ConfigError(
+                    f"an episode's prompt has {len(prompt_ids)} tokens (tools and the environment's reset included) "
+                    f"> data.max_prompt_length={limit}; raise data.max_prompt_length or set data.truncation=left"
+                )
+            if not self._warned_long:
+                self._warned_long = True
+                log.warning(
+                    "an episode's prompt has %d tokens > data.max_prompt_length=%d; keeping its last %d "
+                    "(data.truncation=left)",
+                    len(prompt_ids),
+                    limit,
+                    limit,
+                )
+            prompt_ids = prompt_ids[-limit:]
+        return Episode(record, env, messages, prompt_ids, tools, messages=list(messages))
+
+    def _take_turn(self, e: Episode, tokens: list[int], cut: bool, stops: StopChecker) -> None:
+        """Append one policy turn as sampled, let the environment answer it, and append the
+        answer's tokens, or end the episode."""
+        c, tok = self.cfg, self.tokenizer
+        e.response_ids += tokens
+        e.loss_mask += [1] * len(tokens)
+        e.turn_ends.append(len(e.response_ids) - 1)
+        e.stopped = bool(tokens) and not cut and stops.ends_at(tokens)
+        ended_with_eos = e.stopped and tokens[-1] == tok.eos_token_id
+        content = tok.decode(tokens[:-1] if ended_with_eos else tokens, skip_special_tokens=False)
+        e.messages.append({"role": "assistant", "content": content})
+        try:
+            step = e.env.step(list(e.messages))
+        except Exception as err:
+            if c.on_error == "raise":
+                raise EnvError(
+                    f"{type(e.env).__name__}.step raised {type(err).__name__}: {err} (env.on_error=raise)"
+                ) from err
+            e.turn_rewards.append(None)
+            e.env_error, e.done = f"{type(err).__name__}: {err}", True
+            e.counts["env_errors"] += 1
+            return
+        step = check_step(step, e.env)
+        e.turn_rewards.append(None if step.reward is None else float(step.reward))
+        for k, v in step.info.items():
+            if k in COUNTERS:
+                e.counts[k] += v
+            else:
+                e.info[k].append(float(v))
+        room = c.max_total_tokens - len(e.response_ids)
+        if step.done or not step.messages:
+            e.done = True
+            return
+        if e.turns >= c.max_turns or room <= 1:  # the policy could not answer: the answer is dropped
+            e.done = e.truncated = True
+            return
+        answer = [self._cut(m, e) for m in step.messages]
+        ids = self.renderer.observation_ids(e.messages, answer, e.tools, ended_with_eos)
+        if len(ids) + 1 > room:  # no room left for the policy's answer to it
+            e.done = e.truncated = True
+            return
+        e.response_ids += ids
+        e.loss_mask += [0] * len(ids)
+        e.messages.extend(answer)
+
+    def _cut(self, message: Message, e: Episode) -> Message:
+        """One environment message, its content cut to ``env.max_observation_tokens`` tokens."""
+        limit = self.cfg.max_observation_tokens
+        if limit is None:
+            return dict(message)
+        ids = self.tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+        if len(ids) <= limit:
+            return dict(message)
+        e.counts["truncated_observations"] += 1
+        return {**message, "content": self.tokenizer.decode(ids[:limit], skip_special_tokens=False)}
+
+    # ------------------------------------------------------------------------- tensors
+    def _batch(self, episodes: list[Episode], device, env_time: float) -> EpisodeBatch:
+        pad = self.tokenizer.pad_token_id
+        B = len(episodes)
+        P = max(len(e.prompt_ids) for e in episodes)
+        R = max(1, max(len(e.response_ids) for e in episodes))
+        qr = torch.full((B, P + R), pad, dtype=torch.long)
+        am = torch.zeros(B, P + R, dtype=torch.long)
+        loss = torch.zeros(B, R)
+        turn_rewards = torch.zeros(B, R)
+        for i, e in enumerate(episodes):
+            p, r = len(e.prompt_ids), len(e.response_ids)
+            qr[i, P - p : P] = torch.tensor(e.prompt_ids)
+            am[i, P - p : P + r] = 1
+            if r:
+                qr[i, P : P + r] = torch.tensor(e.response_ids)
+                loss[i, :r] = torch.tensor(e.loss_mask, dtype=torch.float32)
+            for end, reward in zip(e.turn_ends, e.turn_rewards):
+                if reward is not None and end >= 0:
+                    turn_rewards[i, end] += reward
+        stopped = torch.tensor([e.stopped for e in episodes], dtype=torch.bool)
+        return EpisodeBatch(
+            episodes,
+            qr.to(device),
+            am.to(device),
+            loss.to(device),
+            turn_rewards.to(device),
+            stopped.to(device),
+            P,
+            env_time,
+        )
+
+
+def _pad_left(rows: list[list[int]], pad: int, device) -> tuple[Tensor, Tensor]:
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, T - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, T - len(r) :] = 1
+    return ids.to(device), mask.to(device)

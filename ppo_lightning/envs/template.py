@@ -1,0 +1,180 @@
+"""Chat rendering for episodes: the prompt tokenised once, each environment answer as the template's delta.
+
+The sequence an episode trains on is::
+
+    prompt ids | turn 1 as sampled | env answer 1 | turn 2 as sampled | env answer 2 | ...
+
+The prompt is ``render(messages, tools, add_generation_prompt=True)`` tokenised once. A policy
+turn is the token ids the backend sampled, never re-encoded. An environment answer is the text the
+chat template puts after that conversation, tokenised once: ``render(conversation + answer,
+add_generation_prompt=True)`` minus ``render(conversation)``, where the conversation ends with the
+policy's turn, preceded by whatever the template renders after an assistant message that the
+policy did not sample itself (Qwen's ``\\n`` after ``<|im_end|>``; the whole ``<|im_end|>\\n`` when
+the turn ended on a stop string such as ``</tool_call>``).
+
+This is sound only for a prefix-preserving template: rendering a conversation plus new messages
+starts with the rendering of the conversation, and an assistant message renders as its content
+followed by a fixed suffix. Qwen3's template is not (it drops the ``<think>`` blocks of earlier
+turns). ``check_prefix_preserving`` tries a probe conversation once, before training, and refuses
+such a template in one line naming ``data.chat_template``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ppo_lightning.envs.base import Message
+from ppo_lightning.errors import ConfigError
+
+_PROBE_CALL = '<tool_call>{"name": "probe", "arguments": {"x": 1}}</tool_call>'
+PROBE_CONVERSATION: list[Message] = [
+    {"role": "system", "content": "probe system"},
+    {"role": "user", "content": "probe question"},
+    {"role": "assistant", "content": "<think>probe thought</think>probe reply " + _PROBE_CALL},
+    {"role": "tool", "name": "probe", "content": "probe result"},
+    {"role": "assistant", "content": "probe answer"},
+    {"role": "user", "content": "probe follow-up"},
+    {"role": "assistant", "content": "probe last"},
+]
+"""A conversation with every turn an episode makes (a tool call with a reasoning block, its result,
+an answer, a user follow-up): the check renders each prefix of it."""
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe tool.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer", "description": "x"}}},
+    },
+}
+
+
+class ChatRenderer:
+    """Renders conversations with one chat template (``data.chat_template``, else the tokenizer's)
+    and the episode's tool schemas, and tokenises what it renders with ``tokenizer``."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None, source: str = "the tokenizer's chat template"):
+        self.tokenizer = tokenizer
+        self.template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.source = source if chat_template is None else "data.chat_template"
+        if not self.template:
+            raise ConfigError(
+                "env: episodes are chat conversations, but the tokenizer has no chat template; set "
+                "data.chat_template (a Jinja string or a file)"
+            )
+        self.eos_text = tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
+        self.assistant_suffix = ""  # what the template writes after an assistant message's content
+
+    def render(self, messages: list[Message], tools: list[dict] | None = None, add_generation_prompt=False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+
+    def observation_ids(
+        self, conversation: list[Message], answer: list[Message], tools: list[dict] | None, ended_with_eos: bool
+    ) -> list[int]:
+        """The tokens of ``answer`` (the environment's messages) after ``conversation``, whose last
+        message is the policy's turn: the template's delta, preceded by the part of the assistant
+        suffix the policy did not sample (``ended_with_eos``: its last token was EOS, which the
+        suffix may start with)."""
+        before = self.render(conversation, tools)
+        after = self.render(conversation + answer, tools, add_generation_prompt=True)
+        if not after.startswith(before):  # the probe passed, this conversation does not: render the answer alone
+            after = self.render(PROBE_CONVERSATION[:3] + answer, [PROBE_TOOL], add_generation_prompt=True)
+            before = self.render(PROBE_CONVERSATION[:3], [PROBE_TOOL])
+        tail = self.assistant_suffix
+        if ended_with_eos and tail.startswith(self.eos_text):
+            tail = tail[len(self.eos_text) :]
+        return self.encode(tail + after[len(before) :])
+
+    def check_prefix_preserving(self, name: str) -> None:
+        """Render every prefix of ``PROBE_CONVERSATION`` (with a tool schema) and check that each
+        rendering continues the one before it, and that an assistant message is its content
+        followed by a fixed suffix. Sets ``assistant_suffix``; refuses a template that fails in
+        one line naming it (``name``: the tokenizer's path) and ``data.chat_template``."""
+        conv, tools = PROBE_CONVERSATION, [PROBE_TOOL]
+        suffixes = set()
+
+        def continues(before: str, after: str, what: str) -> None:
+            if not after.startswith(before):
+                raise _NotPrefix(what)
+
+        try:
+            for k in range(1, len(conv) + 1):
+                message, before = conv[k - 1], self.render(conv[: k - 1], tools) if k > 1 else ""
+                full = self.render(conv[:k], tools)
+                if message["role"] == "assistant":  # the generation prompt, then the content, then a suffix
+                    prompt = self.render(conv[: k - 1], tools, add_generation_prompt=True)
+                    continues(before, prompt, f"the generation prompt re-renders the messages before message {k - 1}")
+                    continues(prompt, full, f"assistant message {k - 1} re-renders the messages before it")
+                    rest = full[len(prompt) :]
+                    if not rest.startswith(message["content"]):
+                        raise _NotPrefix(f"assistant message {k - 1} does not render as its content")
+                    suffixes.add(rest[len(message["content"]) :])
+                else:  # an environment's answer (or the prompt) appended, with and without the next turn's prompt
+                    continues(before, full, f"adding message {k - 1} ({message['role']}) re-renders the ones before it")
+                    gen = self.render(conv[:k], tools, add_generation_prompt=True)
+                    continues(before, gen, f"adding message {k - 1} ({message['role']}) re-renders the ones before it")
+        except _NotPrefix as e:
+            raise ConfigError(
+                f"{self.source} of {name} is not prefix-preserving ({e}), so the environment's tokens cannot be "
+                "appended to the sampled ones; set data.chat_template to a template that renders earlier messages "
+                "unchanged"
+            ) from None
+        except Exception as e:  # the template rejects a role (tool) or the tools argument
+            raise ConfigError(
+                f"{self.source} of {name} cannot render a tool-calling conversation ({type(e).__name__}: {e}); set "
+                "data.chat_template to one that renders tools and tool messages"
+            ) from None
+        if len(suffixes) != 1:
+            raise ConfigError(
+                f"{self.source} of {name} ends assistant messages differently ({sorted(suffixes)}); set "
+                "data.chat_template to one that ends every assistant message alike"
+            )
+        self.assistant_suffix = suffixes.pop()
+
+    def check_renders_tools(self, name: str, tools: list[dict]) -> None:
+        """The template shows ``tools`` to the model: rendering with them differs from without."""
+        messages = [{"role": "user", "content": "probe question"}]
+        try:
+            with_tools = self.render(messages, tools, add_generation_prompt=True)
+        except Exception as e:
+            with_tools, err = None, e
+        if with_tools is None or with_tools == self.render(messages, None, add_generation_prompt=True):
+            why = f" ({type(err).__name__}: {err})" if with_tools is None else ""
+            raise ConfigError(
+                f"{self.source} of {name} cannot render tools{why}, so the model would never see them; set "
+                "data.chat_template to a template that renders the tools argument"
+            )
+
+
+class _NotPrefix(Exception):
+    pass
+
+
+def conversation_text(messages: list[Message]) -> str:
+    """A conversation as one readable string, each message under its role (samples tables, logs)."""
+    return "\n".join(f"[{m['role']}{'/' + m['name'] if m.get('name') else ''}] {m['content']}" for m in messages)
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` with anything JSON cannot hold turned into its string (record columns in dumps)."""
+    try:
+        json.dumps(x)
+        return x
+    except (TypeError, ValueError):
+        if isinstance(x, dict):
+            return {str(k): jsonable(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [jsonable(v) for v in x]
+        return str(x)

@@ -1,0 +1,45 @@
+"""An environment that scores its own episodes: TRL's ``get_reward()``, as one more reward term.
+
+An environment written for TRL's GRPOTrainer ``environment_factory`` may define ``get_reward()``:
+no argument, a float from its own state once the episode is over (did the game end in a win?).
+TRL adds it as a reward source with weight 1, named after the class; so does ``env=tools
+env.environment=...`` (``with_environment_reward``): the run's reward becomes ``reward.terms``
+plus a term of that name, and ``rewards/<Class>/mean`` is logged like any term's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ppo_lightning.rewards.base import RewardInputs, check_scores
+
+
+class EnvironmentReward:
+    """``get_reward()`` of each episode's environment (``RewardInputs.environments``); None
+    where an episode has no environment of that class (it does not apply there)."""
+
+    trl_style = True
+    required_columns: tuple[str, ...] = ()
+
+    def __init__(self, cls: type):
+        self.cls, self.name = cls, cls.__name__
+
+    def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        envs = inputs.environments or [None] * len(inputs.responses)
+        items = [e.get_reward() if type(e) is self.cls else None for e in envs]  # exact type, as TRL
+        applies = torch.tensor([x is not None for x in items], dtype=torch.bool)
+        values = check_scores([0.0 if x is None else x for x in items], inputs.prompt_texts, f"{self.name}.get_reward")
+        return values, applies
+
+
+def with_environment_reward(reward_fn, cls: type):
+    """``reward_fn`` plus ``cls.get_reward`` as a term named after ``cls`` (weight 1): the run's
+    terms with one more, or the one reward as a term under its own name beside it."""
+    from ppo_lightning.rewards.weighted import WeightedReward
+
+    if isinstance(reward_fn, WeightedReward):
+        terms = dict(reward_fn.terms)
+    else:
+        terms = {getattr(reward_fn, "short_name", None) or "reward": (reward_fn, 1.0)}
+    terms[cls.__name__] = (EnvironmentReward(cls), 1.0)
+    return WeightedReward(terms)

@@ -1,0 +1,247 @@
+"""What the multi-turn tests share: a BPE tokenizer with merges (the byte tokenizer cannot show a
+split that differs), a backend that emits scripted token ids, tools and environments that behave
+(or misbehave) on purpose, and an environment written to TRL's ``environment_factory`` contract."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ppo_lightning.envs import Environment, EnvStep
+
+CALL = '<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+
+
+def tool_call(name: str, args: str) -> str:
+    return CALL.format(name=name, args=args)
+
+
+# ----------------------------------------------------------------------------- a BPE tokenizer
+def bpe_corpus() -> list[str]:
+    """Text with tool calls, chat markers and arithmetic, so that the merges span turn
+    boundaries (``>\\n<|``) and split stop strings in more than one way."""
+    lines = []
+    for i in range(300):
+        a, b = 17 * i % 997, 31 * i % 89
+        lines += [
+            f"<|user|>What is {a} * {b}?\n<|assistant|>Let me compute. "
+            + tool_call("calculator", f'{{"expression": "{a} * {b}"}}')
+            + f"\n<|tool|>{a * b}\n<|assistant|>The answer is <answer>{a * b}</answer>.\n",
+            f"so the sum is {a + b}.</answer> and then </answer>\n\n",
+        ]
+    return lines
+
+
+def build_bpe_tokenizer(vocab_size: int = 600):
+    """A byte-level BPE tokenizer trained on ``bpe_corpus`` with merges across every character
+    (no pre-tokenising regex), EOS and pad, and the tiny chat template (tools and tool messages)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ppo_lightning.tiny import EOS_TOKEN, PAD_TOKEN, TINY_CHAT_TEMPLATE
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(bpe_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        padding_side="left",
+        model_max_length=1_000_000,
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+
+
+def save_bpe_lm(path: Path, seed: int = 0) -> Path:
+    """A tiny random GPT-2 over the BPE tokenizer, saved with it (``from_pretrained`` loads both)."""
+    from ppo_lightning.tiny import gpt2_config, save_random_model
+
+    tok = build_bpe_tokenizer()
+    config = gpt2_config(n_layer=2, n_head=2, n_embd=64, n_positions=512)
+    config.vocab_size = len(tok)
+    config.bos_token_id = config.eos_token_id = tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+    return save_random_model(path, config, tok, seed=seed)
+
+
+# ----------------------------------------------------------------------------- a scripted backend
+class ScriptedBackend:
+    """A generation backend that emits fixed token ids: ``script[prompt ids]`` is the list of
+    turns an episode with that prompt says, one per ``generate`` call in which it takes part
+    (each turn's ids as given: a model may split its text in any way). Turns longer than
+    ``max_new_tokens`` are cut, as a sampler cuts them. ``calls`` records each call's contexts."""
+
+    samples_live_module = True
+    sampled_logprobs = None
+
+    def __init__(self, script: dict[tuple[int, ...], list[list[int]]], pad_token_id: int):
+        self.script, self.pad = script, pad_token_id
+        self.turn: dict[tuple[int, ...], int] = {}
+        self.calls: list[list[list[int]]] = []
+
+    def _prompt(self, context: list[int]) -> tuple[int, ...]:
+        matches = [p for p in self.script if tuple(context[: len(p)]) == p]
+        assert matches, f"no script for a context starting {context[:12]}"
+        return max(matches, key=len)
+
+    def generate(self, prompt_ids, attention_mask, params, generator=None):
+        rows = [r[m.bool()].tolist() for r, m in zip(prompt_ids.cpu(), attention_mask.cpu())]
+        self.calls.append(rows)
+        seen: dict[tuple[int, ...], int] = {}
+        out = []
+        for row in rows:
+            p = self._prompt(row)
+            k = self.turn.get(p, 0)
+            seen[p] = k
+            out.append(self.script[p][min(k, len(self.script[p]) - 1)][: params.max_new_tokens])
+        for p, k in seen.items():
+            self.turn[p] = k + 1
+        R = max(len(t) for t in out)
+        responses = torch.full((len(out), R), self.pad, dtype=torch.long)
+        mask = torch.zeros(len(out), R)
+        for i, t in enumerate(out):
+            responses[i, : len(t)] = torch.tensor(t)
+            mask[i, : len(t)] = 1.0
+        return responses.to(prompt_ids.device), mask.to(prompt_ids.device)
+
+    def sync_weights(self):
+        return None
+
+    def close(self):
+        pass
+
+
+# ----------------------------------------------------------------------------- tools
+def lookup(key: str) -> str:
+    """Look up a word in a tiny dictionary.
+
+    Args:
+        key: The word.
+
+    Returns:
+        Its meaning.
+    """
+    return {"cat": "a small animal"}.get(key, "unknown")
+
+
+def broken(x: int) -> int:
+    """A tool that always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError(f"broken tool got {x}")
+
+
+def slow(seconds: float) -> str:
+    """A tool that takes its time.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "finally"
+
+
+def no_hints(x):
+    """A function without type hints.
+
+    Args:
+        x: Anything.
+    """
+    return x
+
+
+NOT_A_FUNCTION = 3
+
+
+# ----------------------------------------------------------------------------- environments
+class IncrementEnv:
+    """An environment written to TRL's GRPOTrainer ``environment_factory`` contract (its docs):
+    ``reset(**kwargs)`` gets the record's columns and returns None or text appended to the last
+    user message; public methods are tools; ``get_reward()`` scores the finished episode."""
+
+    def reset(self, target=0, **kwargs) -> str | None:
+        self.counter, self.target = 0, int(target)
+        return f" Reach {self.target}."
+
+    def get_reward(self) -> float:
+        return float(self.counter == self.target)
+
+    def increment(self, step: int) -> int:
+        """Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+
+
+class Echo(Environment):
+    """Answers every turn with a user message until ``turns`` turns, rewarding each with its
+    length in messages (``EnvStep.reward``), with an info scalar."""
+
+    def __init__(self, turns: int = 3, reply: str = "go on"):
+        self.turns, self.reply = turns, reply
+
+    def reset(self, record):
+        self.n = 0
+        return None
+
+    def step(self, messages):
+        self.n += 1
+        done = self.n >= self.turns
+        return EnvStep(
+            [] if done else [{"role": "user", "content": self.reply}], reward=0.5, done=done, info={"n": self.n}
+        )
+
+
+class Raises(Environment):
+    """``step`` raises on the first turn."""
+
+    def step(self, messages):
+        raise ValueError("the game server is down")
+
+
+class WrongTypes(Environment):
+    """``step`` returns a reward that is not a number."""
+
+    def step(self, messages):
+        return EnvStep([{"role": "user", "content": "x"}], reward="high")
+
+
+# ----------------------------------------------------------------------------- rewards
+LOWER = set("abcdefghijklmnopqrstuvwxyz ")
+
+
+def assistant_lowercase(completions, log_metric, **kwargs):
+    """TRL's signature: the mean, over an episode's assistant messages, of the fraction of their
+    characters that are lowercase letters or spaces (the multi-turn analogue of char_fraction);
+    logs the number of assistant messages it saw."""
+    scores, turns = [], []
+    for messages in completions:
+        said = [m["content"] for m in messages if m["role"] == "assistant"]
+        turns.append(len(said))
+        scores.append(sum(sum(c in LOWER for c in s) / max(len(s), 1) for s in said) / max(len(said), 1))
+    log_metric("assistant_turns", sum(turns) / len(turns))
+    return scores
+
+
+def counts_tool_calls(completions, **kwargs):
+    """How many tool results an episode received (its tool calls): a reward that counts them."""
+    return [float(sum(m["role"] == "tool" for m in messages)) for messages in completions]

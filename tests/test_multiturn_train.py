@@ -1,0 +1,86 @@
+"""The real ``train(cfg)`` with an environment: episodes of several turns learn, TRL's environments
+and reward functions run unchanged, every iteration can be dumped, and the default job has no
+environment at all."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ppo_lightning.jobs import train
+from tests.conftest import compose_cfg, read_metrics
+
+ECHO = [
+    "env=function",
+    "env._target_=tests.multiturn.Echo",
+    "+env.turns=2",
+    "env.max_total_tokens=80",
+    "reward=function",
+    "reward.fn=tests.multiturn.assistant_lowercase",
+    "sampling.max_new_tokens=12",
+    "data.batch_size=8",
+    "ppo.minibatch_size=8",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks=none",
+    "export_dir=null",
+]
+
+
+def test_the_default_job_has_no_environment(tmp_path, cache_dir):
+    from ppo_lightning.factory import build_module
+
+    cfg = compose_cfg([], tmp_path, cache_dir, experiment=None)
+    assert cfg.env == {}
+    module, _ = build_module(compose_cfg([], tmp_path, cache_dir))
+    assert module.algo.episodes is None
+
+
+@pytest.mark.slow  # 20 iterations, about 100 s on 2 cores
+def test_episodes_of_two_turns_raise_the_reward_of_every_turn(tmp_path, cache_dir):
+    """A random tiny model in two-turn episodes (the environment answers the first turn with a
+    user message), rewarded for lowercase text in both of its turns: the reward rises, every
+    episode has two turns, the environment's tokens are part of each response, and the reward
+    function's log_metric reaches the metrics."""
+    cfg = compose_cfg([*ECHO, "trainer.max_steps=20", "optimizer.lr=3e-3", "ppo.kl_coef=0.01"], tmp_path, cache_dir)
+    train(cfg)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert len(rows) == 20
+    assert all(r["env/turns_mean"] == 2.0 for r in rows)
+    assert all(0 < r["env/env_token_frac"] < 1 for r in rows)
+    assert all(r["rewards/assistant_lowercase/assistant_turns"] == 2.0 for r in rows)
+    first, last = (sum(r["objective/raw_scores"] for r in part) / 4 for part in (rows[:4], rows[-4:]))
+    assert last > first + 0.1, (first, last)
+    assert all(r["env/env_errors"] == 0 and r["env/truncated_frac"] < 1 for r in rows)
+
+
+def test_the_first_update_of_an_episode_rollout_has_ratio_exactly_one(tmp_path, cache_dir):
+    cfg = compose_cfg(
+        [*ECHO, "trainer.max_steps=1", "ppo.ppo_epochs=1", "ppo.fuse_rollout_forward=false"], tmp_path, cache_dir
+    )
+    train(cfg)
+    (row,) = read_metrics(tmp_path / "metrics.csv")
+    assert row["val/ratio"] == 1.0 and row["val/ratio_var"] == 0.0 and row["policy/approxkl_avg"] == 0.0
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_rollout_dump_writes_every_iterations_episodes(tmp_path, cache_dir, multi_turn):
+    extra = ECHO if multi_turn else ["data.batch_size=8", "ppo.minibatch_size=8", "callbacks=none", "export_dir=null"]
+    cfg = compose_cfg(
+        [*extra, "trainer.max_steps=2", "ppo.rollout_dump=true", "trainer.enable_progress_bar=false"],
+        tmp_path,
+        cache_dir,
+    )
+    train(cfg)
+    files = sorted((tmp_path / "rollouts").iterdir())
+    assert [f.name for f in files] == ["iter_0.jsonl", "iter_1.jsonl"]
+    rows = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert len(rows) == 8
+    for row in rows:
+        assert {"columns", "prompt_ids", "response_ids", "loss_mask", "messages", "reward", "turns"} <= set(row)
+        assert len(row["loss_mask"]) == len(row["response_ids"]) and row["loss_mask"][0] == 1
+        assert row["messages"][-1]["role"] == "assistant"
+        assert row["turns"] == (2 if multi_turn else 1)
+        assert (0 in row["loss_mask"]) == multi_turn  # only the environment's tokens are 0
+    assert not list((tmp_path / "rollouts").glob("*.tmp"))  # each file written whole
