@@ -245,3 +245,44 @@ def assistant_lowercase(completions, log_metric, **kwargs):
 def counts_tool_calls(completions, **kwargs):
     """How many tool results an episode received (its tool calls): a reward that counts them."""
     return [float(sum(m["role"] == "tool" for m in messages)) for messages in completions]
+
+
+class ReachTargetBackend:
+    """A generation backend that plays a rule instead of sampling (for runs whose episodes must
+    call tools): a context whose last line is the user's asks for ``increment`` by the target the
+    prompt names (``Reach N.``); a context after a tool's result answers ``done`` and EOS. Built as
+    any backend is, from ``(lm, tokenizer)``; records every call's contexts in ``calls``."""
+
+    samples_live_module = True
+    sampled_logprobs = None
+    calls: list = []
+
+    def __init__(self, lm, tokenizer, **kwargs):
+        self.tok = tokenizer
+
+    def generate(self, prompt_ids, attention_mask, params, generator=None):
+        import re
+
+        out = []
+        for row, m in zip(prompt_ids.cpu(), attention_mask.cpu()):
+            text = self.tok.decode(row[m.bool()].tolist())
+            ReachTargetBackend.calls.append(text)
+            if "<|tool|>" in text.rsplit("<|user|>", 1)[-1]:
+                ids = self.tok.encode("done", add_special_tokens=False) + [self.tok.eos_token_id]
+            else:
+                target = re.findall(r"Reach (\d+)\.", text)[-1]
+                ids = self.tok.encode(tool_call("increment", f'{{"step": {target}}}'), add_special_tokens=False)
+            out.append(ids[: params.max_new_tokens])
+        R = max(len(t) for t in out)
+        responses = torch.full((len(out), R), self.tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(out), R)
+        for i, t in enumerate(out):
+            responses[i, : len(t)] = torch.tensor(t)
+            mask[i, : len(t)] = 1.0
+        return responses.to(prompt_ids.device), mask.to(prompt_ids.device)
+
+    def sync_weights(self):
+        return None
+
+    def close(self):
+        pass

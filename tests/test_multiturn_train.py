@@ -84,3 +84,50 @@ def test_rollout_dump_writes_every_iterations_episodes(tmp_path, cache_dir, mult
         assert row["turns"] == (2 if multi_turn else 1)
         assert (0 in row["loss_mask"]) == multi_turn  # only the environment's tokens are 0
     assert not list((tmp_path / "rollouts").glob("*.tmp"))  # each file written whole
+
+
+def test_a_trl_environment_class_runs_a_whole_job_and_scores_its_episodes(tmp_path, cache_dir):
+    """``env=tools env.environment=<a class written for TRL's environment_factory>``, unchanged,
+    in a real run: ``reset(**columns)`` reads each record's ``target`` and appends to the prompt,
+    the policy (a rule-playing backend) calls ``increment``, the environment's ``get_reward()`` is
+    one more reward term named after the class, beside the configured reward."""
+    data = tmp_path / "count.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": "Count."}], "target": t}) + "\n" for t in range(1, 9)
+        )
+    )
+    cfg = compose_cfg(
+        [
+            "data=file",
+            f"data.path={data}",
+            "data.max_prompt_length=360",  # the tool's JSON schema, in bytes
+            f"model.name_or_path={cache_dir}/tiny-gpt2-p768",
+            "model.build_tiny.n_positions=768",
+            "env=tools",
+            "env.environment=tests.multiturn.IncrementEnv",
+            "env.max_total_tokens=160",
+            "reward=function",
+            "reward.fn=tests.multiturn.counts_tool_calls",
+            "reward.normalize=false",
+            "generation._target_=tests.multiturn.ReachTargetBackend",
+            "sampling.max_new_tokens=80",
+            "data.batch_size=8",
+            "ppo.minibatch_size=8",
+            "trainer.max_steps=2",
+            "trainer.enable_progress_bar=false",
+            "callbacks=none",
+            "export_dir=null",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    train(cfg)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    for r in rows:
+        assert r["rewards/IncrementEnv/mean"] == 1.0  # every counter reached its record's target
+        assert r["rewards/counts_tool_calls/mean"] == 1.0 and r["objective/raw_scores"] == 2.0
+        assert r["env/turns_mean"] == 2.0 and r["env/tool_calls_mean"] == 1.0 and r["env/tool_errors"] == 0
+    from tests.multiturn import ReachTargetBackend
+
+    assert any("Count. Reach 5." in c for c in ReachTargetBackend.calls)  # reset's text, appended

@@ -13,7 +13,12 @@ from pathlib import Path
 
 from ppo_lightning.errors import ConfigError
 
-RECIPES = {"reviews": "reviews-v3", "arithmetic": "arithmetic-v2", "math_chat": "math_chat-v1"}
+RECIPES = {
+    "reviews": "reviews-v3",
+    "arithmetic": "arithmetic-v2",
+    "math_chat": "math_chat-v1",
+    "calculator_tool": "calculator_tool-v1",
+}
 """Recipe name -> its cache directory under ``paths.cache_dir``, the one place each is named
 (configs reach it as ``${recipe_dir:<name>}``). Bump the version when a recipe's data or models
 change, so no run reuses an old build."""

@@ -4,8 +4,8 @@ Chosen on the command line: ``reward=function reward.fn=my_pkg.my_module.my_fn``
 arguments come from ``reward.kwargs``. The import happens when the run is built, so a typo fails
 before any model is loaded. Two signatures:
 
-- TRL's (a function naming ``completions`` or ``completion_ids``, or taking fewer than two
-  positional parameters): called by keyword, as TRL calls it, with what it asks for: ``prompts``
+- TRL's (any function but the one below): called by keyword, as TRL calls it, with what it
+  asks for: ``prompts``
   (as the user wrote them: strings, or lists of chat messages), ``completions`` (the response
   texts; for chat prompts each a list of messages: ``[{"role": "assistant", "content": text}]``,
   and for a multi-turn episode every message after the prompt, assistant, tool and user turns),
@@ -14,8 +14,9 @@ before any model is loaded. Two signatures:
   environment) and the record columns by name. A function that takes ``**kwargs`` gets all of
   them, so ``def f(completion_ids, **kwargs)`` and ``def f(completions, solution, **kwargs)`` both
   work unchanged.
-- otherwise ``fn(prompts, responses, **kwargs)``: the decoded prompt and response texts
-  (``prompt + response`` is the decoded whole sequence).
+- a function whose second parameter is named ``responses``, ``fn(prompts, responses, **kwargs)``:
+  called with the decoded prompt and response texts (``prompt + response`` is the decoded whole
+  sequence), then its columns by name.
 
 A parameter that ``reward.kwargs`` does not set and that is not one of the call's own is a column
 of the prompt records (``answer``, ``data_source``, ...), one value per response: one without a
@@ -86,7 +87,7 @@ class FunctionReward:
         params = inspect.signature(raw).parameters
         named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.trl_style = bool({"completions", "completion_ids"} & set(params)) or len(positional) < 2
+        self.trl_style = not (len(positional) >= 2 and positional[1].name == "responses")
         self.takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
         own = set(CALL_ARGS) if self.trl_style else {p.name for p in named[:2]}  # (prompts, responses)
         self.call_args = tuple(a for a in CALL_ARGS if a in params or self.takes_all) if self.trl_style else ()

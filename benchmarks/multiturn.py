@@ -1,0 +1,163 @@
+"""What a multi-turn iteration costs against a single-turn one of the same token count.
+
+    python benchmarks/multiturn.py                         # hf backend, 3 turns of 16 tokens
+    .venv-vllm/bin/python benchmarks/multiturn.py --backend vllm
+
+Both sides run the real job (``train.py``'s config composed by Hydra, a Lightning Trainer) on the
+tiny byte model and the toy prompts, alternating, ``--rounds`` times:
+
+- **multi-turn**: ``env=function`` with ``FixedReply``, an environment that answers each policy
+  turn with a user message of ``--reply`` characters, ``--turns`` policy turns of at most
+  ``--turn-tokens`` tokens each (``sampling.max_new_tokens``);
+- **single-turn**: no environment, every response ``stop_at_eos=false`` at the multi-turn run's
+  mean response length (policy and environment tokens), so both update on the same number of
+  positions.
+
+Reported per side: the median seconds of an iteration (rollout + update, the first iteration
+left out), of its rollout and its update, response tokens per episode, and the ratio
+multi / single, with ``env/time_s`` (the episode loop outside sampling) and the environment's
+share of the tokens. One JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import lightning as L
+
+from ppo_lightning.envs import Environment, EnvStep
+
+
+class FixedReply(Environment):
+    """Answers each of the first ``turns - 1`` policy turns with ``reply`` as a user message."""
+
+    def __init__(self, turns: int = 3, reply: str = "go on"):
+        self.turns, self.reply = turns, reply
+
+    def reset(self, record):
+        self.n = 0
+        return None
+
+    def step(self, messages):
+        self.n += 1
+        done = self.n >= self.turns
+        return EnvStep([] if done else [{"role": "user", "content": self.reply}], done=done)
+
+
+class IterationTimes(L.Callback):
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append(dict(pl_module.last_metrics))
+
+
+def run(overrides: list[str], out: Path) -> list[dict]:
+    from ppo_lightning.factory import build_module, build_trainer, compose_config
+
+    cfg = compose_config(
+        [
+            "experiment=tiny_char",
+            "logger=none",
+            "callbacks=none",
+            "export_dir=null",
+            "trainer.enable_progress_bar=false",
+            "trainer.enable_model_summary=false",
+            "reward.normalize=false",
+            f"paths.output_dir={out}",
+            *overrides,
+        ]
+    )
+    module, datamodule = build_module(cfg)
+    times = IterationTimes()
+    trainer = build_trainer(cfg, extra_callbacks=[times])
+    trainer.fit(module, datamodule=datamodule)
+    return times.rows
+
+
+def summary(rows: list[dict]) -> dict:
+    rows = rows[1:]  # the first iteration warms up (allocations, the engine's start)
+    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    rollout, update = med("perf/time_rollout_s"), med("perf/time_update_s")
+    out = {
+        "iteration_s": round(rollout + update, 4),
+        "rollout_s": round(rollout, 4),
+        "update_s": round(update, 4),
+        "policy_tokens_per_episode": round(med("rollout/response_length"), 2),
+    }
+    if "env/turns_mean" in rows[0]:
+        out.update(
+            turns=round(med("env/turns_mean"), 2),
+            env_token_frac=round(med("env/env_token_frac"), 3),
+            env_time_s=round(med("env/time_s"), 4),
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turn-tokens", type=int, default=16)
+    ap.add_argument("--reply", default="go on, say more", help="the environment's message")
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    args = ap.parse_args()
+    common = [
+        f"generation={args.backend}",
+        f"data.batch_size={args.batch}",
+        f"ppo.minibatch_size={args.batch}",
+        f"trainer.max_steps={args.iterations}",
+        "data.max_prompt_length=64",
+    ]
+    multi = [
+        *common,
+        "env=function",
+        "env._target_=benchmarks.multiturn.FixedReply",
+        f"+env.turns={args.turns}",
+        f"+env.reply='{args.reply}'",
+        "env.max_total_tokens=180",
+        f"env.max_turns={args.turns}",
+        f"sampling.max_new_tokens={args.turn_tokens}",
+    ]
+    results: dict[str, list[dict]] = {"multi_turn": [], "single_turn": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            rows = run(multi, Path(tmp) / f"multi{r}")
+            results["multi_turn"].append(summary(rows))
+            length = round(
+                statistics.mean(row["rollout/response_length"] / (1 - row["env/env_token_frac"]) for row in rows)
+            )
+            single = [*common, f"sampling.max_new_tokens={length}", "sampling.stop_at_eos=false"]
+            results["single_turn"].append({**summary(run(single, Path(tmp) / f"single{r}")), "response_tokens": length})
+    ratios = [m["iteration_s"] / s["iteration_s"] for m, s in zip(results["multi_turn"], results["single_turn"])]
+    print(
+        json.dumps(
+            {
+                "backend": args.backend,
+                "turns": args.turns,
+                "turn_tokens": args.turn_tokens,
+                "batch": args.batch,
+                "rounds": results,
+                "ratio_multi_over_single": round(statistics.median(ratios), 3),
+                "ratios": [round(x, 3) for x in ratios],
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
