@@ -100,11 +100,12 @@ class ScriptedBackend:
         self.calls.append(rows)
         seen: dict[tuple[int, ...], int] = {}
         out = []
-        for row in rows:
+        limits = params.row_max_new_tokens or [params.max_new_tokens] * len(rows)
+        for row, limit in zip(rows, limits):
             p = self._prompt(row)
             k = self.turn.get(p, 0)
             seen[p] = k
-            out.append(self.script[p][min(k, len(self.script[p]) - 1)][: params.max_new_tokens])
+            out.append(self.script[p][min(k, len(self.script[p]) - 1)][:limit])
         for p, k in seen.items():
             self.turn[p] = k + 1
         R = max(len(t) for t in out)
@@ -272,7 +273,7 @@ class ReachTargetBackend:
             else:
                 target = re.findall(r"Reach (\d+)\.", text)[-1]
                 ids = self.tok.encode(tool_call("increment", f'{{"step": {target}}}'), add_special_tokens=False)
-            out.append(ids[: params.max_new_tokens])
+            out.append(ids[: (params.row_max_new_tokens or [params.max_new_tokens] * 10**4)[len(out)]])
         R = max(len(t) for t in out)
         responses = torch.full((len(out), R), self.tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(out), R)

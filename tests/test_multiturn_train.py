@@ -131,3 +131,47 @@ def test_a_trl_environment_class_runs_a_whole_job_and_scores_its_episodes(tmp_pa
     from tests.multiturn import ReachTargetBackend
 
     assert any("Count. Reach 5." in c for c in ReachTargetBackend.calls)  # reset's text, appended
+
+
+def _dump(tmp_path, cache_dir, name: str, seed: int) -> list[str]:
+    out = tmp_path / name
+    cfg = compose_cfg([*ECHO, "trainer.max_steps=2", "ppo.rollout_dump=true", f"seed={seed}"], out, cache_dir)
+    train(cfg)
+    return [(out / "rollouts" / f"iter_{k}.jsonl").read_text() for k in range(2)]
+
+
+def test_the_same_seed_plays_the_same_episodes_and_another_seed_others(tmp_path, cache_dir):
+    a, b, c = (
+        _dump(tmp_path, cache_dir, "a", 42),
+        _dump(tmp_path, cache_dir, "b", 42),
+        _dump(tmp_path, cache_dir, "c", 7),
+    )
+    assert a == b
+    assert [json.loads(x)["response_ids"] for x in a[0].splitlines()] != [
+        json.loads(x)["response_ids"] for x in c[0].splitlines()
+    ]
+
+
+@pytest.mark.slow  # two processes
+def test_ddp_ranks_play_their_own_episodes_with_tools_and_stay_identical(tmp_path, cache_dir):
+    """``env=tools`` under ``trainer=ddp_cpu``: each rank plays its own prompts' episodes (the
+    dumps differ), the ranks' weights end identical."""
+    from tests.test_ddp import ddp_run
+
+    ddp_run(
+        tmp_path,
+        cache_dir,
+        "tools",
+        [
+            "env=tools",
+            "env.tools=[ppo_lightning.envs.calculator.calculator]",
+            "data.max_prompt_length=360",
+            "model.name_or_path=${paths.cache_dir}/tiny-gpt2-p768",
+            "model.build_tiny.n_positions=768",
+            "ppo.rollout_dump=true",
+        ],
+    )
+    rollouts = tmp_path / "run_tools" / "rollouts"
+    r0, r1 = ((rollouts / f"iter_0.rank{r}.jsonl").read_text().splitlines() for r in (0, 1))
+    prompts = lambda rows: [json.loads(x)["messages"][0]["content"] for x in rows]  # noqa: E731
+    assert len(r0) == len(r1) == 8 and not set(prompts(r0)) & set(prompts(r1))

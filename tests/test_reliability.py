@@ -28,6 +28,17 @@ SWITCHES = {
     "ddp_cpu": ["trainer=ddp_cpu"],
     "fsdp_cpu": ["trainer=fsdp_cpu"],
     "lora_fsdp_cpu": ["model.lora.r=4", "trainer=fsdp_cpu"],
+    # multi-turn: two-turn episodes (the environment answers the first turn), and tool calling
+    # (the tools' JSON schemas in the prompt) under DDP
+    "env_echo": ["env=function", "env._target_=tests.multiturn.Echo", "+env.turns=2", "env.max_total_tokens=48"],
+    "env_tools_ddp_cpu": [
+        "env=tools",
+        "env.tools=[ppo_lightning.envs.calculator.calculator]",
+        "data.max_prompt_length=360",
+        "model.name_or_path=${paths.cache_dir}/tiny-gpt2-p768",
+        "model.build_tiny.n_positions=768",
+        "trainer=ddp_cpu",
+    ],
 }
 _UNINTERRUPTED: dict[str, dict[int, dict[str, float]]] = {}
 
@@ -68,7 +79,7 @@ def assert_resume_replays(switch: str, last, run_dir, expected: dict, first_step
 
 
 @pytest.mark.slow  # runs in subprocesses, one of them killed
-@pytest.mark.parametrize("switch", ["full", "lora", "ddp_cpu", "fsdp_cpu"])
+@pytest.mark.parametrize("switch", ["full", "lora", "ddp_cpu", "fsdp_cpu", "env_echo", "env_tools_ddp_cpu"])
 def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_factory, cache_dir, switch):
     """With LoRA the checkpoint holds only the adapters, the value head and their optimizer state;
     the frozen base is rebuilt from its source. With two processes every rank is killed, and the

@@ -116,3 +116,59 @@ def test_stop_settings_reach_the_sampler_and_bad_ones_name_the_key(tmp_path, cac
         build_module(compose_cfg(["sampling.stop_token_ids=[99999]"], tmp_path, cache_dir))
     with pytest.raises(ConfigError, match=r"^sampling.stop_strings: an empty string would stop"):
         build_module(compose_cfg(["sampling.stop_strings=['']"], tmp_path, cache_dir))
+
+
+def test_each_row_stops_at_its_own_limit_and_its_positions_stay_within_it(tiny_lm_dir):
+    """``row_max_new_tokens``: a row ends at its own limit (its mask ends there, pad after), the
+    other rows sample exactly as without it, and an ended row's positions stop growing: a model
+    with 24 positions samples a 20-token prompt for 12 new tokens on the rows allowed 4."""
+    from ppo_lightning.policy import load_causal_lm, load_tokenizer
+    from ppo_lightning.tiny import gpt2_config, save_random_model
+
+    tok = load_tokenizer(str(tiny_lm_dir))
+    lm = load_causal_lm(str(tiny_lm_dir), tok)
+    enc = tok(["hello there", "the cat sat on the mat", "xyz"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=10, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, greedy=True)
+    free, free_mask = generate(lm, enc.input_ids, enc.attention_mask, **kw)
+    got, mask = generate(lm, enc.input_ids, enc.attention_mask, row_max_new_tokens=(3, 10, 6), **kw)
+    assert mask.sum(1).tolist() == [min(3, free_mask[0].sum()), free_mask[1].sum(), min(6, free_mask[2].sum())]
+    assert torch.equal(got[1], free[1]) and got[0, :3].tolist() == free[0, :3].tolist()
+    short = save_random_model(tiny_lm_dir.parent / "short-ctx", gpt2_config(n_positions=24), tok)
+    small = load_causal_lm(str(short), tok)
+    ids = tok(["a" * 20, "b" * 8], return_tensors="pt", padding=True)
+    for fast in (True, False):
+        out, m = generate(
+            small,
+            ids.input_ids,
+            ids.attention_mask,
+            row_max_new_tokens=(4, 12),
+            fast_decode=fast,
+            **{**kw, "max_new_tokens": 12},
+        )
+        assert m.sum(1).tolist()[0] <= 4
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 1.0, 0.1), (20, 1.0, 0.05), (0, 0.9, 0.2), (30, 0.8, 0.1)])
+def test_min_p_keeps_the_tokens_hugging_faces_processors_keep(top_k, top_p, min_p):
+    """``sampling.min_p`` after temperature, top-k and top-p: the distribution drawn from equals
+    the one Hugging Face's own logits processors give, in their order, renormalised."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from ppo_lightning.generation.hf import sampling_probs
+
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(3)) * 3
+    chain = [TemperatureLogitsWarper(0.7)]
+    chain += [TopKLogitsWarper(top_k)] if top_k else []
+    chain += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    chain += [MinPLogitsWarper(min_p)]
+    want = torch.softmax(LogitsProcessorList(chain)(None, logits.clone()), -1)
+    got = sampling_probs(logits, 0.7, top_k, top_p, min_p)
+    got = got / got.sum(-1, keepdim=True)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -84,8 +84,10 @@ def test_greedy_tokens_stops_and_masks_equal_the_hf_backends_before_and_after_a_
 
     # stops: EOS, a stop token and a stop string, all inside the engine (the string on its text)
     row = tokens[1].tolist()
-    t = next(i for i in range(3, len(row) - 1) if all(32 <= x < 127 for x in row[i : i + 2]))  # printable bytes
-    params = plain.replace(stop_token_ids=(row[2],), stop_strings=(tok.decode(row[t : t + 2]),))
+    # a stop string: the longest run (up to 2) of printable bytes some row wrote after its 2nd token
+    runs = [r[i : i + k] for r in tokens.tolist() for k in (2, 1) for i in range(2, len(r) - k + 1)]
+    text = next(tok.decode(x) for x in runs if all(33 <= b < 127 for b in x))
+    params = plain.replace(stop_token_ids=(row[2],), stop_strings=(text,))
     want, got = greedy(hf, params), greedy(vb, params)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert want[1].sum() < mask.sum()  # the stops cut some rows
@@ -98,6 +100,33 @@ def test_greedy_tokens_stops_and_masks_equal_the_hf_backends_before_and_after_a_
     after = greedy(vb, plain)
     assert torch.equal(after[0], greedy(hf, plain)[0])
     assert not torch.equal(after[0], tokens)  # it follows the new weights
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_episodes_on_the_engine_are_the_hf_backends_token_for_token(cache_dir, arch):
+    """Multi-turn episodes through the engine, each turn's context passed as token ids, with
+    every episode's own limit (its room under env.max_total_tokens): greedy, they are the hf
+    backend's episodes, ids, masks and turns alike, and the environment answered between turns."""
+    from ppo_lightning.config import EnvConfig
+    from ppo_lightning.envs import ChatRenderer, EpisodeRunner
+    from ppo_lightning.generation.hf import HFBackend
+    from ppo_lightning.generation.params import SamplingParams
+    from tests.multiturn import Echo
+
+    lm, tok = tiny_lm(cache_dir, arch)
+    renderer = ChatRenderer(tok)
+    renderer.check_prefix_preserving("tiny")
+    runner = EpisodeRunner(lambda: Echo(turns=3, reply="go on"), renderer, EnvConfig(max_total_tokens=40), tok)
+    prompts = ["hi there", "the cat", "a", "what is it"]
+    params = SamplingParams(max_new_tokens=9, greedy=True, stop_strings=("xy",))
+    played = {
+        name: runner.run(prompts, [{}] * 4, backend, params, None, "cpu")
+        for name, backend in (("hf", HFBackend(lm, tok)), ("vllm", engine(lm, tok)))
+    }
+    for a, b in zip(played["hf"].episodes, played["vllm"].episodes, strict=True):
+        assert a.response_ids == b.response_ids and a.loss_mask == b.loss_mask and a.turns == b.turns
+    assert max(e.turns for e in played["hf"].episodes) > 1 and 0 in played["hf"].episodes[0].loss_mask
+    assert all(len(e.response_ids) <= 40 for e in played["vllm"].episodes)
 
 
 def test_seeded_samples_replay_and_the_engines_logprobs_are_the_training_forwards(cache_dir):

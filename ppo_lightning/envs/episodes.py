@@ -200,13 +200,14 @@ class EpisodeRunner:
             rooms = [budget - len(e.response_ids) for e in active]
             contexts = [e.prompt_ids + e.response_ids for e in active]
             ids, mask = _pad_left(contexts, self.tokenizer.pad_token_id, device)
-            max_new = min(params.max_new_tokens, max(rooms))
-            out, out_mask = sampler.generate(ids, mask, turn_params.replace(max_new_tokens=max_new), generator)
+            limits = tuple(min(params.max_new_tokens, r) for r in rooms)  # no episode samples past its budget
+            call = turn_params.replace(max_new_tokens=max(limits), row_max_new_tokens=limits)
+            out, out_mask = sampler.generate(ids, mask, call, generator)
             lengths = out_mask.sum(1).long().tolist()
             rows = out.tolist()
             t0 = time.perf_counter()
             for e, row, n, room in zip(active, rows, lengths, rooms):
-                self._take_turn(e, row[: min(n, room)], cut=n > room, stops=stops)
+                self._take_turn(e, row[: min(n, room)], stops)
             env_time += time.perf_counter() - t0
         return self._batch(episodes, device, env_time)
 
@@ -244,14 +245,14 @@ class EpisodeRunner:
             prompt_ids = prompt_ids[-limit:]
         return Episode(record, env, messages, prompt_ids, tools, messages=list(messages))
 
-    def _take_turn(self, e: Episode, tokens: list[int], cut: bool, stops: StopChecker) -> None:
+    def _take_turn(self, e: Episode, tokens: list[int], stops: StopChecker) -> None:
         """Append one policy turn as sampled, let the environment answer it, and append the
         answer's tokens, or end the episode."""
         c, tok = self.cfg, self.tokenizer
         e.response_ids += tokens
         e.loss_mask += [1] * len(tokens)
         e.turn_ends.append(len(e.response_ids) - 1)
-        e.stopped = bool(tokens) and not cut and stops.ends_at(tokens)
+        e.stopped = stops.ends_at(tokens)
         ended_with_eos = e.stopped and tokens[-1] == tok.eos_token_id
         content = tok.decode(tokens[:-1] if ended_with_eos else tokens, skip_special_tokens=False)
         e.messages.append({"role": "assistant", "content": content})

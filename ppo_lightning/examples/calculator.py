@@ -12,11 +12,12 @@ Hermes format; the tool's result comes back as a ``tool`` message, and the polic
     <|tool|>9540
     <|assistant|>The answer is 9540.<|endoftext|>
 
-The tokenizer is character-level (every printable ASCII character, space and newline are tokens;
-the chat markers and the tool-call tags are added tokens), so decoding is exact and a tool call's
-JSON parses. The SFT corpus (:func:`sft_records`) teaches both ways of answering, mostly the
-wrong one: 30% of its transcripts call the tool, 70% state an answer at once (the true one, which
-a 2-layer model cannot compute). Greedy decoding therefore starts by answering in its head and is
+The tokenizer is a byte-level BPE trained on such transcripts, every digit a token of its own (a
+number is copied digit by digit), the chat markers and the tool-call tags added tokens; decoding
+is exact, so a tool call's JSON parses. The SFT corpus (:func:`sft_records`) teaches both ways of answering, mostly the
+wrong one: for 30% of its problems the first turn calls the tool, for 70% it states an answer at
+once (the true one, which a 2-layer model cannot compute); every problem also teaches the turn
+after a call, which repeats the tool's result. Greedy decoding therefore starts by answering in its head and is
 almost never right; RL with a correctness reward has to find that calling the tool pays.
 """
 
@@ -84,10 +85,11 @@ def answer_text(value: int | str) -> str:
 
 
 def sft_records(rng: random.Random | int, n: int, tokenizer, tools: list[dict], tool_share: float = 0.3, exclude=()):
-    """SFT examples for ``n`` problems, as ``{"prompt": rendered text, "response": text}``: a
-    ``tool_share`` of the problems as a call (prompt: the question) and an answer after the
-    tool's result (prompt: the conversation through the result), the rest as an answer at once.
-    Each example is one assistant turn, so the loss is on the policy's own turns only."""
+    """SFT examples for ``n`` problems, as ``{"prompt": rendered text, "response": text}``, each
+    one assistant turn (the loss is on the policy's own turns only): the first turn, a call
+    (a ``tool_share`` of the problems) or an answer at once (the rest), and, for every problem,
+    the answer after a call, repeating the tool's result (half the time the result shown is
+    another number of the same length, so the answer can only be the copy)."""
     rng, out = _as_rng(rng), []
 
     def render(messages):
@@ -96,17 +98,20 @@ def sft_records(rng: random.Random | int, n: int, tokenizer, tools: list[dict], 
     for r in prompt_records(rng, n, exclude=set(exclude)):
         user = r["prompt"]
         expr = user[0]["content"][len("What is ") : -1]
-        if rng.random() < tool_share:
-            call = tool_call_text(expr)
-            out.append({"prompt": render(user), "response": call})
-            conversation = [
-                *user,
-                {"role": "assistant", "content": call},
-                {"role": "tool", "name": "calculator", "content": r["answer"]},
-            ]
-            out.append({"prompt": render(conversation), "response": answer_text(r["answer"])})
-        else:
-            out.append({"prompt": render(user), "response": answer_text(r["answer"])})
+        call = tool_call_text(expr)
+        first = call if rng.random() < tool_share else answer_text(r["answer"])
+        out.append({"prompt": render(user), "response": first})
+        # every problem also teaches the turn after a call: the answer repeats the tool's result;
+        # half the time the result shown is another number of that length, so that SFT teaches the
+        # copy rather than a guess from the question (the first turn's mix is what RL must change)
+        digits = len(r["answer"])
+        shown = r["answer"] if rng.random() < 0.5 else str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+        conversation = [
+            *user,
+            {"role": "assistant", "content": call},
+            {"role": "tool", "name": "calculator", "content": shown},
+        ]
+        out.append({"prompt": render(conversation), "response": answer_text(shown)})
     return out
 
 
@@ -129,10 +134,26 @@ def tool_calls(completions, **kwargs) -> list[float]:
     return [float(sum(m["role"] == "tool" for m in messages)) for messages in completions]
 
 
-def build_tokenizer():
-    """The character-level tokenizer: printable ASCII, space and newline, the chat markers and
-    tool-call tags as added tokens, EOS and pad; ``CHAT_TEMPLATE`` as its chat template."""
-    from ppo_lightning.examples.tokenizer import build_char_tokenizer
+def build_tokenizer(corpus: list[str]):
+    """A byte-level BPE tokenizer trained on ``corpus`` (the recipe's transcripts): every digit a
+    token of its own (so numbers are copied digit by digit), the tool-call boilerplate merged into
+    a few tokens as a real model's vocabulary merges it, the chat markers and tool-call tags as
+    added tokens, EOS and pad; ``CHAT_TEMPLATE`` as its chat template. Decoding is exact, so a
+    tool call's JSON parses."""
+    from ppo_lightning.examples.tokenizer import build_bpe_tokenizer
 
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    return build_char_tokenizer(chars, added=(*ROLE_TOKENS, TOOL_OPEN, TOOL_CLOSE), chat_template=CHAT_TEMPLATE)
+    return build_bpe_tokenizer(
+        corpus, vocab_size=VOCAB_SIZE, added=(*ROLE_TOKENS, TOOL_OPEN, TOOL_CLOSE), chat_template=CHAT_TEMPLATE
+    )
+
+
+VOCAB_SIZE = 400
+
+
+def tokenizer_corpus(rng: random.Random | int, n: int = 2000) -> list[str]:
+    """Transcripts of both kinds, as text, to train the tokenizer on."""
+    rng, out = _as_rng(rng), []
+    for r in prompt_records(rng, n):
+        expr, value = r["prompt"][0]["content"][len("What is ") : -1], r["answer"]
+        out.append(f"{question(expr)}\n{tool_call_text(expr)}\n{value}\n{answer_text(value)}\ncalculator(expression)\n")
+    return out

@@ -65,23 +65,32 @@ def build_word_tokenizer(words: list[str], *, char_level: bool = False):
     )
 
 
-def build_char_tokenizer(chars: list[str], *, added: tuple[str, ...] = (), chat_template: str | None = None):
-    """A ``PreTrainedTokenizerFast`` with one token per character of ``chars``, whitespace
-    included (so decoding gives back the text exactly: a tool call's JSON parses), plus ``added``
-    tokens matched whole before the split (chat markers, tool-call tags; kept by decoding) and
-    EOS, pad and unk as above."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_bpe_tokenizer(
+    corpus: list[str], *, vocab_size: int, added: tuple[str, ...] = (), chat_template: str | None = None
+):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``corpus``: every digit split off
+    as a token of its own, merges across any other characters (no pre-tokenising regex), the
+    ``added`` tokens matched whole before the split (chat markers, tool-call tags; kept by
+    decoding), and EOS, pad and unk as above. Decoding gives back the text exactly."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(chars)
-    if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
-        raise ValueError("chars must be distinct single characters")
-    vocab = {c: i for i, c in enumerate(chars + list(added) + list(SPECIAL_TOKENS))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
-    tok.decoder = decoders.Fuse()
+    tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
     tok.add_tokens([AddedToken(t, normalized=False) for t in added])
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,

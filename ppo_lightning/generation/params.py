@@ -34,6 +34,9 @@ class SamplingParams:
     ``generation/stops.py``): the response stops at the token that completes one."""
     greedy: bool = False
     """Argmax instead of a draw (evaluations)."""
+    row_max_new_tokens: tuple[int, ...] | None = None
+    """Each row's own limit, at most ``max_new_tokens`` (an episode's room left under
+    ``env.max_total_tokens``); None: ``max_new_tokens`` for every row. With ``stop_at_eos``."""
     chunk_size: int | None = None
     """Rows sampled per call (bounds the KV cache); null = the whole batch. A seeded run draws
     other tokens with another value (the random stream is consumed in another order)."""
@@ -56,6 +59,12 @@ class SamplingParams:
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+    def rows(self, index: slice) -> "SamplingParams":
+        """These params for the rows ``index`` of a batch (their own limits)."""
+        if self.row_max_new_tokens is None:
+            return self
+        return self.replace(row_max_new_tokens=self.row_max_new_tokens[index])
 
 
 def checked_stop_ids(tokenizer, token_ids) -> tuple[int, ...]:

@@ -299,8 +299,10 @@ class VLLMBackend:
             seeds = seeds.tolist()
         mask = attention_mask.bool().cpu()
         requests = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(prompt_ids.cpu(), mask)]
+        limits = params.row_max_new_tokens or [params.max_new_tokens] * B  # each row's own, an episode's room
+        engine_params = [EngineParams(seed=s, **{**common, "max_tokens": int(m)}) for s, m in zip(seeds, limits)]
         with _no_autocast():  # the engine runs in this thread: keep the rollout's autocast out of it
-            outputs = llm.generate(requests, [EngineParams(seed=s, **common) for s in seeds], use_tqdm=False)
+            outputs = llm.generate(requests, engine_params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logps = [[lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)] for toks, o in zip(tokens, outputs)]
         R = max(1, max(len(t) for t in tokens))

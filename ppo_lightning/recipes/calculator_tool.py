@@ -33,10 +33,10 @@ from ppo_lightning.recipes.common import build_cached, eval_report, fit_stage, s
 
 log = logging.getLogger(__name__)
 
-BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=160)
+BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=96)
 N_PROBLEMS = 1200  # RL prompts, the eval split included
-SFT_PROBLEMS = 3000
-SFT_STEPS = 500
+SFT_PROBLEMS = 6000
+SFT_STEPS = 700
 
 ROWS = {
     "accuracy with the tool (greedy)": "eval/reward/mean@1",
@@ -63,7 +63,7 @@ def prepare(cfg) -> Path:
             "calculator_tool recipe, first run: building the tokenizer, problems and SFT policy under %s", root(cfg)
         )
         rng = random.Random(cfg.seed)
-        tokenizer = calculator.build_tokenizer()
+        tokenizer = calculator.build_tokenizer(calculator.tokenizer_corpus(rng))
         tokenizer.save_pretrained(tmp / "tokenizer")
         save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
         problems = calculator.prompt_records(rng, N_PROBLEMS)
@@ -72,7 +72,11 @@ def prepare(cfg) -> Path:
         tools = ToolEnvironment(tools=[calculator_path()]).tools
         exclude = {r["prompt"][0]["content"][len("What is ") : -1] for r in problems}
         records = calculator.sft_records(rng, SFT_PROBLEMS, tokenizer, tools, tool_share=0.3, exclude=exclude)
-        log.info("[1/1] SFT policy on %d turns of %d transcripts (30%% call the tool)", len(records), SFT_PROBLEMS)
+        log.info(
+            "[1/1] SFT policy on %d turns of %d problems (30%% of first turns call the tool)",
+            len(records),
+            SFT_PROBLEMS,
+        )
         sft = fit_stage(
             "sft",
             tmp / "base",
@@ -83,7 +87,7 @@ def prepare(cfg) -> Path:
             lr=3e-3,
             max_length=BASE["n_positions"],
             seed=cfg.seed,
-            extra={"max_prompt_length": 120},
+            extra={"max_prompt_length": 64},
         )
         log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
 
