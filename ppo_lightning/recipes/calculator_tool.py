@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=96)
 N_PROBLEMS = 1200  # RL prompts, the eval split included
 SFT_PROBLEMS = 6000
-SFT_STEPS = 700
+SFT_STEPS = 1000
 
 ROWS = {
     "accuracy with the tool (greedy)": "eval/reward/mean@1",

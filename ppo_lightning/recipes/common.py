@@ -30,11 +30,35 @@ def build_cached(root: Path, build: Callable[[Path], None]) -> Path:
 
 
 def save_base_model(
-    directory: Path, tokenizer, n_layer: int, n_head: int, n_embd: int, n_positions: int, seed: int = 0
+    directory: Path,
+    tokenizer,
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    n_positions: int,
+    seed: int = 0,
+    arch: str = "gpt2",
 ) -> Path:
-    """A random GPT-2 sized to ``tokenizer`` (the starting point of SFT and the reward model)."""
-    from transformers import GPT2Config
+    """A random GPT-2 (or, ``arch="llama"``, a Llama: rotary positions, which copy by relative
+    offset) sized to ``tokenizer``: the starting point of SFT and the reward model."""
+    from transformers import GPT2Config, LlamaConfig
 
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=n_embd,
+            intermediate_size=4 * n_embd,
+            num_hidden_layers=n_layer,
+            num_attention_heads=n_head,
+            num_key_value_heads=n_head,
+            max_position_embeddings=n_positions,
+            attention_dropout=0.0,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return save_random_model(directory, config, tokenizer, seed)
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=n_positions,
