@@ -103,7 +103,8 @@ class PPO:
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
             r = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, kl_estimator=self.kl_estimator, cfg=c)
         r.first_forward, r.collect_time_s = first_forward, time.perf_counter() - t0
-        r.engine_logprobs = self.sampler.sampled_logprobs  # an engine's own view of its samples, or None
+        # an engine's own view of its samples (each turn's, in place, for episodes), or None
+        r.engine_logprobs = self.sampler.sampled_logprobs if r.episodes is None else r.episodes.engine_logprobs
         r.reward_logs, r.records = reward_logs, (prompts, columns) if prompts is not None else None
         return r
 

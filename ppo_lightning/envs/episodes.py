@@ -74,6 +74,9 @@ class Episode:
     done: bool = False
     info: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
     counts: Counter = dataclasses.field(default_factory=Counter)
+    engine_logprobs: list[float] = dataclasses.field(
+        default_factory=list
+    )  # an engine's, per response id (0 off policy)
 
     @property
     def turns(self) -> int:
@@ -112,6 +115,7 @@ class EpisodeBatch:
     stopped: Tensor
     context_length: int
     env_time_s: float
+    engine_logprobs: Tensor | None = None  # [B, R]: an engine backend's logprobs of the policy's tokens
 
     def metrics(self) -> dict[str, Tensor]:
         """This rank's ``env/*`` statistics, the same names on every rank: means over its
@@ -205,8 +209,13 @@ class EpisodeRunner:
             out, out_mask = sampler.generate(ids, mask, call, generator)
             lengths = out_mask.sum(1).long().tolist()
             rows = out.tolist()
+            engine_lp = (
+                sampler.sampled_logprobs.tolist() if getattr(sampler, "sampled_logprobs", None) is not None else None
+            )
             t0 = time.perf_counter()
-            for e, row, n, room in zip(active, rows, lengths, rooms):
+            for j, (e, row, n, room) in enumerate(zip(active, rows, lengths, rooms)):
+                e.engine_logprobs += [0.0] * (len(e.response_ids) - len(e.engine_logprobs))  # the answers before
+                e.engine_logprobs += engine_lp[j][: min(n, room)] if engine_lp is not None else []
                 self._take_turn(e, row[: min(n, room)], stops)
             env_time += time.perf_counter() - t0
         return self._batch(episodes, device, env_time)
@@ -322,6 +331,12 @@ class EpisodeRunner:
                 if reward is not None and end >= 0:
                     turn_rewards[i, end] += reward
         stopped = torch.tensor([e.stopped for e in episodes], dtype=torch.bool)
+        engine = None
+        if episodes and all(e.engine_logprobs for e in episodes):
+            engine = torch.zeros(B, R)
+            for i, e in enumerate(episodes):
+                engine[i, : len(e.engine_logprobs)] = torch.tensor(e.engine_logprobs[: len(e.response_ids)])
+            engine = engine.to(device)
         return EpisodeBatch(
             episodes,
             qr.to(device),
@@ -331,6 +346,7 @@ class EpisodeRunner:
             stopped.to(device),
             P,
             env_time,
+            engine,
         )
 
 
