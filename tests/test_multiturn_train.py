@@ -175,3 +175,33 @@ def test_ddp_ranks_play_their_own_episodes_with_tools_and_stay_identical(tmp_pat
     r0, r1 = ((rollouts / f"iter_0.rank{r}.jsonl").read_text().splitlines() for r in (0, 1))
     prompts = lambda rows: [json.loads(x)["messages"][0]["content"] for x in rows]  # noqa: E731
     assert len(r0) == len(r1) == 8 and not set(prompts(r0)) & set(prompts(r1))
+
+
+def test_evaluation_plays_episodes_and_the_samples_show_the_conversation(tmp_path, cache_dir):
+    """With an environment, evaluation plays each held-out prompt as an episode (its turns and
+    tool calls logged beside mean@n and pass@k), and the samples file holds whole conversations,
+    each message under its role."""
+    cfg = compose_cfg(
+        [
+            *ECHO,
+            "trainer.max_steps=1",
+            "eval.split_fraction=0.1",
+            "eval.max_prompts=4",
+            "eval.num_samples=2",
+            "eval.temperature=1.0",
+            "callbacks=default",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    train(cfg)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    evals = [r for r in rows if "eval/reward/mean@2" in r]
+    assert len(evals) == 2  # before the first iteration, after the last
+    for r in evals:
+        assert r["eval/env/turns_mean"] == 2.0 and r["eval/env/tool_calls_mean"] == 0.0
+        # an episode's outcome: its score (a fraction) plus its two turn rewards of 0.5
+        assert 0 <= r["eval/pass@2"] <= 1 and 1 <= r["eval/reward/mean@2"] <= 2
+    sample = json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"].startswith("[user] ") and "[assistant] " in sample["response"]
+    assert "\n[user] go on\n[assistant] " in sample["response"]
