@@ -40,6 +40,11 @@ def run_train(
     )
 
 
+def wall_clock(key: str) -> bool:
+    """A metric that times something (``perf/*``, ``env/time_s``): no two runs agree on it."""
+    return key.startswith("perf/") or key == "env/time_s"
+
+
 def assert_same_metrics(expected: list[dict], got: list[dict], rel: float = 1e-4, abs: float = 1e-5) -> None:
     """Two runs' metrics rows agree, iteration by iteration (wall-clock ``perf/*`` aside). A clip
     fraction counts tokens at a threshold, where a 1e-7 difference can move one token: those get
@@ -48,7 +53,7 @@ def assert_same_metrics(expected: list[dict], got: list[dict], rel: float = 1e-4
 
     for a, b in zip(expected, got, strict=True):
         for k in a:
-            if k.startswith("perf/"):
+            if wall_clock(k):
                 continue
             tol = dict(abs=0.02) if "clipfrac" in k else dict(rel=rel, abs=abs)
             assert b[k] == pytest.approx(a[k], **tol), (a["step"], k)

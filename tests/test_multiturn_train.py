@@ -168,6 +168,7 @@ def test_ddp_ranks_play_their_own_episodes_with_tools_and_stay_identical(tmp_pat
             "data.max_prompt_length=360",
             "model.name_or_path=${paths.cache_dir}/tiny-gpt2-p768",
             "model.build_tiny.n_positions=768",
+            "env.max_total_tokens=48",
             "ppo.rollout_dump=true",
         ],
     )
