@@ -31,11 +31,10 @@ TINY_ARCHITECTURES = ("gpt2", "llama", "qwen2", "gpt_neox")  # model.build_tiny.
 OPTIMIZERS = ("adamw", "adam", "sgd")  # optimizer.name (optim.OPTIMIZER_CLASSES)
 SCHEDULERS = ("constant", "linear", "cosine")  # optimizer.scheduler
 
-REWARD_KINDS = ("function", "model")  # reward.kind
+REWARD_KINDS = ("function", "model", "environment")  # reward.kind (environment: a TRL environment's get_reward)
 REWARD_INPUTS = ("auto", "tokens", "text")  # reward.input: see RewardModel.use_policy_tokens
 
 PROMPT_TRUNCATION = ("left", "error")  # data.truncation: keep a long prompt's last tokens, or refuse it
 SFT_TRUNCATION = ("truncate", "drop", "error")  # task.truncation of task=sft (stages/sft.py)
 
 ENV_ERROR_MODES = ("count", "raise")  # env.on_error: an environment whose step raises (envs/episodes.py)
-TOOL_PARSERS = ("hermes",)  # env.parser (envs/parsers.PARSERS)

@@ -198,7 +198,9 @@ class RewardConfig:
     through ``gain * raw + bias`` (reward normalisation) for every kind."""
 
     kind: str = param("function", choices=choices.REWARD_KINDS)
-    """function: a Python callable (``fn``); model: an ``AutoModelForSequenceClassification``."""
+    """function: a Python callable (``fn``); model: an ``AutoModelForSequenceClassification``;
+    environment: no scorer of its own, the episode's environment scores it (the ``get_reward()`` of
+    ``env.environment``, a class written for TRL's ``environment_factory``), as TRL allows."""
     fn: Optional[str] = None
     """(function) ``pkg.module.fn`` or ``pkg.module:fn``, imported before any model loads, returning
     one float per response. Its parameters choose the call (``rewards/function.py``): with one
@@ -675,9 +677,10 @@ class ToolsConfig:
     episode, ``reset(**columns)`` returning None or text appended to the last user message, its
     public methods the tools, and an optional ``get_reward()`` scoring the finished episode as one
     more reward term named after the class."""
-    parser: str = param("hermes", choices=choices.TOOL_PARSERS)
+    parser: str = "hermes"
     """The tool-call format: ``hermes``, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-    (Hermes, Qwen2.5, Qwen3)."""
+    (Hermes, Qwen2.5, Qwen3); or the dotted path of a parser class of your own, with
+    ``parse(text) -> ParsedTurn`` and ``stop_strings`` (``envs/parsers.py``)."""
     tool_timeout_s: Optional[float] = param(10.0, gt=0)
     """Seconds a tool call may run; a slower one is answered with an error (its thread finishes
     on its own). Null: no limit."""

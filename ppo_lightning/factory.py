@@ -21,7 +21,7 @@ from ppo_lightning.checkpoint import AtomicCheckpointIO, stop_every_rank_on_writ
 from ppo_lightning.preemption import StopOnPreemption
 from ppo_lightning.config import validate
 from ppo_lightning.data import PromptDataModule, read_prompts, record_formats
-from ppo_lightning.envs import build_runner, check_env
+from ppo_lightning.envs import build_runner, check_env, check_env_reward
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.generation import SamplingParams
 from ppo_lightning.module import PPOModule
@@ -115,6 +115,8 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
     check_backend(cfg.get("generation"))
     if cfg.get("env"):
         check_env(cfg.env)  # the environment class imports and builds, its tools have schemas
+    if r.kind == "environment" and not r.terms:
+        check_env_reward(cfg.get("env"))  # the environment scores its episodes (get_reward)
     sources = [
         (
             "model.name_or_path",
@@ -209,7 +211,7 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
         load_value_head(policy, cfg.model.value_head_path)
     if cfg.model.gradient_checkpointing:  # the policy only: the frozen reference never backprops
         policy.enable_gradient_checkpointing()
-    if reward_fn is None:
+    if needs_model(cfg.reward):
         reward_fn = build_reward(cfg.reward)
         reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
     owner = episodes.reward_owner() if episodes is not None else None

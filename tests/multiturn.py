@@ -167,6 +167,27 @@ def no_hints(x):
 NOT_A_FUNCTION = 3
 
 
+class EveryTurnCalls:
+    """A tool-call parser for runs whose policy is a random tiny model (``env.parser`` by dotted
+    path): it reads a call into every turn, chosen by the sum of the turn's character codes, so
+    that such a run exercises every branch of a tool environment: 0 mod 4 asks nothing (the
+    episode ends), 1 calls ``calculator`` on arithmetic, 2 is malformed, 3 calls it on a
+    division by zero (the tool raises)."""
+
+    stop_strings = ("</tool_call>",)
+
+    def parse(self, text: str):
+        from ppo_lightning.envs.parsers import ParsedTurn, ToolCall
+
+        kind = sum(map(ord, text)) % 4
+        if kind == 0:
+            return ParsedTurn([], [])
+        if kind == 2:
+            return ParsedTurn([], ["the tool call is not valid JSON (read by EveryTurnCalls)"])
+        expression = f"{len(text)} * 7" if kind == 1 else "1 / 0"
+        return ParsedTurn([ToolCall("calculator", {"expression": expression})], [])
+
+
 # ----------------------------------------------------------------------------- environments
 class IncrementEnv:
     """An environment written to TRL's GRPOTrainer ``environment_factory`` contract (its docs):
@@ -193,6 +214,17 @@ class IncrementEnv:
         return self.counter
 
 
+class AsyncIncrementEnv(IncrementEnv):
+    """``IncrementEnv`` whose ``get_reward`` is a coroutine (TRL allows an async one: a judge
+    called over the network)."""
+
+    async def get_reward(self) -> float:
+        import asyncio
+
+        await asyncio.sleep(0)
+        return float(self.counter == self.target)
+
+
 class Echo(Environment):
     """Answers every turn with a user message until ``turns`` turns, rewarding each with its
     length in messages (``EnvStep.reward``), with an info scalar."""
@@ -217,6 +249,23 @@ class Raises(Environment):
 
     def step(self, messages):
         raise ValueError("the game server is down")
+
+
+class DownOnSecondTurn(Environment):
+    """Answers the first turn (turn reward 0.5); on the second, ``step`` raises where the
+    record's ``down`` column is true, and ends the episode otherwise."""
+
+    def reset(self, record):
+        self.down, self.n = bool(record.columns.get("down")), 0
+        return None
+
+    def step(self, messages):
+        self.n += 1
+        if self.n == 1:
+            return EnvStep([{"role": "user", "content": "again"}], reward=0.5)
+        if self.down:
+            raise ConnectionError("the game server is down")
+        return EnvStep(done=True)
 
 
 class WrongTypes(Environment):

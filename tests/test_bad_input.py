@@ -252,6 +252,22 @@ ENV_CASES = {
         ["env=tools", f"env.tools=[{CALC}]", "+env.bogus=1"],
         "unexpected keyword argument 'bogus'",
     ),
+    "env parser unknown": (
+        ["env=tools", f"env.tools=[{CALC}]", "env.parser=mistral"],
+        "env.parser='mistral': choose one of hermes, or give the dotted path of a class",
+    ),
+    "env parser not a parser": (
+        ["env=tools", f"env.tools=[{CALC}]", "env.parser=tests.multiturn.Echo"],
+        "env.parser='tests.multiturn.Echo' is not a parser class",
+    ),
+    "reward environment without an environment": (
+        ["reward=environment"],
+        "reward=environment takes the reward from the environment's get_reward(), but there is no environment",
+    ),
+    "reward environment whose environment has no get_reward": (
+        ["reward=environment", "env=function", "env._target_=tests.multiturn.Echo"],
+        "but env._target_='tests.multiturn.Echo' has none; set env=tools env.environment=",
+    ),
     "env without stops": (
         ["env=tools", f"env.tools=[{CALC}]", "sampling.stop_at_eos=false"],
         "sampling.stop_at_eos=false with env",

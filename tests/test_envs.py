@@ -136,10 +136,52 @@ def test_the_template_check_passes_a_prefix_preserving_template_and_refuses_the_
         ConfigError, match=r"^data.chat_template of tiny-bpe is not prefix-preserving.*data.chat_template"
     ):
         ChatRenderer(bpe, QWEN3_LIKE).check_prefix_preserving("tiny-bpe")
-    with pytest.raises(ConfigError, match=r"cannot render a tool-calling conversation.*no tool role"):
+    with pytest.raises(
+        ConfigError, match=r"cannot render a conversation with the roles user, assistant, tool and tools"
+    ):
         ChatRenderer(bpe, NO_TOOL_ROLE).check_prefix_preserving("tiny-bpe")
     with pytest.raises(ConfigError, match=r"cannot render tools.*set data.chat_template"):
         ChatRenderer(bpe, NO_TOOL_ROLE).check_renders_tools("tiny-bpe", ToolEnvironment(tools=[CALC]).tools)
+
+
+def test_the_template_check_probes_only_the_roles_the_run_uses(bpe):
+    """A template with no tool role serves an environment without tools, and one that refuses
+    system messages (Gemma's kind) a run without ``data.system_prompt``; each is refused, naming
+    the roles, where the run would need them."""
+    ChatRenderer(bpe, NO_TOOL_ROLE).check_prefix_preserving("tiny-bpe", tools=False)
+    no_system = NO_TOOL_ROLE.replace("'tool'", "'system'").replace("no tool role", "no system role")
+    ChatRenderer(bpe, no_system).check_prefix_preserving("tiny-bpe", tools=True)
+    with pytest.raises(ConfigError, match=r"roles system, user, assistant, tool and tools .*no system role"):
+        ChatRenderer(bpe, no_system).check_prefix_preserving("tiny-bpe", tools=True, system=True)
+
+
+HIDES_EARLIER_SECRETS = (  # prefix-preserving, except for an assistant turn that says SECRET
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ m['content'].replace('SECRET', '') }}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_an_answer_the_template_would_re_render_is_tokenised_after_the_probe_and_counted(bpe):
+    """The probe passes, one episode's conversation does not (its turn says SECRET, which the
+    template hides once another message follows): the answer's tokens are its rendering after
+    the probe's first turn, and the episode counts the fallback (``env/template_fallbacks``)."""
+    r = ChatRenderer(bpe, HIDES_EARLIER_SECRETS)
+    r.check_prefix_preserving("tiny-bpe", tools=False)
+    answer = [{"role": "user", "content": "go on"}]
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    expected = r.encode(
+        r.assistant_suffix + r.render(plain + answer, add_generation_prompt=True)[len(r.render(plain)) :]
+    )
+    assert r.observation_ids(plain, answer, None, ended_with_eos=False) == expected and r.fallbacks == 0
+    secret = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a SECRET"}]
+    assert r.observation_ids(secret, answer, None, ended_with_eos=False) == expected and r.fallbacks == 1
+
+    prompt = tuple(r.prompt_ids([{"role": "user", "content": "hi"}]))
+    backend = ScriptedBackend({prompt: [_ids(bpe, "a SECRET"), _ids(bpe, "x")]}, bpe.pad_token_id)
+    runner = EpisodeRunner(lambda: Echo(turns=2), r, EnvConfig(max_turns=4), bpe)
+    played = runner.run(["hi"], [{}], backend, SamplingParams(max_new_tokens=8), None, "cpu")
+    assert float(played.metrics()["env/template_fallbacks"]) == 1
 
 
 # ----------------------------------------------------------------------------- token in, token out
@@ -325,6 +367,32 @@ def test_an_environment_that_raises_ends_its_episode_unless_asked_to_raise(bpe):
         _runner(tok, WrongTypes).run(
             ["hi"], [{}], ScriptedBackend(script, tok.pad_token_id), SamplingParams(max_new_tokens=8), None, "cpu"
         )
+
+
+def test_an_episode_whose_environment_raised_scores_error_reward_and_keeps_its_earned_turn_rewards(bpe):
+    """``env.error_reward`` replaces what the reward terms would have said of a broken episode
+    (its terms NaN: they were not asked); the turn rewards it earned before the fault stay on
+    their turns. The other episodes of the batch are scored as usual."""
+    from ppo_lightning.rewards.function import FunctionReward
+    from ppo_lightning.rollout import score_episodes
+    from tests.multiturn import DownOnSecondTurn
+
+    tok = bpe
+    prompt = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    )
+    backend = ScriptedBackend({tuple(prompt): [_ids(tok, "x") + [tok.eos_token_id]]}, tok.pad_token_id)
+    played = _runner(tok, DownOnSecondTurn).run(
+        ["hi", "hi"], [{"down": True}, {"down": False}], backend, SamplingParams(max_new_tokens=8), None, "cpu"
+    )
+    broken, fine = played.episodes
+    assert broken.env_error == "ConnectionError: the game server is down" and fine.env_error is None
+    assert broken.turn_rewards == [0.5, None] and fine.turn_rewards == [0.5, None]
+    reward = FunctionReward("tests.helpers.constant_reward")
+    total, applies, _ = score_episodes(reward, tok, played, error_reward=-2.0)
+    assert total.tolist() == [-2.0, 1.0] and applies.all()
+    assert played.turn_rewards.sum(1).tolist() == [0.5, 0.5]  # earned before the fault: kept
+    assert float(played.metrics()["env/env_errors"]) == 1
 
 
 def test_env_step_types_are_checked_field_by_field():

@@ -62,6 +62,8 @@ def test_the_first_update_of_an_episode_rollout_has_ratio_exactly_one(tmp_path, 
     train(cfg)
     (row,) = read_metrics(tmp_path / "metrics.csv")
     assert row["val/ratio"] == 1.0 and row["val/ratio_var"] == 0.0 and row["policy/approxkl_avg"] == 0.0
+    # EnvStep.info reaches env/<key> as the mean over every step (Echo's n: 1, then 2)
+    assert row["env/n"] == 1.5 and row["env/turns_mean"] == 2.0 and row["env/time_s"] > 0
 
 
 @pytest.mark.parametrize("multi_turn", [False, True])
@@ -86,43 +88,48 @@ def test_rollout_dump_writes_every_iterations_episodes(tmp_path, cache_dir, mult
     assert not list((tmp_path / "rollouts").glob("*.tmp"))  # each file written whole
 
 
-def test_a_trl_environment_class_runs_a_whole_job_and_scores_its_episodes(tmp_path, cache_dir):
-    """``env=tools env.environment=<a class written for TRL's environment_factory>``, unchanged,
-    in a real run: ``reset(**columns)`` reads each record's ``target`` and appends to the prompt,
-    the policy (a rule-playing backend) calls ``increment``, the environment's ``get_reward()`` is
-    one more reward term named after the class, beside the configured reward."""
+TRL_ENV_JOB = [
+    "data=file",
+    "data.max_prompt_length=360",  # the tool's JSON schema, in bytes
+    "model.name_or_path=${paths.cache_dir}/tiny-gpt2-p768",
+    "model.build_tiny.n_positions=768",
+    "env=tools",
+    "env.max_total_tokens=160",
+    "reward.normalize=false",
+    "generation._target_=tests.multiturn.ReachTargetBackend",
+    "sampling.max_new_tokens=80",
+    "data.batch_size=8",
+    "ppo.minibatch_size=8",
+    "trainer.max_steps=2",
+    "trainer.enable_progress_bar=false",
+    "callbacks=none",
+    "export_dir=null",
+]
+
+
+def _count_records(tmp_path):
     data = tmp_path / "count.jsonl"
     data.write_text(
         "".join(
             json.dumps({"prompt": [{"role": "user", "content": "Count."}], "target": t}) + "\n" for t in range(1, 9)
         )
     )
-    cfg = compose_cfg(
-        [
-            "data=file",
-            f"data.path={data}",
-            "data.max_prompt_length=360",  # the tool's JSON schema, in bytes
-            f"model.name_or_path={cache_dir}/tiny-gpt2-p768",
-            "model.build_tiny.n_positions=768",
-            "env=tools",
-            "env.environment=tests.multiturn.IncrementEnv",
-            "env.max_total_tokens=160",
-            "reward=function",
-            "reward.fn=tests.multiturn.counts_tool_calls",
-            "reward.normalize=false",
-            "generation._target_=tests.multiturn.ReachTargetBackend",
-            "sampling.max_new_tokens=80",
-            "data.batch_size=8",
-            "ppo.minibatch_size=8",
-            "trainer.max_steps=2",
-            "trainer.enable_progress_bar=false",
-            "callbacks=none",
-            "export_dir=null",
-        ],
-        tmp_path,
-        cache_dir,
-    )
-    train(cfg)
+    return data
+
+
+def test_a_trl_environment_class_runs_a_whole_job_and_scores_its_episodes(tmp_path, cache_dir):
+    """``env=tools env.environment=<a class written for TRL's environment_factory>``, unchanged,
+    in a real run: ``reset(**columns)`` reads each record's ``target`` and appends to the prompt,
+    the policy (a rule-playing backend) calls ``increment``, the environment's ``get_reward()`` is
+    one more reward term named after the class, beside the configured reward."""
+    overrides = [
+        *TRL_ENV_JOB,
+        f"data.path={_count_records(tmp_path)}",
+        "env.environment=tests.multiturn.IncrementEnv",
+        "reward=function",
+        "reward.fn=tests.multiturn.counts_tool_calls",
+    ]
+    train(compose_cfg(overrides, tmp_path, cache_dir))
     rows = read_metrics(tmp_path / "metrics.csv")
     for r in rows:
         assert r["rewards/IncrementEnv/mean"] == 1.0  # every counter reached its record's target
@@ -131,6 +138,20 @@ def test_a_trl_environment_class_runs_a_whole_job_and_scores_its_episodes(tmp_pa
     from tests.multiturn import ReachTargetBackend
 
     assert any("Count. Reach 5." in c for c in ReachTargetBackend.calls)  # reset's text, appended
+
+
+def test_reward_environment_scores_with_an_async_get_reward_alone(tmp_path, cache_dir):
+    """As TRL allows, the environment's ``get_reward`` may be the only reward
+    (``reward=environment``), and a coroutine (awaited, the batch's together)."""
+    overrides = [
+        *TRL_ENV_JOB,
+        f"data.path={_count_records(tmp_path)}",
+        "env.environment=tests.multiturn.AsyncIncrementEnv",
+        "reward=environment",
+    ]
+    train(compose_cfg(overrides, tmp_path, cache_dir))
+    for r in read_metrics(tmp_path / "metrics.csv"):
+        assert r["rewards/AsyncIncrementEnv/mean"] == 1.0 and r["objective/raw_scores"] == 1.0
 
 
 def _dump(tmp_path, cache_dir, name: str, seed: int) -> list[str]:
@@ -154,28 +175,38 @@ def test_the_same_seed_plays_the_same_episodes_and_another_seed_others(tmp_path,
 
 @pytest.mark.slow  # two processes
 def test_ddp_ranks_play_their_own_episodes_with_tools_and_stay_identical(tmp_path, cache_dir):
-    """``env=tools`` under ``trainer=ddp_cpu``: each rank plays its own prompts' episodes (the
-    dumps differ), the ranks' weights end identical."""
+    """``env=tools`` under ``trainer=ddp_cpu``, every kind of tool turn played (a parser that
+    reads a call, a malformed call or a failing call into a random policy's turns): each rank
+    plays its own prompts' episodes (the dumps differ), the event counters are the sum of both
+    ranks' episodes, and the ranks' weights end identical."""
     from tests.test_ddp import ddp_run
 
-    ddp_run(
+    run = ddp_run(
         tmp_path,
         cache_dir,
         "tools",
         [
             "env=tools",
             "env.tools=[ppo_lightning.envs.calculator.calculator]",
+            "env.parser=tests.multiturn.EveryTurnCalls",
             "data.max_prompt_length=360",
             "model.name_or_path=${paths.cache_dir}/tiny-gpt2-p768",
             "model.build_tiny.n_positions=768",
-            "env.max_total_tokens=48",
+            "env.max_total_tokens=64",
             "ppo.rollout_dump=true",
         ],
     )
     rollouts = tmp_path / "run_tools" / "rollouts"
-    r0, r1 = ((rollouts / f"iter_0.rank{r}.jsonl").read_text().splitlines() for r in (0, 1))
-    prompts = lambda rows: [json.loads(x)["messages"][0]["content"] for x in rows]  # noqa: E731
+    r0, r1 = ([json.loads(x) for x in (rollouts / f"iter_0.rank{r}.jsonl").read_text().splitlines()] for r in (0, 1))
+    prompts = lambda rows: [row["messages"][0]["content"] for row in rows]  # noqa: E731
     assert len(r0) == len(r1) == 8 and not set(prompts(r0)) & set(prompts(r1))
+    tool_messages = [m["content"] for row in r0 + r1 for m in row["messages"] if m["role"] == "tool"]
+    first = run["rows"][0]
+    assert first["env/tool_errors"] == sum(c.startswith("error: calculator raised") for c in tool_messages) > 0
+    assert first["env/malformed_calls"] == sum(c.startswith("error: the tool call") for c in tool_messages) > 0
+    calls = sum(1 for c in tool_messages if not c.startswith("error: the tool call"))
+    assert first["env/tool_calls_mean"] == pytest.approx(calls / 16) and first["env/turns_mean"] > 1
+    assert first["env/time_s"] > 0
 
 
 def test_evaluation_plays_episodes_and_the_samples_show_the_conversation(tmp_path, cache_dir):

@@ -29,11 +29,13 @@ SWITCHES = {
     "fsdp_cpu": ["trainer=fsdp_cpu"],
     "lora_fsdp_cpu": ["model.lora.r=4", "trainer=fsdp_cpu"],
     # multi-turn: two-turn episodes (the environment answers the first turn), and tool calling
-    # (the tools' JSON schemas in the prompt) under DDP
+    # under DDP (the tools' JSON schemas in the prompt; a parser that reads a call, a malformed
+    # call or a failing call into the random policy's turns)
     "env_echo": ["env=function", "env._target_=tests.multiturn.Echo", "+env.turns=2", "env.max_total_tokens=48"],
     "env_tools_ddp_cpu": [
         "env=tools",
         "env.tools=[ppo_lightning.envs.calculator.calculator]",
+        "env.parser=tests.multiturn.EveryTurnCalls",
         "data.max_prompt_length=360",
         "model.name_or_path=${paths.cache_dir}/tiny-gpt2-p768",
         "model.build_tiny.n_positions=768",
@@ -87,6 +89,9 @@ def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_
     checkpoint holds every rank's sampling stream (FSDP: the gathered full state, restored after
     the strategy's setup). The trajectory is the same in each case."""
     expected = uninterrupted(switch, tmp_path_factory, cache_dir)
+    if switch.startswith("env_"):  # the episodes had several turns (and, with tools, called them)
+        assert all(row["env/turns_mean"] > 1 for row in expected.values())
+        assert switch == "env_echo" or sum(row["env/tool_calls_mean"] for row in expected.values()) > 0
     killed = run_train(
         [
             *interruptible(switch),

@@ -32,6 +32,7 @@ __all__ = [
     "build_runner",
     "calculator",
     "check_env",
+    "check_env_reward",
     "env_factory",
 ]
 
@@ -94,10 +95,25 @@ def check_env(node) -> None:
         ) from None
 
 
+def check_env_reward(node) -> None:
+    """``reward=environment``: the environment must score its own episodes (a TRL-style class
+    with ``get_reward``, ``env=tools env.environment=...``)."""
+    from ppo_lightning.envs.tools import reward_owner
+    from ppo_lightning.errors import ConfigError
+
+    if not node or reward_owner(env_factory(node)()) is None:
+        raise ConfigError(
+            "reward=environment takes the reward from the environment's get_reward(), but "
+            + (f"env._target_={node.get('_target_')!r} has none" if node else "there is no environment (env=none)")
+            + "; set env=tools env.environment=my_pkg.MyEnv (a class with get_reward), or choose a reward "
+            "(reward=function reward.fn=...)"
+        )
+
+
 def build_runner(node, data_cfg, tokenizer, name: str) -> EpisodeRunner:
     """The ``EpisodeRunner`` of the ``env`` node for a tokenizer (``name``: its path, for errors):
     the chat template (``data.chat_template``, else the tokenizer's) checked to be
-    prefix-preserving and, for a tool environment, to render tools."""
+    prefix-preserving on the roles the run uses and, for a tool environment, to render tools."""
     from ppo_lightning.config import EnvConfig
     from ppo_lightning.data import chat_template_of
 
@@ -115,5 +131,5 @@ def build_runner(node, data_cfg, tokenizer, name: str) -> EpisodeRunner:
     tools = runner.probe_tools()
     if tools:
         renderer.check_renders_tools(name, tools)
-    renderer.check_prefix_preserving(name)
+    renderer.check_prefix_preserving(name, tools=bool(tools), system=data_cfg.system_prompt is not None)
     return runner

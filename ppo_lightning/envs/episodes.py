@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ppo_lightning.envs.base import EnvError, Message, check_reset, check_step
 from ppo_lightning.envs.template import ChatRenderer
-from ppo_lightning.envs.tools import COUNTERS
+from ppo_lightning.envs.tools import COUNTERS, reward_owner
 from ppo_lightning.errors import ConfigError
 from ppo_lightning.generation import StopChecker
 
@@ -131,7 +131,7 @@ class EpisodeBatch:
             "env/truncated_frac": sum(e.truncated for e in eps) / n,
             "env/time_s": self.env_time_s,
         }
-        for key in (*COUNTERS[1:], "env_errors", "truncated_observations"):
+        for key in EVENTS:
             out[f"env/{key}"] = float(sum(e.counts[key] for e in eps))
         return {k: torch.tensor(float(v), device=device) for k, v in out.items()}
 
@@ -146,7 +146,11 @@ class EpisodeBatch:
         return {k: (v[0], v[1]) for k, v in sums.items()}
 
 
-COUNTED_METRICS = tuple(f"env/{k}" for k in (*COUNTERS[1:], "env_errors", "truncated_observations"))
+EVENTS = (*COUNTERS[1:], "env_errors", "truncated_observations", "template_fallbacks")
+"""What an episode counts (``Episode.counts``) and an iteration reports as ``env/<event>``: tool
+faults, environments that raised, observations cut to ``env.max_observation_tokens``, answers
+tokenised after the probe because the template re-rendered the conversation."""
+COUNTED_METRICS = tuple(f"env/{k}" for k in EVENTS)
 """The ``env/*`` metrics that count events in an iteration: summed over ranks, not averaged."""
 
 
@@ -177,8 +181,7 @@ class EpisodeRunner:
 
     def reward_owner(self) -> type | None:
         """The class of a TRL-style environment that scores its own episodes (``get_reward``)."""
-        env = getattr(self.probe, "environment", None)
-        return type(env) if env is not None and callable(getattr(env, "get_reward", None)) else None
+        return reward_owner(self.probe)
 
     # ------------------------------------------------------------------------- one batch
     @torch.no_grad()
@@ -291,7 +294,9 @@ class EpisodeRunner:
             e.done = e.truncated = True
             return
         answer = [self._cut(m, e) for m in step.messages]
+        fallbacks = self.renderer.fallbacks
         ids = self.renderer.observation_ids(e.messages, answer, e.tools, ended_with_eos)
+        e.counts["template_fallbacks"] += self.renderer.fallbacks - fallbacks
         if len(ids) + 1 > room:  # no room left for the policy's answer to it
             e.done = e.truncated = True
             return

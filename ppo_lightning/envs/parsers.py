@@ -2,8 +2,9 @@
 
 A parser turns the text of one policy turn into the calls it asks for, plus a note for each call
 it could not read (a malformed call is answered with an error message, never a crash). One
-format so far; add one by writing a class with ``parse`` and a ``stop_strings`` tuple, and an
-entry in ``PARSERS``:
+format ships so far. Another is a class with ``parse(text) -> ParsedTurn`` and a
+``stop_strings`` tuple: give its dotted path as ``env.parser=my_pkg.MyParser``, or add an entry
+to ``PARSERS`` to ship it by name:
 
 - ``hermes`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   one or more per message, the JSON possibly spread over lines.
@@ -82,4 +83,25 @@ class HermesParser:
 
 
 PARSERS: dict[str, type] = {"hermes": HermesParser}
-"""``env.parser`` names: the tool-call formats."""
+"""``env.parser`` names: the tool-call formats that ship."""
+
+
+def resolve_parser(name: str, key: str = "env.parser") -> ToolCallParser:
+    """The parser ``name`` stands for: a name in ``PARSERS``, or the dotted path of a class with
+    ``parse`` and ``stop_strings``, built with no arguments; a ``ConfigError`` naming ``key``."""
+    from ppo_lightning.errors import ConfigError
+
+    if name in PARSERS:
+        return PARSERS[name]()
+    if not isinstance(name, str) or "." not in name:
+        raise ConfigError(
+            f"{key}={name!r}: choose one of {', '.join(PARSERS)}, or give the dotted path of a class with "
+            "parse(text) -> ParsedTurn and stop_strings"
+        )
+    from ppo_lightning.rewards.function import import_callable
+
+    cls = import_callable(name, key)
+    parser = cls() if isinstance(cls, type) else None
+    if parser is None or not callable(getattr(parser, "parse", None)) or not hasattr(parser, "stop_strings"):
+        raise ConfigError(f"{key}={name!r} is not a parser class: it needs parse(text) -> ParsedTurn and stop_strings")
+    return parser

@@ -15,30 +15,23 @@ the turn ended on a stop string such as ``</tool_call>``).
 This is sound only for a prefix-preserving template: rendering a conversation plus new messages
 starts with the rendering of the conversation, and an assistant message renders as its content
 followed by a fixed suffix. Qwen3's template is not (it drops the ``<think>`` blocks of earlier
-turns). ``check_prefix_preserving`` tries a probe conversation once, before training, and refuses
-such a template in one line naming ``data.chat_template``.
+turns). ``check_prefix_preserving`` tries a probe conversation once, before training, with the
+roles the run uses (tools and tool messages only with tools, a system message only with
+``data.system_prompt``), and refuses such a template in one line naming ``data.chat_template``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from ppo_lightning.envs.base import Message
 from ppo_lightning.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 _PROBE_CALL = '<tool_call>{"name": "probe", "arguments": {"x": 1}}</tool_call>'
-PROBE_CONVERSATION: list[Message] = [
-    {"role": "system", "content": "probe system"},
-    {"role": "user", "content": "probe question"},
-    {"role": "assistant", "content": "<think>probe thought</think>probe reply " + _PROBE_CALL},
-    {"role": "tool", "name": "probe", "content": "probe result"},
-    {"role": "assistant", "content": "probe answer"},
-    {"role": "user", "content": "probe follow-up"},
-    {"role": "assistant", "content": "probe last"},
-]
-"""A conversation with every turn an episode makes (a tool call with a reasoning block, its result,
-an answer, a user follow-up): the check renders each prefix of it."""
 PROBE_TOOL = {
     "type": "function",
     "function": {
@@ -47,6 +40,27 @@ PROBE_TOOL = {
         "parameters": {"type": "object", "properties": {"x": {"type": "integer", "description": "x"}}},
     },
 }
+
+
+def probe_conversation(tools: bool, system: bool) -> list[Message]:
+    """A conversation with every kind of turn a run's episodes make, and no other (a template
+    that cannot render a role the run never uses is not refused for it): a system message where
+    the run has one (``data.system_prompt``), a tool call with a reasoning block and its result
+    where the environment has tools, an answer, a user's follow-up and a last answer. The check
+    renders each prefix of it."""
+    first = "<think>probe thought</think>probe reply"
+    turns: list[Message] = [{"role": "system", "content": "probe system"}] if system else []
+    turns.append({"role": "user", "content": "probe question"})
+    if tools:
+        turns += [
+            {"role": "assistant", "content": first + " " + _PROBE_CALL},
+            {"role": "tool", "name": "probe", "content": "probe result"},
+            {"role": "assistant", "content": "probe answer"},
+        ]
+    else:
+        turns.append({"role": "assistant", "content": first})
+    turns += [{"role": "user", "content": "probe follow-up"}, {"role": "assistant", "content": "probe last"}]
+    return turns
 
 
 class ChatRenderer:
@@ -64,6 +78,9 @@ class ChatRenderer:
             )
         self.eos_text = tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id)
         self.assistant_suffix = ""  # what the template writes after an assistant message's content
+        self.probe: list[Message] = probe_conversation(tools=True, system=False)  # check_prefix_preserving's
+        self.probe_tools: list[dict] | None = [PROBE_TOOL]
+        self.fallbacks = 0  # observation_ids calls whose conversation was not prefix-preserving
 
     def render(self, messages: list[Message], tools: list[dict] | None = None, add_generation_prompt=False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -89,20 +106,39 @@ class ChatRenderer:
         suffix may start with)."""
         before = self.render(conversation, tools)
         after = self.render(conversation + answer, tools, add_generation_prompt=True)
-        if not after.startswith(before):  # the probe passed, this conversation does not: render the answer alone
-            after = self.render(PROBE_CONVERSATION[:3] + answer, [PROBE_TOOL], add_generation_prompt=True)
-            before = self.render(PROBE_CONVERSATION[:3], [PROBE_TOOL])
+        if not after.startswith(before):  # the probe passed, this conversation does not
+            after, before = self._delta_after_probe(answer)
         tail = self.assistant_suffix
         if ended_with_eos and tail.startswith(self.eos_text):
             tail = tail[len(self.eos_text) :]
         return self.encode(tail + after[len(before) :])
 
-    def check_prefix_preserving(self, name: str) -> None:
-        """Render every prefix of ``PROBE_CONVERSATION`` (with a tool schema) and check that each
-        rendering continues the one before it, and that an assistant message is its content
-        followed by a fixed suffix. Sets ``assistant_suffix``; refuses a template that fails in
-        one line naming it (``name``: the tokenizer's path) and ``data.chat_template``."""
-        conv, tools = PROBE_CONVERSATION, [PROBE_TOOL]
+    def _delta_after_probe(self, answer: list[Message]) -> tuple[str, str]:
+        """``(after, before)`` for ``answer`` rendered after the probe's first assistant turn: the
+        answer's own tokens when the episode's conversation is one the template re-renders (the
+        sequence keeps the tokens already sampled either way). Counted in ``fallbacks``
+        (``env/template_fallbacks``) and warned about once."""
+        if not self.fallbacks:
+            log.warning(
+                "%s re-rendered an episode's earlier messages when the environment's answer was added; its "
+                "answer is tokenised as the template renders it after a probe conversation "
+                "(env/template_fallbacks counts these)",
+                self.source,
+            )
+        self.fallbacks += 1
+        head = self.probe[: next(i for i, m in enumerate(self.probe) if m["role"] == "assistant") + 1]
+        after = self.render(head + answer, self.probe_tools, add_generation_prompt=True)
+        return after, self.render(head, self.probe_tools)
+
+    def check_prefix_preserving(self, name: str, tools: bool = True, system: bool = False) -> None:
+        """Render every prefix of the probe conversation (``probe_conversation(tools, system)``:
+        the turns the run's episodes make, with a tool schema where there are tools) and check
+        that each rendering continues the one before it, and that an assistant message is its
+        content followed by a fixed suffix. Sets ``assistant_suffix``; refuses a template that
+        fails in one line naming it (``name``: the tokenizer's path) and ``data.chat_template``."""
+        conv = self.probe = probe_conversation(tools, system)
+        tools_arg = self.probe_tools = [PROBE_TOOL] if tools else None
+        roles = ", ".join(dict.fromkeys(m["role"] for m in conv))
         suffixes = set()
 
         def continues(before: str, after: str, what: str) -> None:
@@ -111,10 +147,10 @@ class ChatRenderer:
 
         try:
             for k in range(1, len(conv) + 1):
-                message, before = conv[k - 1], self.render(conv[: k - 1], tools) if k > 1 else ""
-                full = self.render(conv[:k], tools)
+                message, before = conv[k - 1], self.render(conv[: k - 1], tools_arg) if k > 1 else ""
+                full = self.render(conv[:k], tools_arg)
                 if message["role"] == "assistant":  # the generation prompt, then the content, then a suffix
-                    prompt = self.render(conv[: k - 1], tools, add_generation_prompt=True)
+                    prompt = self.render(conv[: k - 1], tools_arg, add_generation_prompt=True)
                     continues(before, prompt, f"the generation prompt re-renders the messages before message {k - 1}")
                     continues(prompt, full, f"assistant message {k - 1} re-renders the messages before it")
                     rest = full[len(prompt) :]
@@ -123,7 +159,7 @@ class ChatRenderer:
                     suffixes.add(rest[len(message["content"]) :])
                 else:  # an environment's answer (or the prompt) appended, with and without the next turn's prompt
                     continues(before, full, f"adding message {k - 1} ({message['role']}) re-renders the ones before it")
-                    gen = self.render(conv[:k], tools, add_generation_prompt=True)
+                    gen = self.render(conv[:k], tools_arg, add_generation_prompt=True)
                     continues(before, gen, f"adding message {k - 1} ({message['role']}) re-renders the ones before it")
         except _NotPrefix as e:
             raise ConfigError(
@@ -131,10 +167,11 @@ class ChatRenderer:
                 "appended to the sampled ones; set data.chat_template to a template that renders earlier messages "
                 "unchanged"
             ) from None
-        except Exception as e:  # the template rejects a role (tool) or the tools argument
+        except Exception as e:  # the template rejects a role (tool, system) or the tools argument
             raise ConfigError(
-                f"{self.source} of {name} cannot render a tool-calling conversation ({type(e).__name__}: {e}); set "
-                "data.chat_template to one that renders tools and tool messages"
+                f"{self.source} of {name} cannot render a conversation with the roles {roles}"
+                f"{' and tools' if tools else ''} ({type(e).__name__}: {e}); set data.chat_template to one that "
+                "renders them"
             ) from None
         if len(suffixes) != 1:
             raise ConfigError(

@@ -27,7 +27,7 @@ import threading
 from typing import Any, Callable
 
 from ppo_lightning.envs.base import Environment, EnvStep, Message
-from ppo_lightning.envs.parsers import PARSERS, ToolCall
+from ppo_lightning.envs.parsers import ToolCall, resolve_parser
 from ppo_lightning.errors import ConfigError
 
 COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed_calls")
@@ -35,6 +35,13 @@ COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed_calls")
 not averaged; ``tool_calls`` is also reported per episode (``env/tool_calls_mean``)."""
 
 RESERVED_METHODS = ("reset", "get_reward")  # a TRL environment's lifecycle methods, never tools
+
+
+def reward_owner(env: object) -> type | None:
+    """The class of the TRL-style environment inside ``env`` (a ``ToolEnvironment``'s
+    ``environment``) when it scores its own episodes with ``get_reward``; else None."""
+    inner = getattr(env, "environment", None)
+    return type(inner) if inner is not None and callable(getattr(inner, "get_reward", None)) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,9 +117,7 @@ class ToolEnvironment(Environment):
         tool_timeout_s: float | None = 10.0,
         stop_at_tool_call: bool = True,
     ):
-        if parser not in PARSERS:
-            raise ConfigError(f"env.parser={parser!r}: choose one of {', '.join(PARSERS)}")
-        self.parser = PARSERS[parser]()
+        self.parser = resolve_parser(parser)
         self.timeout, self.stop_at_tool_call = tool_timeout_s, stop_at_tool_call
         cls = resolve_environment(environment)
         self.environment = cls() if cls is not None else None  # one instance per episode, as TRL

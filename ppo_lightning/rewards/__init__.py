@@ -3,7 +3,8 @@
 ``build_reward(cfg.reward)`` picks the scorer from ``reward.kind``: ``function`` (any importable
 callable, see ``function.py``; built-in rules in ``rules.py``, math answers in ``verifiable.py``)
 or ``model`` (a sequence classification reward model, see ``model.py``); with ``reward.terms``,
-the weighted sum of several such scorers (``weighted.py``).
+the weighted sum of several such scorers (``weighted.py``). ``environment`` has no scorer of its
+own (None): the episode's environment scores it (``environment.py``, added by the factory).
 """
 
 from ppo_lightning.errors import ConfigError
@@ -86,6 +87,13 @@ def needs_model(cfg) -> bool:
 
 def _build_one(cfg, key: str):
     kind = _get(cfg, "kind", "function")
+    if kind == "environment":
+        if key != "reward":
+            raise ConfigError(
+                f"{key}.kind=environment: the environment's get_reward() is added as a term of its own (named "
+                "after its class) whenever it has one; remove this term"
+            )
+        return None
     if kind == "function":
         if not _get(cfg, "fn"):
             raise ConfigError(f"{key}.fn is empty: set {key}.fn=my_pkg.my_module.my_fn")

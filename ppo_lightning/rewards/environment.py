@@ -1,13 +1,17 @@
 """An environment that scores its own episodes: TRL's ``get_reward()``, as one more reward term.
 
 An environment written for TRL's GRPOTrainer ``environment_factory`` may define ``get_reward()``:
-no argument, a float from its own state once the episode is over (did the game end in a win?).
-TRL adds it as a reward source with weight 1, named after the class; so does ``env=tools
-env.environment=...`` (``with_environment_reward``): the run's reward becomes ``reward.terms``
-plus a term of that name, and ``rewards/<Class>/mean`` is logged like any term's.
+no argument, a float from its own state once the episode is over (did the game end in a win?),
+possibly ``async`` (a judge it calls over the network). TRL adds it as a reward source with weight
+1, named after the class; so does ``env=tools env.environment=...`` (``with_environment_reward``):
+the run's reward becomes ``reward.terms`` plus a term of that name, and ``rewards/<Class>/mean``
+is logged like any term's. As in TRL, it may be the only reward: ``reward=environment``.
 """
 
 from __future__ import annotations
+
+import asyncio
+import inspect
 
 import torch
 
@@ -27,6 +31,14 @@ class EnvironmentReward:
     def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
         envs = inputs.environments or [None] * len(inputs.responses)
         items = [e.get_reward() if type(e) is self.cls else None for e in envs]  # exact type, as TRL
+        pending = [i for i, x in enumerate(items) if inspect.isawaitable(x)]
+        if pending:  # an async get_reward: the batch's calls awaited together
+
+            async def gather():
+                return await asyncio.gather(*(items[i] for i in pending))
+
+            for i, x in zip(pending, asyncio.run(gather())):
+                items[i] = x
         applies = torch.tensor([x is not None for x in items], dtype=torch.bool)
         values = check_scores([0.0 if x is None else x for x in items], inputs.prompt_texts, f"{self.name}.get_reward")
         return values, applies
@@ -34,10 +46,13 @@ class EnvironmentReward:
 
 def with_environment_reward(reward_fn, cls: type):
     """``reward_fn`` plus ``cls.get_reward`` as a term named after ``cls`` (weight 1): the run's
-    terms with one more, or the one reward as a term under its own name beside it."""
+    terms with one more, or the one reward as a term under its own name beside it, or the only
+    term (``reward_fn`` None: ``reward=environment``)."""
     from ppo_lightning.rewards.weighted import WeightedReward
 
-    if isinstance(reward_fn, WeightedReward):
+    if reward_fn is None:
+        terms = {}
+    elif isinstance(reward_fn, WeightedReward):
         terms = dict(reward_fn.terms)
     else:
         terms = {getattr(reward_fn, "short_name", None) or "reward": (reward_fn, 1.0)}
