@@ -102,6 +102,24 @@ def test_greedy_tokens_stops_and_masks_equal_the_hf_backends_before_and_after_a_
     assert not torch.equal(after[0], tokens)  # it follows the new weights
 
 
+def test_min_p_reaches_the_engine(cache_dir):
+    """At temperature 1, ``min_p`` near 1 keeps only the most likely token: with top-k as well
+    (which commutes with min-p), the engine's samples are the hf backend's greedy tokens."""
+    from ppo_lightning.generation.hf import HFBackend
+    from ppo_lightning.generation.params import SamplingParams
+
+    lm, tok = tiny_lm(cache_dir, "qwen2")
+    want = greedy(HFBackend(lm, tok), SamplingParams(max_new_tokens=12, greedy=True))[0]
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=5, min_p=0.999)
+    hf_sampled = HFBackend(lm, tok).generate(
+        PROMPTS, (PROMPTS != 257).long(), sampled, torch.Generator().manual_seed(0)
+    )
+    vb = engine(lm, tok)
+    assert torch.equal(greedy(vb, sampled)[0], want) and torch.equal(hf_sampled[0], want)
+    plain = greedy(vb, SamplingParams(max_new_tokens=12, temperature=1.0))[0]
+    assert not torch.equal(plain, want)  # without min_p, temperature 1 samples other tokens
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_episodes_on_the_engine_are_the_hf_backends_token_for_token(cache_dir, arch):
     """Multi-turn episodes through the engine, each turn's context passed as token ids, with

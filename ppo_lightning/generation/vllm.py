@@ -273,11 +273,15 @@ class VLLMBackend:
         llm = self._engine()
         B, device = prompt_ids.shape[0], prompt_ids.device
         stop_strings = list(params.stop_strings) if params.stop_at_eos else []
-        if params.min_p > 0 and (params.top_p < 1 or params.top_k > 0) and not self._warned_min_p:
+        # vLLM applies min-p before top-k and top-p, Hugging Face after them. With top-k the order
+        # does not matter: min-p keeps the tokens above min_p x the top probability, and top-k keeps
+        # the top token and rescales nothing. Top-p's nucleus is taken over what min-p left
+        # (renormalised) here, over the whole distribution in HF, so those two can keep different sets.
+        if params.min_p > 0 and params.top_p < 1 and not self._warned_min_p:
             self._warned_min_p = True
             log.warning(
-                "sampling.min_p with top_k or top_p on generation=vllm: vLLM applies min-p before them, Hugging "
-                "Face (generation=hf) after, so the two backends keep different tokens"
+                "sampling.min_p with sampling.top_p on generation=vllm: vLLM takes the top-p nucleus after min-p, "
+                "Hugging Face (generation=hf) before it, so the two backends can keep different tokens"
             )
         common = dict(
             max_tokens=params.max_new_tokens,

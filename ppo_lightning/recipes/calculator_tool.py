@@ -49,6 +49,9 @@ ROWS = {
 }
 """The before/after table: labels and the run's own ``eval/*`` metrics."""
 CURVE = {"accuracy": "eval/reward/mean@1", "tool calls": "eval/env/tool_calls_mean"}
+WITHOUT_TOOL = "accuracy without the tool (greedy)"
+"""The table's last row: the SFT policy (before) and the trained one (after) answering in one
+turn, with no calculator to call."""
 
 
 def root(cfg) -> Path:
@@ -101,14 +104,14 @@ def calculator_path() -> str:
 def evaluate(cfg, module, out_dir: Path | None) -> str:
     """The run's first and last greedy evaluations with the tool, its curve, and the accuracy
     without the tool of the SFT policy (the reference) and of the trained policy."""
-    table = eval_report(module.eval_history, ROWS, out_dir, CURVE)
     before, after = (without_tool(module, lm) for lm in (module.ref_lm, module.policy.lm))
+    table = eval_report(module.eval_history, ROWS, out_dir, CURVE, extra_rows={WITHOUT_TOOL: (before, after)})
     if out_dir is not None:
         path = out_dir / "eval.json"
         data = json.loads(path.read_text()) if path.exists() else {}
         data["without_tool"] = {"before": before, "after": after}
         path.write_text(json.dumps(data, indent=2))
-    return f"{table}\n\nwithout the tool (one turn, no calculator): accuracy {before:.3f} before, {after:.3f} after"
+    return table
 
 
 @torch.no_grad()

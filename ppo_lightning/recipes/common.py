@@ -130,12 +130,18 @@ def fit_stage(
 
 
 def eval_report(
-    history, rows: dict[str, str], out_dir: Path | None, curve: dict[str, str] | None = None, n_samples: int = 3
+    history,
+    rows: dict[str, str],
+    out_dir: Path | None,
+    curve: dict[str, str] | None = None,
+    n_samples: int = 3,
+    extra_rows: dict[str, tuple[float, float]] | None = None,
 ) -> str:
     """The before/after table of a run's own evaluations (``PPOModule.eval_history``: the first,
     before training, and the last, after it), every eval point of ``curve``'s metrics, and samples.
 
-    ``rows`` maps a row's label to its ``eval/*`` metric. ``out_dir`` receives ``eval.json`` (the
+    ``rows`` maps a row's label to its ``eval/*`` metric; ``extra_rows`` adds rows measured
+    outside the run's evaluations, ``label: (before, after)``, below them. ``out_dir`` receives ``eval.json`` (the
     table and the curve) and, for ``curve`` (label -> metric), ``eval_curve.png`` beside
     ``metrics.csv`` (needs matplotlib, in the ``dev`` extra; without it the PNG is skipped with a
     warning)."""
@@ -148,9 +154,12 @@ def eval_report(
     first, last = history[0], history[-1]
     before = {label: first.metrics[key] for label, key in rows.items()}
     after = {label: last.metrics[key] for label, key in rows.items()}
-    width = max(len(n) for n in rows) + 2
+    extra_rows = extra_rows or {}
+    for label, (b, a) in extra_rows.items():
+        before[label], after[label] = b, a
+    width = max(len(n) for n in before) + 2
     lines = [f"{'':{width}}{'before':>10}{'after':>10}"]
-    lines += [f"{n:{width}}{before[n]:>10.3f}{after[n]:>10.3f}" for n in rows]
+    lines += [f"{n:{width}}{before[n]:>10.3f}{after[n]:>10.3f}" for n in before]
     curve = curve or {}
     if curve:
         lines.append("\neval after iteration:" + "".join(f"{p.step:>7d}" for p in history))
