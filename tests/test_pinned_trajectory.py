@@ -1,0 +1,59 @@
+"""The single-turn trajectory, pinned: short PPO and GRPO runs give the metrics recorded in
+``tests/pinned/<name>.json``, every metric that is not a wall-clock time, to 1e-4 relative.
+
+The files were recorded on commit 4db251b, before multi-turn episodes existed, so they hold the
+promise that the single-turn run (``env=none``) did not move when episodes arrived, and keep it
+through refactors. A change that is meant to alter the trajectory records them again
+(``PPO_LIGHTNING_REPIN=1 pytest tests/test_pinned_trajectory.py``) and says why in its commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import compose_cfg, read_metrics
+
+PINNED = Path(__file__).parent / "pinned"
+RUNS = {"ppo": [], "grpo": ["ppo.advantage=grpo", "ppo.num_generations=4", "ppo.kl_in=loss", "ppo.kl_coef=0.04"]}
+SHORT = [
+    "data.batch_size=8",
+    "ppo.minibatch_size=4",
+    "ppo.ppo_epochs=2",
+    "sampling.max_new_tokens=8",
+    "trainer.max_steps=3",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks=none",
+    "export_dir=null",
+]
+
+
+def wall_clock(key: str) -> bool:
+    """A metric that times something: no two runs agree on it (``tests.helpers.wall_clock``)."""
+    return key.startswith("perf/") or key == "env/time_s"
+
+
+def run_rows(name: str, tmp_path: Path, cache_dir: Path) -> list[dict[str, float]]:
+    """The metrics rows of run ``name`` (``experiment=tiny_char``, 3 iterations), wall clock left out."""
+    from ppo_lightning.jobs import train
+
+    train(compose_cfg([*SHORT, *RUNS[name]], tmp_path, cache_dir))
+    return [{k: v for k, v in row.items() if not wall_clock(k)} for row in read_metrics(tmp_path / "metrics.csv")]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_the_single_turn_trajectory_is_the_pinned_one(name, tmp_path, cache_dir):
+    got = run_rows(name, tmp_path, cache_dir)
+    path = PINNED / f"{name}.json"
+    if os.environ.get("PPO_LIGHTNING_REPIN") == "1":
+        path.write_text(json.dumps({"overrides": [*SHORT, *RUNS[name]], "rows": got}, indent=1) + "\n")
+    pinned = json.loads(path.read_text())["rows"]
+    assert len(got) == len(pinned) == 3
+    for step, (want, row) in enumerate(zip(pinned, got)):
+        assert set(want) <= set(row), (step, sorted(set(want) - set(row)))  # a metric may be added, not lost
+        for key, value in want.items():
+            assert row[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step, key)
