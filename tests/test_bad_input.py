@@ -31,11 +31,17 @@ SMALL = [
 
 
 def _rebind_log_streams() -> None:
-    """Loggers created during an earlier test hold that test's (now closed) captured stderr."""
+    """Loggers created during an earlier test hold that test's (now closed) captured stderr. A
+    handler's ``flush`` may be bound to it too: transformers' default handler sets
+    ``_default_handler.flush = sys.stderr.flush`` at its first import (``utils/logging.py``), so
+    the stream and that binding both move to this test's stderr."""
     for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
         for h in logger.handlers:
             if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
                 h.stream = sys.stderr  # setStream would flush the closed one
+            bound = h.__dict__.get("flush")  # an instance attribute shadowing StreamHandler.flush
+            if bound is not None and getattr(getattr(bound, "__self__", None), "closed", False):
+                h.flush = sys.stderr.flush
 
 
 def run_main(args: list[str], tmp_path, cache_dir, monkeypatch, capfd) -> tuple[int, str]:
@@ -194,16 +200,12 @@ def test_a_missing_recipe_output_names_the_recipe(tmp_path, monkeypatch, capfd):
     assert code == 1 and "reward.name_or_path=" in err and "built by recipe=reviews" in err, err
 
 
-def test_reward_model_without_a_trained_score_head(tmp_path, cache_dir, monkeypatch, capfd):
+def test_reward_model_without_a_trained_score_head(tmp_path, cache_dir, tiny_lm_dir, monkeypatch, capfd):
     """A directory that is not a reward model (here a causal LM; a sentence-embedding encoder is
     the same case) loads as a sequence classifier with a random score head: refused, naming
     the key and the missing weights, instead of training against noise."""
     code, err = run_main(
-        ["reward=model", f"reward.name_or_path={cache_dir / 'tiny-gpt2-l2-h2-d64'}"],
-        tmp_path,
-        cache_dir,
-        monkeypatch,
-        capfd,
+        ["reward=model", f"reward.name_or_path={tiny_lm_dir}"], tmp_path, cache_dir, monkeypatch, capfd
     )
     assert code == 1 and "reward.name_or_path=" in err and "is not a trained reward model" in err
     assert "score.weight" in err
