@@ -1,12 +1,12 @@
 """Entry point: ``python train.py [group=choice ...] [key=value ...]``.
 
 Hydra composes ``conf/train.yaml`` with the chosen groups and overrides, validates them against
-the schemas in ``ppo_lightning/config.py`` and runs the chosen task. Returns the
+the schemas in ``ppo_lightning/config/__init__.py`` and runs the chosen task. Returns the
 ``optimized_metric`` for Hydra sweepers. Bad input prints one short message and exits 1
 (``HYDRA_FULL_ERROR=1`` shows the full traceback). In a sweep (``-m``) a failing job is logged
 and returns no value (Optuna records the trial as failed), and the sweep goes on with the next.
 SIGTERM (a cluster's preemption) stops the job, and a sweep, with exit status 143 and one line
-naming the command that resumes (``ppo_lightning/preemption.py``).
+naming the command that resumes (``ppo_lightning/parallel/preemption.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra composes)
-from ppo_lightning.checkpoint import CheckpointWriteError
+from ppo_lightning.parallel.checkpoint import CheckpointWriteError
 from ppo_lightning.config import check_sweep_launch
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.loggers import finish_wandb
-from ppo_lightning.module import NonFiniteError
-from ppo_lightning.preemption import EXIT_STATUS, Preempted
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.train.loggers import finish_wandb
+from ppo_lightning.train.module import NonFiniteError
+from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted
 from ppo_lightning.rewards import RewardError
 
 log = logging.getLogger("ppo_lightning")
@@ -37,7 +37,7 @@ USER_ERRORS = (ConfigError, RewardError, NonFiniteError, CheckpointWriteError)
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from ppo_lightning.jobs import run_task
+    from ppo_lightning.jobs.run import run_task
 
     in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:

@@ -48,7 +48,7 @@ def main() -> None:
     from ppo_lightning.generation.hf import HFBackend
     from ppo_lightning.generation.params import SamplingParams
     from ppo_lightning.generation.vllm import VLLMBackend
-    from ppo_lightning.policy import load_causal_lm, load_tokenizer
+    from ppo_lightning.models.policy import load_causal_lm, load_tokenizer
 
     w = WORKLOADS[args.workload]
     with tempfile.TemporaryDirectory() as tmp:

@@ -90,7 +90,7 @@ def cpu_name() -> str:
 def fit(w: Workload, policy_dir: Path, reward_dir: Path, device: torch.device, extra: tuple[str, ...]) -> dict:
     """One ``trainer.fit`` of the workload in ``PRECISION`` on ``device``: its per-iteration
     metrics, wall time, the policy's size and the device memory of the models and of the run."""
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
 
     with tempfile.TemporaryDirectory() as out:
         out = Path(out)

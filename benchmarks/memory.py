@@ -160,8 +160,8 @@ def child_ours(workload: str, variant: str, iterations: int, model_root: Path, t
     from throughput import compose
     from workloads import WORKLOADS, build_models, make_prompts
 
-    from ppo_lightning.errors import ConfigError
-    from ppo_lightning.factory import build
+    from ppo_lightning.config.errors import ConfigError
+    from ppo_lightning.jobs.factory import build
 
     if threads:
         torch.set_num_threads(threads)

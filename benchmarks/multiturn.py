@@ -64,7 +64,7 @@ class IterationTimes(L.Callback):
 
 
 def run(overrides: list[str], out: Path) -> list[dict]:
-    from ppo_lightning.factory import build_module, build_trainer, compose_config
+    from ppo_lightning.jobs.factory import build_module, build_trainer, compose_config
 
     cfg = compose_config(
         [

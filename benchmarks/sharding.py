@@ -10,7 +10,7 @@ for rank 1):
 
 * ``ddp``: ``trainer=ddp_cpu``, two gloo processes, each holding the whole model, its gradients
   and AdamW's two moments;
-* ``fsdp``: ``trainer=fsdp_cpu``, FSDP2 ``fully_shard`` (``ppo_lightning/sharding.py``): each rank
+* ``fsdp``: ``trainer=fsdp_cpu``, FSDP2 ``fully_shard`` (``ppo_lightning/parallel/sharding.py``): each rank
   holds half of every policy and reference weight, gradient and AdamW moment. The rollout gathers
   the policy and reference once and samples with full weights (``gather_for_rollout``, default);
 * ``fsdp_sharded_rollout``: the same with ``+trainer.strategy.gather_for_rollout=false``: the
@@ -288,7 +288,7 @@ def refused(overrides: list[str]) -> str | None:
 
     import ppo_lightning.config  # noqa: F401  (the schemas)
     from ppo_lightning.config import validate
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
 
     try:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -177,7 +177,7 @@ def run_ppo(
     shape) or GRPO (``"grpo"``, ``prompts`` x ``generations`` completions per iteration).
     ``callbacks`` join the Trainer's after the timers (``profile_iteration.py`` profiles one
     iteration with one)."""
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
 
     iterations = iterations or w.iterations
     policy_dir, reward_dir = build_models(w, model_root)
@@ -235,7 +235,7 @@ def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = 
     ``device``; ``bf16``: both under bf16 autocast (the rollout's numerics in ``bf16-mixed``)."""
     import contextlib
 
-    from ppo_lightning.policy import load_causal_lm, load_tokenizer
+    from ppo_lightning.models.policy import load_causal_lm, load_tokenizer
     from ppo_lightning.generation.hf import generate
 
     dev = torch.device(device)

@@ -6,7 +6,7 @@ with their tokenizer and loaded back through the ordinary ``from_pretrained`` pa
 
 Two vocabularies (``Workload.vocab_size``):
 
-* ``None``: bytes (256 bytes + EOS + pad, ``ppo_lightning.tiny``). Small embedding and LM head,
+* ``None``: bytes (256 bytes + EOS + pad, ``ppo_lightning.models.tiny``). Small embedding and LM head,
   so the transformer blocks and per-call overhead dominate. ``tiny`` and ``small``.
 * ``50257``: GPT-2's vocabulary size, built offline as a word-level tokenizer over synthetic
   words plus unknown, pad and EOS tokens (``build_word_tokenizer``), so the embedding and the LM head (768 x 50257, 38.6M of
@@ -24,7 +24,7 @@ import dataclasses
 import random
 from pathlib import Path
 
-from ppo_lightning.tiny import (
+from ppo_lightning.models.tiny import (
     EOS_TOKEN,
     PAD_TOKEN,
     causal_lm_config,
@@ -50,7 +50,7 @@ class Workload:
     episodes: int  # total prompts consumed (episodes / rollout_batch iterations)
     vocab_size: int | None = None  # None: byte-level; else a word-level vocabulary of this size
     n_positions: int = 256  # position embeddings (at least prompt + response)
-    arch: str = "gpt2"  # ppo_lightning.tiny.causal_lm_config's architectures (word vocabularies: gpt2 or qwen2)
+    arch: str = "gpt2"  # ppo_lightning.models.tiny.causal_lm_config's architectures (word vocabularies: gpt2 or qwen2)
 
     @property
     def iterations(self) -> int:
@@ -171,7 +171,7 @@ def build_word_tokenizer(vocab_size: int):
 def build_tokenizer(w: Workload):
     """The workload's tokenizer (as ``build_models`` saves it with the models)."""
     if w.vocab_size is None:
-        from ppo_lightning.tiny import build_byte_tokenizer
+        from ppo_lightning.models.tiny import build_byte_tokenizer
 
         return build_byte_tokenizer()
     return build_word_tokenizer(w.vocab_size)
@@ -223,7 +223,7 @@ def tokenizer_overrides(w: Workload, policy_dir: Path) -> list[str]:
 
 def _save_word_model(path: Path, w: Workload, n_positions: int, reward: bool, seed: int) -> Path:
     """A random GPT-2 causal LM (or one-label sequence classifier) over the word vocabulary, with
-    its tokenizer, dropout off (``ppo_lightning.tiny.save_random_model``, as the tiny models)."""
+    its tokenizer, dropout off (``ppo_lightning.models.tiny.save_random_model``, as the tiny models)."""
     tokenizer = build_word_tokenizer(w.vocab_size)
     if w.arch == "gpt2" or reward:  # the reward model is a GPT-2 whatever the policy (see tokenizer_dir)
         config = gpt2_config(w.n_layer, w.n_head, w.n_embd, n_positions, num_labels=1 if reward else None)

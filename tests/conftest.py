@@ -24,14 +24,14 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_lm_dir(cache_dir) -> Path:
-    from ppo_lightning.tiny import save_tiny_causal_lm
+    from ppo_lightning.models.tiny import save_tiny_causal_lm
 
     return save_tiny_causal_lm(cache_dir / "tiny-lm")
 
 
 @pytest.fixture(scope="session")
 def tiny_rm_dir(cache_dir) -> Path:
-    from ppo_lightning.tiny import save_tiny_reward_model
+    from ppo_lightning.models.tiny import save_tiny_reward_model
 
     return save_tiny_reward_model(cache_dir / "tiny-rm")
 

@@ -151,7 +151,7 @@ def raises_on_a(prompts, responses):
 @torch.no_grad()
 def greedy_by_full_forward(lm, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` greedy tokens per row, re-running the whole left-padded sequence each step (no cache)."""
-    from ppo_lightning.policy import position_ids_from_mask
+    from ppo_lightning.models.policy import position_ids_from_mask
 
     ids, am = input_ids, attention_mask
     for _ in range(n):
@@ -188,7 +188,7 @@ def make_rollout(
     """
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.rollout import finish_rollout, forward_logprobs, sample_and_score
+    from ppo_lightning.algo.rollout import finish_rollout, forward_logprobs, sample_and_score
 
     s = sample_and_score(
         sampler=HFBackend(policy.lm, tokenizer),

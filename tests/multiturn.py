@@ -40,7 +40,7 @@ def build_bpe_tokenizer(vocab_size: int = 600):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ppo_lightning.tiny import EOS_TOKEN, PAD_TOKEN, TINY_CHAT_TEMPLATE
+    from ppo_lightning.models.tiny import EOS_TOKEN, PAD_TOKEN, TINY_CHAT_TEMPLATE
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -65,7 +65,7 @@ def build_bpe_tokenizer(vocab_size: int = 600):
 
 def save_bpe_lm(path: Path, seed: int = 0) -> Path:
     """A tiny random GPT-2 over the BPE tokenizer, saved with it (``from_pretrained`` loads both)."""
-    from ppo_lightning.tiny import gpt2_config, save_random_model
+    from ppo_lightning.models.tiny import gpt2_config, save_random_model
 
     tok = build_bpe_tokenizer()
     config = gpt2_config(n_layer=2, n_head=2, n_embd=64, n_positions=512)

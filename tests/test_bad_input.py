@@ -138,7 +138,7 @@ def test_prompt_longer_than_limit_with_truncation_error(tmp_path, cache_dir, mon
 
 
 def test_tokenizer_without_pad_or_eos(tmp_path, cache_dir, monkeypatch, capfd):
-    from ppo_lightning.tiny import build_byte_tokenizer, save_tiny_causal_lm
+    from ppo_lightning.models.tiny import build_byte_tokenizer, save_tiny_causal_lm
 
     d = save_tiny_causal_lm(tmp_path / "no-eos")
     tok = build_byte_tokenizer()
@@ -279,7 +279,7 @@ ENV_CASES = {
 
 @pytest.mark.parametrize("name", list(ENV_CASES))
 def test_bad_env_input_fails_before_any_model_loads(name, tmp_path, cache_dir, monkeypatch, capfd):
-    import ppo_lightning.factory as factory
+    import ppo_lightning.jobs.factory as factory
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model loaded before the check")
@@ -297,8 +297,8 @@ def test_a_tokenizer_whose_template_cannot_render_tools_needs_data_chat_template
 ):
     """The byte tokenizer with a template that ignores ``tools``: refused before any model loads,
     naming the tokenizer and ``data.chat_template``; with a template that renders them it runs."""
-    import ppo_lightning.factory as factory
-    from ppo_lightning.tiny import build_byte_tokenizer
+    import ppo_lightning.jobs.factory as factory
+    from ppo_lightning.models.tiny import build_byte_tokenizer
 
     tok = build_byte_tokenizer()
     tok.chat_template = (

@@ -11,7 +11,7 @@ import pytest
 
 from ppo_lightning.envs import ChatRenderer, ToolEnvironment
 from ppo_lightning.envs.calculator import calculator as calc
-from ppo_lightning.examples import calculator as c
+from ppo_lightning.tasks.calculator_tool import data as c
 
 TOOLS = ["ppo_lightning.envs.calculator.calculator"]
 
@@ -74,7 +74,7 @@ def test_calculator_tool_learns_to_call_the_tool(tmp_path, cache_dir, capsys):
     most of it the SFT warm start): before RL the greedy policy answers in its head and is almost
     never right; after, it calls the calculator and is right much more often, while without the
     tool it stays wrong. The table, eval.json and the curve are written."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
     from tests.conftest import compose_cfg
 
     run = tmp_path / "run"

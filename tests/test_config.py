@@ -12,8 +12,14 @@ import yaml
 from omegaconf import OmegaConf
 
 from ppo_lightning import config as C
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.recipes import recipe_root
+
+from ppo_lightning.algo.advantages import critic_free_advantages
+
+from ppo_lightning.algo.kl import KL_ESTIMATOR_FNS
+
+from ppo_lightning.algo.losses import aggregate
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.config import recipe_root
 from tests.conftest import CONF, compose_cfg
 from tests.helpers import run_train
 
@@ -143,12 +149,12 @@ def test_every_declared_check_is_enforced_and_names_the_key(tmp_path, cache_dir,
 
 def test_sharded_trainers_compose_to_fsdp2_and_fsdp1_is_refused(tmp_path, cache_dir):
     from ppo_lightning.config import validate
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
 
     for trainer, accelerator, devices in (("fsdp", "gpu", -1), ("fsdp_cpu", "cpu", 2)):
         cfg = compose_cfg([f"trainer={trainer}"], tmp_path, cache_dir)
         validate(cfg)
-        assert cfg.trainer.strategy._target_ == "ppo_lightning.sharding.FSDP2Strategy"
+        assert cfg.trainer.strategy._target_ == "ppo_lightning.parallel.sharding.FSDP2Strategy"
         assert (cfg.trainer.accelerator, cfg.trainer.devices) == (accelerator, devices)
     with pytest.raises(ConfigError, match=r"^trainer.strategy=fsdp: Lightning's FSDP1 .* use trainer=fsdp"):
         validate(compose_cfg(["trainer.strategy=fsdp"], tmp_path, cache_dir))
@@ -187,7 +193,7 @@ def test_two_nodes_of_two_processes_make_one_sharding_mesh_of_four(
     """The README's multi-node lines: ``trainer=fsdp_cpu trainer.num_nodes=2`` under the
     environment torchrun or SLURM sets for rank 1 of 4. Lightning reads the ranks from it (no
     processes of its own), and the FSDP mesh spans all four processes."""
-    from ppo_lightning.factory import build_trainer
+    from ppo_lightning.jobs.factory import build_trainer
 
     for k in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
         monkeypatch.delenv(k)
@@ -246,9 +252,12 @@ def test_every_choice_list_is_what_its_code_implements():
     """Each list in ``choices.py`` names exactly what the code behind it accepts."""
     import torch
 
-    from ppo_lightning import choices, estimators, optim, policy, ppo, tiny
+    from ppo_lightning.config import choices
+    from ppo_lightning.train import optim
+    from ppo_lightning.models import policy
+    from ppo_lightning.models import tiny
 
-    assert set(ppo.KL_ESTIMATOR_FNS) == set(choices.KL_ESTIMATORS)
+    assert set(KL_ESTIMATOR_FNS) == set(choices.KL_ESTIMATORS)
     assert set(optim.OPTIMIZER_CLASSES) == set(choices.OPTIMIZERS)
     assert set(policy.TORCH_DTYPES) == set(choices.DTYPES)
     assert set(choices.DEFAULT_KL_ESTIMATOR) == set(choices.KL_PLACEMENTS)
@@ -258,11 +267,9 @@ def test_every_choice_list_is_what_its_code_implements():
         tiny.causal_lm_config(arch, 1, 1, 8, 16)  # raises for an architecture it does not know
     mask = torch.ones(2, 3)
     for agg in choices.LOSS_AGGREGATIONS:
-        ppo.aggregate(torch.zeros(2, 3), mask, agg, mask.sum(), 2, 3)
+        aggregate(torch.zeros(2, 3), mask, agg, mask.sum(), 2, 3)
     for est in choices.ESTIMATORS[1:]:
-        estimators.critic_free_advantages(
-            est, torch.zeros(2), torch.zeros(2, 3), mask, group_size=2, gamma=1.0, scale_by_std=True
-        )
+        critic_free_advantages(est, torch.zeros(2), torch.zeros(2, 3), mask, group_size=2, gamma=1.0, scale_by_std=True)
 
 
 def test_keys_a_mode_ignores_get_one_warning_naming_the_key_and_the_mode(tmp_path, cache_dir, caplog):

@@ -11,16 +11,10 @@ import pytest
 import torch
 
 from ppo_lightning.config import DataConfig
-from ppo_lightning.data import (
-    PadCollator,
-    PromptDataModule,
-    read_prompt_records,
-    read_prompts,
-    read_records,
-    tokenize_prompts,
-)
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.tiny import build_byte_tokenizer
+from ppo_lightning.data.prompts import PadCollator, PromptDataModule, tokenize_prompts
+from ppo_lightning.data.records import read_prompt_records, read_prompts, read_records
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.models.tiny import build_byte_tokenizer
 
 PAD = 257
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ppo_lightning import config as C
 from ppo_lightning.config import TrainConfig
-from ppo_lightning.jobs import train
+from ppo_lightning.jobs.run import train
 from tests.conftest import compose_cfg, read_metrics
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -12,7 +12,7 @@ import pytest
 from ppo_lightning.config import EnvConfig
 from ppo_lightning.envs import ChatRenderer, EnvError, EnvStep, EpisodeRunner, ToolEnvironment, calculator
 from ppo_lightning.envs.parsers import HermesParser, ToolCall
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation import SamplingParams
 from tests.multiturn import Echo, IncrementEnv, Raises, ScriptedBackend, WrongTypes, build_bpe_tokenizer, tool_call
 
@@ -374,7 +374,7 @@ def test_an_episode_whose_environment_raised_scores_error_reward_and_keeps_its_e
     (its terms NaN: they were not asked); the turn rewards it earned before the fault stay on
     their turns. The other episodes of the batch are scored as usual."""
     from ppo_lightning.rewards.function import FunctionReward
-    from ppo_lightning.rollout import score_episodes
+    from ppo_lightning.algo.rollout import score_episodes
     from tests.multiturn import DownOnSecondTurn
 
     tok = bpe

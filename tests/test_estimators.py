@@ -1,5 +1,5 @@
 """The critic-free estimators against naive references on hand-made groups (plain Python loops
-over the formulas of each paper; ``ppo_lightning/estimators.py`` cites them)."""
+over the formulas of each paper; ``ppo_lightning/algo/advantages.py`` cites them)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ppo_lightning import estimators as E
+from ppo_lightning.algo import advantages as E
 from ppo_lightning.config import PPOConfig
 
 # two prompts, three samples each: a group with spread, and one whose rewards are all equal
@@ -98,7 +98,7 @@ def test_group_estimators_refuse_groups_they_cannot_form(fn):
 def _samples(scores: list[float], lengths: list[int], R: int = 6, P: int = 2, seed: int = 0):
     """A ``rollout.Samples`` of ``len(scores)`` rows whose responses have ``lengths`` tokens, with
     reference logprobs around -1 (what ``finish_rollout`` reads; the token ids are placeholders)."""
-    from ppo_lightning.rollout import Samples
+    from ppo_lightning.algo.rollout import Samples
 
     B = len(scores)
     mask = torch.tensor([[1.0] * n + [0.0] * (R - n) for n in lengths])
@@ -126,7 +126,7 @@ def test_group_estimators_compare_scores_and_add_the_kl_penalty_per_token(advant
     scales any spread up to 1, whatever beta). Here the scores are compared and each token adds
     its return-to-go of the KL penalty (OpenRLHF): group 0's advantages are of size beta * KL,
     group 1's are its score advantages plus that. A naive loop over the formula checks each."""
-    from ppo_lightning.rollout import finish_rollout
+    from ppo_lightning.algo.rollout import finish_rollout
 
     scores, lengths, beta = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [3, 6, 2, 5, 4, 6, 1, 3], 0.05
     s = _samples(scores, lengths)
@@ -165,7 +165,7 @@ def test_reward_whitening_is_refused_without_a_critic(advantage):
     """Whitening per-token rewards while keeping their mean adds a term proportional to each
     response's length: with equal scores within each group and lengths 2 and 6, GRPO's
     advantages would be about +-0.87 (short answers rewarded for being short) instead of 0."""
-    from ppo_lightning.rollout import finish_rollout
+    from ppo_lightning.algo.rollout import finish_rollout
 
     s = _samples([1.0, 1.0, 0.0, 0.0], [2, 6, 3, 6])
     cfg = PPOConfig(advantage=advantage, num_generations=2)
@@ -202,8 +202,8 @@ def test_critic_free_estimators_raise_reward_without_any_value_head(tmp_path, ca
     """Each critic-free estimator learns the tiny task (4 prompts x 4 samples per iteration), and
     no value head exists anywhere: not in the policy, the optimizer, the checkpoint, the metrics
     or the export."""
-    from ppo_lightning.factory import build
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.factory import build
+    from ppo_lightning.jobs.run import train
     from tests.conftest import compose_cfg, read_metrics
 
     overrides = [
@@ -252,7 +252,7 @@ class CaptureRollout:
 def test_each_prompts_samples_are_one_group_on_consecutive_rows(tmp_path, cache_dir, advantage):
     """``ppo.num_generations=3``: the rollout holds each prompt three times in a row (valid for
     GAE too); GRPO's advantages are constant along a response and sum to 0 within each group."""
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
     from tests.conftest import compose_cfg
 
     cfg = compose_cfg(
@@ -285,7 +285,7 @@ def test_each_prompts_samples_are_one_group_on_consecutive_rows(tmp_path, cache_
 
 def test_bad_estimator_settings_name_the_key(tmp_path, cache_dir):
     from ppo_lightning.config import validate
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
     from tests.conftest import compose_cfg
 
     for overrides, match in (
@@ -352,7 +352,7 @@ def test_tied_groups_are_counted_while_the_kl_penalty_moves_the_policy(tmp_path,
     and an entropy bonus that moves the policy off the reference: every group ties on every
     iteration, though after the first update the KL penalty differs from response to response.
     The metric counts the ties (with score + KL penalty it read 0 from iteration 1 on)."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
     from tests.conftest import compose_cfg, read_metrics
 
     train(

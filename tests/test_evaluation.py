@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.evaluation import pass_at_k, pass_ks
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.train.evaluation import pass_at_k, pass_ks
 from tests import helpers
 from tests.conftest import compose_cfg, read_metrics
 
@@ -52,7 +52,7 @@ RUN = [
 
 @pytest.mark.slow  # two runs
 def test_eval_logs_before_every_n_and_after_without_moving_the_training_trajectory(tmp_path, cache_dir):
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     _records(tmp_path / "train.jsonl", range(8))
     _records(tmp_path / "eval.jsonl", range(100, 106), sources=True)  # 6 prompts: batches of 4 and 2
@@ -90,7 +90,7 @@ def test_eval_logs_before_every_n_and_after_without_moving_the_training_trajecto
 
 
 def test_bad_eval_inputs_fail_before_any_model_loads(tmp_path, cache_dir):
-    from ppo_lightning.factory import build_module, check_inputs
+    from ppo_lightning.jobs.factory import build_module, check_inputs
 
     _records(tmp_path / "train.jsonl", range(8))
     base = [*RUN, f"data.path={tmp_path / 'train.jsonl'}"]
@@ -133,7 +133,7 @@ def test_eval_sharded_over_two_ranks_equals_one_process(tmp_path, cache_dir):
 def test_a_checkpoint_callback_keeps_the_best_checkpoint_by_an_eval_metric(tmp_path, cache_dir):
     import torch
 
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     _records(tmp_path / "train.jsonl", range(8))
     _records(tmp_path / "eval.jsonl", range(100, 104))
@@ -164,7 +164,7 @@ def test_a_checkpoint_callback_keeps_the_best_checkpoint_by_an_eval_metric(tmp_p
 
 @pytest.mark.slow  # a run with W&B
 def test_eval_samples_go_to_wandb_as_a_table(tmp_path, cache_dir, monkeypatch):
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     _records(tmp_path / "train.jsonl", range(8))

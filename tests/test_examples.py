@@ -7,7 +7,9 @@ import statistics
 
 import pytest
 
-from ppo_lightning.examples import arithmetic, reviews
+from ppo_lightning.tasks.arithmetic import data as arithmetic
+
+from ppo_lightning.tasks.reviews import data as reviews
 
 
 # ----------------------------------------------------------------------------- reviews
@@ -305,9 +307,9 @@ def test_arithmetic_end_to_end_split_decoding(arith_tok):
 def test_reward_fns_import_as_config_paths():
     from ppo_lightning.rewards.function import FunctionReward
 
-    fn = FunctionReward("ppo_lightning.examples.reviews.reward_fn")
+    fn = FunctionReward("ppo_lightning.tasks.reviews.data.reward_fn")
     assert list(fn(["the plot was"], ["dull but the music was lovely ."])) == [0.0]
-    fn = FunctionReward("ppo_lightning.examples.reviews.reward_fn", {"ill_formed": -2.0})
+    fn = FunctionReward("ppo_lightning.tasks.reviews.data.reward_fn", {"ill_formed": -2.0})
     assert list(fn(["the plot was"], ["dull ."])) == [-2.0]
-    fn = FunctionReward("ppo_lightning.examples.arithmetic.reward_fn")
+    fn = FunctionReward("ppo_lightning.tasks.arithmetic.data.reward_fn")
     assert list(fn(["12+7="], ["19"])) == [1.0]

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2LMHeadModel, LlamaForCausalLM
 
-from ppo_lightning.fast_decode import decoder_for, supports_fast_decode
-from ppo_lightning.lora import DisabledAdapters
-from ppo_lightning.policy import load_causal_lm, load_tokenizer, model_class, position_ids_from_mask, underlying
+from ppo_lightning.generation.fast_decode import decoder_for, supports_fast_decode
+from ppo_lightning.models.lora import DisabledAdapters
+from ppo_lightning.models.policy import load_causal_lm, load_tokenizer, model_class, position_ids_from_mask, underlying
 from ppo_lightning.generation.hf import _cache_kwarg, generate
-from ppo_lightning.tiny import causal_lm_config
+from ppo_lightning.models.tiny import causal_lm_config
 from tests.helpers import greedy_by_full_forward
 
 PROMPTS = ["hello there, friend", "a", "xyz abc", "the cat sat on"]  # left-padded: rows differ in length
@@ -208,7 +208,7 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ppo_lightning.sharding import is_sharded, shard_lm, unsharded_for_rollout
+    from ppo_lightning.parallel.sharding import is_sharded, shard_lm, unsharded_for_rollout
 
     lm, tok = lm_and_tok if arch == "gpt2" else (tiny("llama", num_key_value_heads=2), lm_and_tok[1])
     sharded = copy.deepcopy(lm)

@@ -28,7 +28,7 @@ def test_every_sampler_goes_through_the_configured_backend_with_the_runs_params(
     with the one ``module.sampling`` (here with top-k and a stop string, which a caller rebuilding
     its own arguments could drop; an evaluation at the rollout's temperature samples with equal
     params); the backend gets the policy's weights after each iteration."""
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
     from tests.helpers import RecordingBackend
 
     RecordingBackend.calls.clear()
@@ -75,7 +75,7 @@ def test_sampling_params_come_from_the_sampling_node(tmp_path, cache_dir):
     )
     from omegaconf import OmegaConf
 
-    from ppo_lightning.factory import build_module
+    from ppo_lightning.jobs.factory import build_module
 
     module, _ = build_module(cfg)
     params = SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), module.tokenizer)
@@ -104,7 +104,7 @@ def test_sampling_params_come_from_the_sampling_node(tmp_path, cache_dir):
 )
 def test_a_moved_sampling_key_fails_with_one_line_naming_its_new_home(tmp_path, cache_dir, old, new, value):
     from ppo_lightning.config import validate
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match=rf"^{old} moved to {new}: write {new}=") as err:
         validate(compose_cfg([f"{old}={value}"], tmp_path, cache_dir))
@@ -112,8 +112,8 @@ def test_a_moved_sampling_key_fails_with_one_line_naming_its_new_home(tmp_path, 
 
 
 def test_a_generation_node_without_a_target_names_the_key(tmp_path, cache_dir):
-    from ppo_lightning.errors import ConfigError
-    from ppo_lightning.factory import build_module
+    from ppo_lightning.config.errors import ConfigError
+    from ppo_lightning.jobs.factory import build_module
 
     with pytest.raises(ConfigError, match=r"^generation: expected a mapping with a _target_"):
         build_module(compose_cfg(["~generation._target_"], tmp_path, cache_dir))
@@ -146,7 +146,7 @@ def test_the_vllm_sync_gathers_one_tensor_at_a_time_and_a_tied_one_once(monkeypa
     weight (under two keys) is gathered once."""
     import torch
 
-    import ppo_lightning.sharding
+    import ppo_lightning.parallel.sharding
     from ppo_lightning.generation.vllm import _gathered
 
     gathers = []
@@ -155,7 +155,7 @@ def test_the_vllm_sync_gathers_one_tensor_at_a_time_and_a_tied_one_once(monkeypa
         gathers.append(t)
         return t.clone()
 
-    monkeypatch.setattr(ppo_lightning.sharding, "full_tensor", full_tensor)
+    monkeypatch.setattr(ppo_lightning.parallel.sharding, "full_tensor", full_tensor)
     emb, w = torch.randn(5, 3), torch.randn(3, 3)
     state = {"wte.weight": emb, "h.0.weight": w, "lm_head.weight": emb}
     stream = _gathered(state)

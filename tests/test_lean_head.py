@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from ppo_lightning.lean_head import unsupported
-from ppo_lightning.policy import PolicyWithValueHead, position_ids_from_mask
-from ppo_lightning.rollout import forward_logprobs
-from ppo_lightning.tiny import ARCHITECTURES, causal_lm_config
+from ppo_lightning.models.lean_head import unsupported
+from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
+from ppo_lightning.algo.rollout import forward_logprobs
+from ppo_lightning.models.tiny import ARCHITECTURES, causal_lm_config
 from tests import helpers
 from tests.conftest import compose_cfg, read_metrics
 
@@ -27,7 +27,7 @@ def _lm(arch: str):
 def chunk_calls(monkeypatch):
     """How many chunks the lean head computed (forward and recomputed in the backward): a test
     that passed because the plain path ran instead would see none."""
-    from ppo_lightning import lean_head
+    from ppo_lightning.models import lean_head
 
     calls = []
     inner = lean_head._logp_and_entropy
@@ -116,7 +116,7 @@ def test_a_head_it_cannot_chunk_takes_the_plain_path(chunk_calls):
 def test_a_run_with_the_lean_head_gives_the_plain_runs_metrics(tmp_path, cache_dir, chunk_calls):
     """Three PPO iterations of the tiny job, two minibatches, entropy bonus on (its gradient
     flows through the chunks): every metric agrees, the first update's ratio is 1."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     runs = {}
     for name, chunk in (("plain", "null"), ("lean", "13")):

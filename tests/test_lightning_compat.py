@@ -1,4 +1,4 @@
-"""Pins the behaviour of each private Lightning call in ``ppo_lightning/lightning_compat.py``.
+"""Pins the behaviour of each private Lightning call in ``ppo_lightning/parallel/lightning_compat.py``.
 
 A Lightning release that moves or changes one of them fails here, by name, rather than as a PPO
 run whose ``global_step`` counts optimizer steps instead of iterations.
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from ppo_lightning.lightning_compat import attached_trainer, count_iteration, step_optimizer
+from ppo_lightning.parallel.lightning_compat import attached_trainer, count_iteration, step_optimizer
 
 
 class ManualModule(L.LightningModule):
@@ -108,7 +108,7 @@ def test_no_gradient_sync_is_ddps_no_sync_through_the_strategy():
     ``no_sync``). tests/test_ddp.py checks the accumulated update across 2 processes."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    from ppo_lightning.lightning_compat import no_gradient_sync
+    from ppo_lightning.parallel.lightning_compat import no_gradient_sync
 
     assert callable(getattr(DDPStrategy, "block_backward_sync", None))
     module = ManualModule()

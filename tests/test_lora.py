@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.factory import build_module
-from ppo_lightning.policy import position_ids_from_mask
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.jobs.factory import build_module
+from ppo_lightning.models.policy import position_ids_from_mask
 from ppo_lightning.generation.hf import generate
-from ppo_lightning.rollout import forward_logprobs
-from ppo_lightning.jobs import export, train
+from ppo_lightning.algo.rollout import forward_logprobs
+from ppo_lightning.jobs.run import export, train
 from tests.conftest import compose_cfg, read_metrics
 
 ARCHS = ["gpt2", "llama", "qwen2", "gpt_neox"]

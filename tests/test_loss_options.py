@@ -8,7 +8,13 @@ import math
 import pytest
 import torch
 
-from ppo_lightning import ppo
+from ppo_lightning.algo.kl import kl_k3, kl_penalty
+
+from ppo_lightning.algo.losses import aggregate, clip_fractions, global_token_count, ppo_policy_loss
+
+from ppo_lightning.algo.stats import masked_mean
+
+from ppo_lightning.config.choices import LOSS_AGGREGATIONS
 
 torch.manual_seed(0)
 B, R = 4, 6
@@ -31,16 +37,16 @@ def _naive_aggregate(x, mask, mode):
     return sum(sum(row) for row in rows) / B  # seq_mean_token_sum
 
 
-@pytest.mark.parametrize("mode", ppo.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
 def test_aggregation_matches_its_definition_and_micro_batch_shares_add_up(mode):
     """token_mean: every token weighs the same; seq_mean_token_mean: every response (GRPO,
     DeepSeekMath eq. 3); seq_mean_token_sum: no length division; seq_mean_token_sum_norm: that
     over a constant length (Dr. GRPO, Liu et al. 2025; TRL's dr_grpo)."""
-    whole = ppo.aggregate(X, MASK, mode, norm_length=MAX_NEW_TOKENS)
+    whole = aggregate(X, MASK, mode, norm_length=MAX_NEW_TOKENS)
     assert whole.item() == pytest.approx(_naive_aggregate(X, MASK, mode), rel=1e-6)
-    count = ppo.global_token_count(MASK)
+    count = global_token_count(MASK)
     shares = sum(
-        ppo.aggregate(X[s : s + 2], MASK[s : s + 2], mode, token_count=count, seq_count=B, norm_length=MAX_NEW_TOKENS)
+        aggregate(X[s : s + 2], MASK[s : s + 2], mode, token_count=count, seq_count=B, norm_length=MAX_NEW_TOKENS)
         for s in (0, 2)
     )
     assert shares.item() == pytest.approx(whole.item(), rel=1e-6)
@@ -48,7 +54,7 @@ def test_aggregation_matches_its_definition_and_micro_batch_shares_add_up(mode):
 
 def test_seq_mean_token_sum_norm_needs_its_constant():
     with pytest.raises(ValueError, match="norm_length"):
-        ppo.aggregate(X, MASK, "seq_mean_token_sum_norm")
+        aggregate(X, MASK, "seq_mean_token_sum_norm")
 
 
 def test_k3_at_an_extreme_pad_logprob_has_a_finite_zero_gradient():
@@ -59,7 +65,7 @@ def test_k3_at_an_extreme_pad_logprob_has_a_finite_zero_gradient():
     new = torch.tensor([[-1.0, -2.0, -100.0]], requires_grad=True)
     ref = torch.tensor([[-1.05, -1.9, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss = ppo.aggregate(ppo.kl_penalty(new, ref, "k3", mask), mask, "token_mean")
+    loss = aggregate(kl_penalty(new, ref, "k3", mask), mask, "token_mean")
     loss.backward()
     assert torch.isfinite(new.grad).all() and new.grad[0, 2] == 0
     want = [(1 - math.exp(r - n)) / 2 for n, r in ((-1.0, -1.05), (-2.0, -1.9))]  # d/dn k3 / 2 tokens
@@ -71,7 +77,7 @@ def test_k3_clamps_the_log_ratio_on_real_tokens_too():
     inf: the log-ratio is clamped to +-20 before the exponential (verl clamps there too)."""
     new = torch.tensor([[-100.0, -1.0]], requires_grad=True)
     ref = torch.tensor([[0.0, -1.0]])
-    k3 = ppo.kl_k3(new, ref)
+    k3 = kl_k3(new, ref)
     k3.sum().backward()
     assert torch.isfinite(k3).all() and torch.isfinite(new.grad).all()
     assert k3[0, 0].item() == pytest.approx(math.expm1(20.0) - 20.0, rel=1e-5) and k3[0, 1] == 0
@@ -84,7 +90,7 @@ def test_asymmetric_and_dual_clip_follow_the_per_token_formula():
     new = old + torch.tensor([[-0.5, 0.5, 1.5, -1.5, 0.1, 2.5]]).expand(B, R)  # ratios far on both sides
     adv = torch.tensor([[1.0], [-1.0], [2.0], [-0.5]]).expand(B, R)
     low, high, c = 0.2, 0.28, 3.0
-    loss, _ = ppo.ppo_policy_loss(new, old, adv, MASK, low, clip_high=high, dual_clip=c)
+    loss, _ = ppo_policy_loss(new, old, adv, MASK, low, clip_high=high, dual_clip=c)
     want = []
     for b in range(B):
         for t in range(R):
@@ -97,7 +103,7 @@ def test_asymmetric_and_dual_clip_follow_the_per_token_formula():
             want.append(v)
     assert loss.item() == pytest.approx(sum(want) / len(want), rel=1e-5)
     # the dual clip bites here: without it the loss of the bad, much more likely tokens is larger
-    assert ppo.ppo_policy_loss(new, old, adv, MASK, low, clip_high=high)[0] > loss
+    assert ppo_policy_loss(new, old, adv, MASK, low, clip_high=high)[0] > loss
 
 
 # ----------------------------------------------------------------------------- in a run
@@ -113,7 +119,7 @@ QUIET = [
 
 
 def _run(tmp_path, cache_dir, *overrides):
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
     from tests.conftest import compose_cfg, read_metrics
 
     train(compose_cfg([*QUIET, *overrides], tmp_path, cache_dir))
@@ -191,7 +197,7 @@ def test_clip_fractions_split_the_clipped_tokens_by_side():
     old = torch.randn(B, R)
     new = old + torch.tensor([[-0.5, 0.5, 1.5, -1.5, 0.1, 2.5]]).expand(B, R)
     adv = torch.tensor([[1.0], [-1.0], [2.0], [-0.5]]).expand(B, R)
-    low, high = ppo.clip_fractions(new, old, adv, MASK, 0.2, 0.28)
+    low, high = clip_fractions(new, old, adv, MASK, 0.2, 0.28)
     n_low = n_high = 0
     for b in range(B):
         for t in range(R):
@@ -201,7 +207,7 @@ def test_clip_fractions_split_the_clipped_tokens_by_side():
                 n_high += r > 1.28 and a > 0
     n = MASK.sum().item()
     assert (low.item(), high.item()) == pytest.approx((n_low / n, n_high / n))
-    _, total = ppo.ppo_policy_loss(new, old, adv, MASK, 0.2, clip_high=0.28)
+    _, total = ppo_policy_loss(new, old, adv, MASK, 0.2, clip_high=0.28)
     assert (low + high).item() == pytest.approx(total.item())
 
 
@@ -219,8 +225,8 @@ def _token_mean_worker(rank: int, world: int, port: int, out: str) -> None:
     grads = {}
     for mode in ("token_mean", "token_mean_global"):
         model.zero_grad()
-        count = ppo.global_token_count(mask) if mode == "token_mean_global" else mask.sum()
-        ppo.aggregate(model(x).squeeze(-1), mask, mode, token_count=count).backward()
+        count = global_token_count(mask) if mode == "token_mean_global" else mask.sum()
+        aggregate(model(x).squeeze(-1), mask, mode, token_count=count).backward()
         grads[mode] = model.module.weight.grad.clone()
     torch.save(grads, f"{out}/rank{rank}.pt")
     dist.barrier()  # an orderly end: no rank exits while gloo still talks to it
@@ -252,7 +258,7 @@ def test_token_mean_global_is_the_token_mean_of_every_ranks_tokens(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)  # the same init as the ranks'
     x, mask = torch.cat(_RANK_X), torch.cat(_RANK_MASK)
-    ppo.masked_mean(model(x).squeeze(-1), mask).backward()
+    masked_mean(model(x).squeeze(-1), mask).backward()
     for g in got:
         torch.testing.assert_close(g["token_mean_global"], model.weight.grad)
     assert not torch.allclose(got[0]["token_mean"], model.weight.grad, atol=1e-4)

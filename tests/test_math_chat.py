@@ -10,10 +10,11 @@ import random
 
 import pytest
 
-from ppo_lightning.data import read_prompt_records, render_prompts
-from ppo_lightning.evaluation import EvalPoint
-from ppo_lightning.examples import math_word
-from ppo_lightning.recipes.common import eval_report
+from ppo_lightning.data.records import read_prompt_records
+from ppo_lightning.data.prompts import render_prompts
+from ppo_lightning.train.evaluation import EvalPoint
+from ppo_lightning.tasks.math_chat import data as math_word
+from ppo_lightning.tasks.common import eval_report
 from ppo_lightning.rewards.verifiable import answer_format, math_answer, math_answer_and_format
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -114,7 +115,7 @@ def test_math_chat_builds_evaluates_and_raises_three_step_accuracy(tmp_path, cac
     of it the SFT warm start): the recipe builds its SFT policy, the held-out problems are
     evaluated before, at iteration 3 and after, and the table, eval.json and the curve's PNG are
     written beside metrics.csv. The third step already pays by then (README: 0.88 at iteration 5)."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
     from tests.conftest import compose_cfg
 
     run = tmp_path / "run"

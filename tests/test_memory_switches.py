@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, position_ids_from_mask
-from ppo_lightning.jobs import train
+from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, position_ids_from_mask
+from ppo_lightning.jobs.run import train
 from tests.conftest import compose_cfg, read_metrics
 from tests.helpers import assert_same_metrics
 
@@ -128,7 +128,7 @@ def test_micro_batches_give_the_whole_minibatch_update(tmp_path, cache_dir, mini
 
 def test_micro_batch_size_must_divide_the_minibatch(tmp_path, cache_dir):
     from ppo_lightning.config import validate
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
 
     cfg = compose_cfg(["ppo.minibatch_size=8", "ppo.micro_batch_size=3"], tmp_path, cache_dir)
     with pytest.raises(ConfigError, match=r"^ppo.micro_batch_size=3: must divide ppo.minibatch_size=8.*=2"):

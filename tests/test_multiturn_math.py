@@ -10,10 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from ppo_lightning import ppo
-from ppo_lightning.choices import ESTIMATORS, LOSS_AGGREGATIONS
+from ppo_lightning.algo.advantages import from_policy_tokens, policy_token_order, to_policy_tokens
+
+from ppo_lightning.algo.losses import entropy_from_logits, logprobs_from_logits
+from ppo_lightning.config.choices import ESTIMATORS, LOSS_AGGREGATIONS
 from ppo_lightning.config import PPOConfig
-from ppo_lightning.rollout import Samples, finish_rollout
+from ppo_lightning.algo.rollout import Samples, finish_rollout
 
 B, P, R, V = 4, 3, 14, 11
 # 1 = a policy token, 0 = the environment's (between turns) or padding (after the episode)
@@ -86,11 +88,11 @@ def test_gae_steps_over_policy_tokens_only_against_a_naive_loop_over_turns(gamma
 
 def test_single_turn_masks_take_the_unchanged_path():
     prefix = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float32)
-    assert ppo.policy_token_order(prefix) is None
-    order = ppo.policy_token_order(torch.tensor(MASKS, dtype=torch.float32))
+    assert policy_token_order(prefix) is None
+    order = policy_token_order(torch.tensor(MASKS, dtype=torch.float32))
     x = torch.randn(B, R)
     assert torch.equal(
-        ppo.from_policy_tokens(ppo.to_policy_tokens(x, order), order) * torch.tensor(MASKS), x * torch.tensor(MASKS)
+        from_policy_tokens(to_policy_tokens(x, order), order) * torch.tensor(MASKS), x * torch.tensor(MASKS)
     )
 
 
@@ -117,7 +119,7 @@ def test_turn_rewards_sit_on_their_turns_and_group_estimators_compare_episode_to
 
 
 def _algo(advantage: str, agg: str, kl_in: str):
-    from ppo_lightning.algorithm import PPO
+    from ppo_lightning.algo.algorithm import PPO
     from ppo_lightning.generation import SamplingParams
 
     cfg = PPOConfig(advantage=advantage, loss_agg=agg, kl_in=kl_in, num_generations=2, ent_coef=0.01, kl_coef=0.1)
@@ -146,8 +148,8 @@ def test_the_environments_logits_have_no_effect_on_any_loss(advantage, agg):
     base_values = torch.randn(B, R, generator=g)
 
     def loss_of(logits, v):
-        logp = ppo.logprobs_from_logits(logits, responses)
-        entropy = ppo.entropy_from_logits(logits)
+        logp = logprobs_from_logits(logits, responses)
+        entropy = entropy_from_logits(logits)
         n_tokens = rollout.response_mask.sum()
         loss, _, _ = algo._loss(rollout, (entropy, v if critic else None, logp), n_tokens, B)
         return loss

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ppo_lightning.jobs import train
+from ppo_lightning.jobs.run import train
 from tests.conftest import compose_cfg, read_metrics
 
 ECHO = [
@@ -29,7 +29,7 @@ ECHO = [
 
 
 def test_the_default_job_has_no_environment(tmp_path, cache_dir):
-    from ppo_lightning.factory import build_module
+    from ppo_lightning.jobs.factory import build_module
 
     cfg = compose_cfg([], tmp_path, cache_dir, experiment=None)
     assert cfg.env == {}

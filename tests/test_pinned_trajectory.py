@@ -39,7 +39,7 @@ def wall_clock(key: str) -> bool:
 
 def run_rows(name: str, tmp_path: Path, cache_dir: Path) -> list[dict[str, float]]:
     """The metrics rows of run ``name`` (``experiment=tiny_char``, 3 iterations), wall clock left out."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     train(compose_cfg([*SHORT, *RUNS[name]], tmp_path, cache_dir))
     return [{k: v for k, v in row.items() if not wall_clock(k)} for row in read_metrics(tmp_path / "metrics.csv")]

@@ -12,8 +12,14 @@ import math
 import pytest
 import torch
 
-from ppo_lightning import ppo
-from ppo_lightning.kl_control import AdaptiveKLController, FixedKLController, build_kl_controller
+from ppo_lightning.algo.advantages import compute_gae
+
+from ppo_lightning.algo.kl import approx_kl, kl_k1, kl_k2, kl_k3, kl_penalty
+
+from ppo_lightning.algo.losses import entropy_from_logits, logprobs_from_logits, ppo_policy_loss, ppo_value_loss
+
+from ppo_lightning.algo.stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
+from ppo_lightning.algo.kl import AdaptiveKLController, FixedKLController, build_kl_controller
 from ppo_lightning.generation import StopChecker
 from ppo_lightning.generation.hf import sample_next_token
 
@@ -62,13 +68,13 @@ def test_masked_mean_and_var_match_naive():
     mean = sum(vals) / n
     var_biased = sum((v - mean) ** 2 for v in vals) / n
     var_unbiased = sum((v - mean) ** 2 for v in vals) / (n - 1)
-    torch.testing.assert_close(ppo.masked_mean(x, mask), torch.tensor(mean, dtype=F64))
-    torch.testing.assert_close(ppo.masked_var(x, mask), torch.tensor(var_unbiased, dtype=F64))
-    torch.testing.assert_close(ppo.masked_var(x, mask, unbiased=False), torch.tensor(var_biased, dtype=F64))
-    torch.testing.assert_close(ppo.masked_sum(x, mask), torch.tensor(sum(vals), dtype=F64))
+    torch.testing.assert_close(masked_mean(x, mask), torch.tensor(mean, dtype=F64))
+    torch.testing.assert_close(masked_var(x, mask), torch.tensor(var_unbiased, dtype=F64))
+    torch.testing.assert_close(masked_var(x, mask, unbiased=False), torch.tensor(var_biased, dtype=F64))
+    torch.testing.assert_close(masked_sum(x, mask), torch.tensor(sum(vals), dtype=F64))
 
     # per-row mean; the empty last row gives 0, not nan
-    row_means = ppo.masked_mean(x, mask, dim=1)
+    row_means = masked_mean(x, mask, dim=1)
     for b in range(len(ROWS)):
         row = [float(x[b, t]) for t in real_positions(mask, b)]
         expected = sum(row) / len(row) if row else 0.0
@@ -79,27 +85,27 @@ def test_masked_var_of_one_element_is_zero_and_whiten_stays_finite():
     """A batch with a single response token (EOS sampled first) must not crash or blow up."""
     x = torch.tensor([[1e6, 3.0, -1e6]], dtype=F64)
     one = torch.tensor([[0.0, 1.0, 0.0]], dtype=F64)
-    assert ppo.masked_var(x, one).item() == 0.0
-    assert ppo.masked_var(x, one, unbiased=False).item() == 0.0
-    assert torch.equal(ppo.whiten(x, one), torch.zeros_like(x))
+    assert masked_var(x, one).item() == 0.0
+    assert masked_var(x, one, unbiased=False).item() == 0.0
+    assert torch.equal(whiten(x, one), torch.zeros_like(x))
 
 
 def test_masked_statistics_ignore_inf_and_nan_at_masked_positions():
     """An overflowing ratio on a pad token (exp(100) = inf in float32) must not poison a mean."""
     new = torch.tensor([[0.0, 100.0]])
     mask = torch.tensor([[1.0, 0.0]])
-    assert ppo.approx_kl(new, torch.zeros(1, 2), mask).item() == 0.0
+    assert approx_kl(new, torch.zeros(1, 2), mask).item() == 0.0
     x = torch.tensor([[1.0, float("nan"), 3.0, float("inf")]])
     m = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
-    assert ppo.masked_mean(x, m).item() == 2.0
-    assert ppo.masked_var(x, m).item() == 2.0
+    assert masked_mean(x, m).item() == 2.0
+    assert masked_var(x, m).item() == 2.0
 
 
 # ============================================================================ whiten
 def test_whiten_matches_naive_and_uses_bessel_correction():
     mask = make_mask()
     x = with_garbage(randn(len(ROWS), R, seed=2) * 5 - 3, mask, seed=3)
-    out = ppo.whiten(x, mask)
+    out = whiten(x, mask)
 
     vals = naive_masked_values(x, mask)
     n = len(vals)
@@ -121,13 +127,13 @@ def test_whiten_matches_naive_and_uses_bessel_correction():
 def test_whiten_without_shifting_the_mean_keeps_it():
     mask = make_mask()
     x = with_garbage(randn(len(ROWS), R, seed=4) * 2 + 7, mask, seed=5)
-    out = ppo.whiten(x, mask, shift_mean=False)
+    out = whiten(x, mask, shift_mean=False)
     mean = sum(naive_masked_values(x, mask)) / len(naive_masked_values(x, mask))
     w = torch.tensor(naive_masked_values(out, mask), dtype=F64)
     assert w.mean().item() == pytest.approx(mean, rel=1e-10)
     assert w.std(unbiased=True).item() == pytest.approx(1.0, abs=1e-8)
     assert torch.all(out[mask == 0] == 0)
-    torch.testing.assert_close(out, (ppo.whiten(x, mask) + mean) * mask)
+    torch.testing.assert_close(out, (whiten(x, mask) + mean) * mask)
 
 
 # ============================================================================ GAE
@@ -158,7 +164,7 @@ def test_compute_gae_matches_naive_loop(gamma, lam):
     mask = make_mask()
     rewards = randn(len(ROWS), R, seed=8) * mask
     values = randn(len(ROWS), R, seed=9) * mask
-    adv, ret = ppo.compute_gae(rewards, values, raw_shift(values), mask, gamma, lam)
+    adv, ret = compute_gae(rewards, values, raw_shift(values), mask, gamma, lam)
     exp_adv, exp_ret = naive_gae(rewards, values, mask, gamma, lam)
     torch.testing.assert_close(adv, exp_adv, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ret, exp_ret, rtol=1e-12, atol=1e-12)
@@ -171,11 +177,11 @@ def test_compute_gae_hand_computed():
     mask = torch.tensor([[0, 1, 1, 1, 0]], dtype=F64)
     rewards = torch.tensor([[0, 0.0, 0.0, 1.0, 0]], dtype=F64)
     values = torch.tensor([[0, 0.5, 0.25, 0.75, 0]], dtype=F64)
-    adv, ret = ppo.compute_gae(rewards, values, raw_shift(values), mask, 1.0, 1.0)
+    adv, ret = compute_gae(rewards, values, raw_shift(values), mask, 1.0, 1.0)
     torch.testing.assert_close(adv, torch.tensor([[0, 0.5, 0.75, 0.25, 0]], dtype=F64))
     torch.testing.assert_close(ret, torch.tensor([[0, 1.0, 1.0, 1.0, 0]], dtype=F64))
     # gamma = 0.5, lam = 0: one-step TD errors r_t + 0.5 V_{t+1} - V_t, the last bootstraps from 0
-    adv, ret = ppo.compute_gae(rewards, values, raw_shift(values), mask, 0.5, 0.0)
+    adv, ret = compute_gae(rewards, values, raw_shift(values), mask, 0.5, 0.0)
     torch.testing.assert_close(adv, torch.tensor([[0, -0.375, 0.125, 0.25, 0]], dtype=F64))
     torch.testing.assert_close(ret, torch.tensor([[0, 0.125, 0.375, 1.0, 0]], dtype=F64))
 
@@ -188,12 +194,12 @@ def test_compute_gae_never_reads_prompt_or_pad_positions(gamma, lam):
     mask = make_mask()
     rewards = randn(len(ROWS), R, seed=10) * mask
     values = randn(len(ROWS), R, seed=11) * mask
-    clean = ppo.compute_gae(rewards, values, raw_shift(values), mask, gamma, lam)
+    clean = compute_gae(rewards, values, raw_shift(values), mask, gamma, lam)
 
     dirty_r = with_garbage(rewards, mask, seed=12)
     dirty_v = with_garbage(values, mask, seed=13)
     assert (dirty_v[mask == 0].abs() > 1e3).any()  # the garbage is really there
-    dirty = ppo.compute_gae(dirty_r, dirty_v, raw_shift(dirty_v), mask, gamma, lam)
+    dirty = compute_gae(dirty_r, dirty_v, raw_shift(dirty_v), mask, gamma, lam)
     for c, d in zip(clean, dirty):
         assert torch.equal(c, d)
         assert torch.all(d[mask == 0] == 0)
@@ -204,7 +210,7 @@ def test_policy_loss_ratio_one_is_minus_mean_advantage():
     mask = make_mask()
     old = with_garbage(randn(len(ROWS), R, seed=14) - 2, mask, seed=15)
     adv = with_garbage(randn(len(ROWS), R, seed=16), mask, seed=17) / 1e3  # finite garbage
-    loss, clip_frac = ppo.ppo_policy_loss(old.clone(), old, adv, mask, clip=0.2)
+    loss, clip_frac = ppo_policy_loss(old.clone(), old, adv, mask, clip=0.2)
     vals = naive_masked_values(adv, mask)
     assert loss.item() == pytest.approx(-sum(vals) / len(vals), rel=1e-12)
     assert clip_frac.item() == 0.0
@@ -222,7 +228,7 @@ def _hand_policy_case():
 
 def test_policy_loss_hand_computed_clipping():
     mask, adv, ratio, old, new = _hand_policy_case()
-    loss, clip_frac = ppo.ppo_policy_loss(new, old, adv, mask, clip=0.2)
+    loss, clip_frac = ppo_policy_loss(new, old, adv, mask, clip=0.2)
     # t1: A=+1, r=1.5 -> max(-1.5, -1.2) = -1.2  clipped at 1 + 0.2
     # t2: A=-1, r=0.5 -> max( 0.5,  0.8) =  0.8  clipped at 1 - 0.2
     # t3: A=+2, r=0.5 -> max(-1.0, -1.6) = -1.0  NOT clipped (pessimistic unclipped branch)
@@ -248,7 +254,7 @@ def test_policy_loss_matches_naive_loop():
     new = old + 0.4 * randn(len(ROWS), R, seed=19)
     adv = randn(len(ROWS), R, seed=20)
     clip = 0.2
-    loss, clip_frac = ppo.ppo_policy_loss(new, old, adv, mask, clip)
+    loss, clip_frac = ppo_policy_loss(new, old, adv, mask, clip)
     total, n_clipped, n = 0.0, 0, 0
     for b in range(len(ROWS)):
         for t in real_positions(mask, b):
@@ -270,7 +276,7 @@ def test_value_loss_hand_computed():
     old = torch.tensor([[9.0, 0.0, 0.0, 0.0, 1.0, -9.0]], dtype=F64)
     new = torch.tensor([[-9.0, 1.0, 0.1, 0.5, 0.5, 9.0]], dtype=F64)
     ret = torch.tensor([[100.0, 1.0, 1.0, -1.0, 0.0, -100.0]], dtype=F64)
-    loss, clip_frac = ppo.ppo_value_loss(new, old, ret, mask, vf_clip=0.2)
+    loss, clip_frac = ppo_value_loss(new, old, ret, mask, vf_clip=0.2)
     # t1: V_clip = 0.2: (1-1)^2 = 0     vs (0.2-1)^2 = 0.64 -> 0.64 clipped
     # t2: V_clip = 0.1: 0.81            vs 0.81             -> 0.81 not clipped (tie)
     # t3: V_clip = 0.2: (0.5+1)^2 = 2.25 vs (0.2+1)^2 = 1.44 -> 2.25 not clipped
@@ -280,7 +286,7 @@ def test_value_loss_hand_computed():
 
     # inside the clip range the loss is plain 0.5 * MSE over masked tokens
     near = old + torch.tensor([[5.0, 0.1, -0.1, 0.05, 0.0, 5.0]], dtype=F64)
-    loss, clip_frac = ppo.ppo_value_loss(near, old, ret, mask, vf_clip=0.2)
+    loss, clip_frac = ppo_value_loss(near, old, ret, mask, vf_clip=0.2)
     mse = sum(float(near[0, t] - ret[0, t]) ** 2 for t in range(1, 5)) / 4
     assert loss.item() == pytest.approx(0.5 * mse, rel=1e-12)
     assert clip_frac.item() == 0.0
@@ -292,17 +298,17 @@ def test_kl_estimators_formulas_and_signs():
     lq = randn(1000, seed=22) * 3 - 2
     for i in range(0, 1000, 97):
         a, b = float(lp[i]), float(lq[i])
-        assert ppo.kl_k1(lp, lq)[i].item() == pytest.approx(a - b, rel=1e-12, abs=1e-12)
-        assert ppo.kl_k2(lp, lq)[i].item() == pytest.approx(0.5 * (a - b) ** 2, rel=1e-12, abs=1e-12)
+        assert kl_k1(lp, lq)[i].item() == pytest.approx(a - b, rel=1e-12, abs=1e-12)
+        assert kl_k2(lp, lq)[i].item() == pytest.approx(0.5 * (a - b) ** 2, rel=1e-12, abs=1e-12)
         r = math.exp(b - a)
-        assert ppo.kl_k3(lp, lq)[i].item() == pytest.approx((r - 1) - math.log(r), rel=1e-9, abs=1e-12)
-    assert (ppo.kl_k1(lp, lq) < 0).any()
-    assert (ppo.kl_k2(lp, lq) >= 0).all()
-    assert (ppo.kl_k3(lp, lq) >= 0).all()
-    assert (ppo.kl_k3(lp, lp) == 0).all()
+        assert kl_k3(lp, lq)[i].item() == pytest.approx((r - 1) - math.log(r), rel=1e-9, abs=1e-12)
+    assert (kl_k1(lp, lq) < 0).any()
+    assert (kl_k2(lp, lq) >= 0).all()
+    assert (kl_k3(lp, lq) >= 0).all()
+    assert (kl_k3(lp, lp) == 0).all()
     # k3 stays >= 0 in float32 for tiny and large log-ratios alike
     d = torch.tensor([-20.0, -1e-4, -1e-7, 0.0, 1e-7, 1e-4, 20.0])
-    assert (ppo.kl_k3(torch.zeros(7), d) >= 0).all()
+    assert (kl_k3(torch.zeros(7), d) >= 0).all()
 
 
 def test_kl_estimators_monte_carlo_against_exact_kl():
@@ -312,28 +318,28 @@ def test_kl_estimators_monte_carlo_against_exact_kl():
     idx = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
     logp, logq = p.log()[idx], q.log()[idx]
     # per-sample std of k1 and k3 is ~1.05, so the standard error is ~0.0024
-    assert ppo.kl_k1(logp, logq).mean().item() == pytest.approx(exact, abs=0.015)
-    assert ppo.kl_k3(logp, logq).mean().item() == pytest.approx(exact, abs=0.015)
+    assert kl_k1(logp, logq).mean().item() == pytest.approx(exact, abs=0.015)
+    assert kl_k3(logp, logq).mean().item() == pytest.approx(exact, abs=0.015)
     # k2 estimates E_p[0.5 log^2(p/q)] ~ 0.816, not the KL: its bias (~0.1) is far beyond noise
     k2_expected = 0.5 * sum(float(pi) * math.log(float(pi) / float(qi)) ** 2 for pi, qi in zip(p, q))
-    k2_mean = ppo.kl_k2(logp, logq).mean().item()
+    k2_mean = kl_k2(logp, logq).mean().item()
     assert k2_mean == pytest.approx(k2_expected, abs=0.015)
     assert abs(k2_mean - exact) > 0.05
 
 
 def test_kl_penalty_dispatches_and_rejects_unknown_names():
     lp, lq = randn(3, 5, seed=23), randn(3, 5, seed=24)
-    for name, fn in [("k1", ppo.kl_k1), ("k2", ppo.kl_k2), ("k3", ppo.kl_k3)]:
-        assert torch.equal(ppo.kl_penalty(lp, lq, name), fn(lp, lq))
-    assert torch.equal(ppo.kl_penalty(lp, lq), ppo.kl_k1(lp, lq))  # default k1, as [Z19]
+    for name, fn in [("k1", kl_k1), ("k2", kl_k2), ("k3", kl_k3)]:
+        assert torch.equal(kl_penalty(lp, lq, name), fn(lp, lq))
+    assert torch.equal(kl_penalty(lp, lq), kl_k1(lp, lq))  # default k1, as [Z19]
     with pytest.raises(ValueError, match="'k4'"):
-        ppo.kl_penalty(lp, lq, "k4")
+        kl_penalty(lp, lq, "k4")
 
 
 def test_approx_kl():
     mask = make_mask()
     old = randn(len(ROWS), R, seed=25) - 2
-    assert ppo.approx_kl(old, old, mask).item() == 0.0
+    assert approx_kl(old, old, mask).item() == 0.0
     new = old + 0.3 * randn(len(ROWS), R, seed=26)
     new = torch.where(mask != 0, new, old + 5.0)  # pad / prompt positions must not count
     vals = []
@@ -341,27 +347,27 @@ def test_approx_kl():
         for t in real_positions(mask, b):
             d = float(new[b, t] - old[b, t])
             vals.append(math.exp(d) - 1 - d)
-    assert ppo.approx_kl(new, old, mask).item() == pytest.approx(sum(vals) / len(vals), rel=1e-10)
+    assert approx_kl(new, old, mask).item() == pytest.approx(sum(vals) / len(vals), rel=1e-10)
 
 
 # ============================================================================ logits helpers
 def test_entropy_from_logits_matches_naive():
     logits = randn(3, 4, 11, seed=27) * 4
     logits[0, 0] = torch.tensor([30.0] + [-30.0] * 10, dtype=F64)  # almost deterministic
-    ent = ppo.entropy_from_logits(logits)
+    ent = entropy_from_logits(logits)
     for b in range(3):
         for t in range(4):
             p = torch.softmax(logits[b, t], -1).tolist()
             expected = -sum(pi * math.log(pi) for pi in p if pi > 0)
             assert ent[b, t].item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
     uniform = torch.zeros(2, 5, dtype=F64)
-    torch.testing.assert_close(ppo.entropy_from_logits(uniform), torch.full((2,), math.log(5), dtype=F64))
+    torch.testing.assert_close(entropy_from_logits(uniform), torch.full((2,), math.log(5), dtype=F64))
 
 
 def test_logprobs_from_logits_matches_log_softmax_gather():
     logits = randn(3, 5, 13, seed=28, dtype=torch.float32) * 3
     tokens = torch.randint(0, 13, (3, 5), generator=torch.Generator().manual_seed(29))
-    out = ppo.logprobs_from_logits(logits, tokens)
+    out = logprobs_from_logits(logits, tokens)
     assert out.shape == (3, 5) and out.dtype == torch.float32
     for b in range(3):
         for t in range(5):
@@ -369,17 +375,17 @@ def test_logprobs_from_logits_matches_log_softmax_gather():
             expected = float(row[tokens[b, t]] - torch.logsumexp(row, -1))
             assert out[b, t].item() == pytest.approx(expected, abs=1e-5)
     # half-precision logits come back as float32
-    assert ppo.logprobs_from_logits(logits.bfloat16(), tokens).dtype == torch.float32
+    assert logprobs_from_logits(logits.bfloat16(), tokens).dtype == torch.float32
 
 
 # ============================================================================ explained variance
 def test_explained_variance():
     mask = make_mask()
     ret = with_garbage(randn(len(ROWS), R, seed=30), mask, seed=31)
-    assert ppo.explained_variance(ret, ret, mask).item() == pytest.approx(1.0, abs=1e-12)
-    mean = ppo.masked_mean(ret, mask)
+    assert explained_variance(ret, ret, mask).item() == pytest.approx(1.0, abs=1e-12)
+    mean = masked_mean(ret, mask)
     const = torch.full_like(ret, mean.item())
-    assert ppo.explained_variance(const, ret, mask).item() == pytest.approx(0.0, abs=1e-10)
+    assert explained_variance(const, ret, mask).item() == pytest.approx(0.0, abs=1e-10)
 
     values = with_garbage(ret + 0.5 * randn(len(ROWS), R, seed=32), mask, seed=33)
     r, v = naive_masked_values(ret, mask), naive_masked_values(values, mask)
@@ -390,7 +396,7 @@ def test_explained_variance():
         return sum((x - m) ** 2 for x in xs) / n
 
     expected = 1 - var([a - b for a, b in zip(r, v)]) / var(r)
-    assert ppo.explained_variance(values, ret, mask).item() == pytest.approx(expected, rel=1e-10)
+    assert explained_variance(values, ret, mask).item() == pytest.approx(expected, rel=1e-10)
 
 
 # ============================================================================ KL controllers

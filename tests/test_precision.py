@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from ppo_lightning.config import validate
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer
-from ppo_lightning.jobs import train
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer
+from ppo_lightning.jobs.run import train
 from tests.conftest import compose_cfg, read_metrics
 
 QUIET = [
@@ -62,7 +62,7 @@ def test_the_first_update_sees_exactly_the_rollout_numerics(tmp_path, cache_dir,
 
 
 def test_rollout_tensors_are_float32_in_bf16_true(tmp_path, cache_dir):
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
 
     cfg = compose_cfg(
         [

@@ -18,8 +18,8 @@ QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=fals
 @pytest.fixture(scope="module")
 def review_files(tmp_path_factory):
     """A word-level base model and generated SFT / preference files for the stage tasks."""
-    from ppo_lightning.recipes.common import save_base_model
-    from ppo_lightning.examples import reviews
+    from ppo_lightning.tasks.common import save_base_model
+    from ppo_lightning.tasks.reviews import data as reviews
 
     d = tmp_path_factory.mktemp("review_stages")
     rng = random.Random(0)

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from ppo_lightning.data import PromptRecord, read_prompt_records, render_prompts
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.tiny import build_byte_tokenizer
+from ppo_lightning.data.records import PromptRecord, read_prompt_records
+from ppo_lightning.data.prompts import render_prompts
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.models.tiny import build_byte_tokenizer
 from tests import helpers
 from tests.conftest import compose_cfg, read_metrics
 
@@ -47,7 +48,7 @@ def test_chat_prompts_render_as_the_tokenizers_chat_template(tmp_path):
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}=>"
     (tmp_path / "t.jinja").write_text(template)
     plain = PromptRecord("just text", {}, "here")
-    from ppo_lightning.data import chat_template_of
+    from ppo_lightning.data.prompts import chat_template_of
 
     for given in (template, str(tmp_path / "t.jinja")):
         out = render_prompts([records[0], plain], tok, chat_template_of(given))
@@ -100,7 +101,7 @@ def test_every_reward_call_gets_each_prompts_own_metadata(tmp_path, cache_dir, f
     """A real run, 4 samples per prompt: every reward call (reward normalisation's reference
     samples included) gets each row's own columns, the same for the 4 rows of a group, under
     either signature; the rewards fail otherwise."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     _write_chat_records(tmp_path / "chat.jsonl", 8)
     helpers.REWARD_CALLS.clear()
@@ -123,7 +124,7 @@ def test_a_reward_asking_for_a_column_the_data_lacks_fails_before_any_model_load
 ):
     """Also when a reward-model term is among ``reward.terms`` (the reward is then built after the
     policy loads, but its function terms are checked first)."""
-    from ppo_lightning import factory
+    from ppo_lightning.jobs import factory
 
     f = tmp_path / "chat.jsonl"
     _write_chat_records(f, 8)
@@ -209,7 +210,7 @@ def test_reward_terms_compose_with_or_without_plus_and_are_checked(tmp_path, cac
     with pytest.raises(ConfigError, match=r"^reward.terms.x y: a term's name may hold"):
         validate(spaced)
     with pytest.raises(ConfigError, match=r"^reward.terms.correct.fn=.no.such.module.f.: cannot import"):
-        from ppo_lightning.factory import check_inputs
+        from ppo_lightning.jobs.factory import check_inputs
 
         check_inputs(compose_cfg(["reward.terms.correct.fn=no.such.module.f"], tmp_path, cache_dir))
 
@@ -235,7 +236,7 @@ def test_a_run_with_two_weighted_terms_logs_each_terms_curve(tmp_path, cache_dir
     samples file has a column per term."""
     import statistics
 
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     rows = [{"prompt": [{"role": "user", "content": helpers._item(q)}], "answer": str(q + 1)} for q in range(8)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -272,8 +273,8 @@ def test_sft_on_chat_records_sees_the_prompt_tokens_ppo_sees_and_learns_the_assi
     from omegaconf import OmegaConf
 
     from ppo_lightning.config import DataConfig, SFTConfig
-    from ppo_lightning.data import PromptDataModule
-    from ppo_lightning.policy import load_tokenizer
+    from ppo_lightning.data.prompts import PromptDataModule
+    from ppo_lightning.models.policy import load_tokenizer
     from ppo_lightning.stages.sft import IGNORE_INDEX, SFTDataModule
 
     rows = [
@@ -305,7 +306,7 @@ def test_truncated_completions_are_left_out_of_the_loss(tmp_path, cache_dir, adv
     any loss (mask and advantages 0) and is counted; one that ended keeps its tokens."""
     import lightning as L
 
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
 
     class Rollouts(L.Callback):
         seen: list = []
@@ -378,7 +379,7 @@ def test_none_means_a_reward_does_not_apply(tmp_path, cache_dir):
 
     import lightning as L
 
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
 
     class Rollouts(L.Callback):
         seen: list = []
@@ -454,7 +455,7 @@ def test_a_reward_model_term_is_weighed_with_a_function_term_and_moves_with_the_
     to the policy's device) and stays out of the checkpoint, as a single reward model does."""
     import torch
 
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
     from ppo_lightning.rewards.model import RewardModel
 
     f = tmp_path / "chat.jsonl"

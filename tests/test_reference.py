@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.factory import build_module, check_inputs
-from ppo_lightning.policy import position_ids_from_mask
-from ppo_lightning.rollout import forward_logprobs
-from ppo_lightning.tiny import save_tiny_causal_lm
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.jobs.factory import build_module, check_inputs
+from ppo_lightning.models.policy import position_ids_from_mask
+from ppo_lightning.algo.rollout import forward_logprobs
+from ppo_lightning.models.tiny import save_tiny_causal_lm
 from tests.conftest import compose_cfg
 
 QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "logger=csv"]

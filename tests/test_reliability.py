@@ -179,7 +179,7 @@ def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_previous_one(tmp
     ``CheckpointWriteError`` with the operating system's reason (torch's own error, a zip-writer
     ``RuntimeError``, only carries it in its context), the file already at the path is intact
     and no temporary file is left. An error that is no ``OSError`` passes through as it is."""
-    from ppo_lightning.checkpoint import AtomicCheckpointIO, CheckpointWriteError
+    from ppo_lightning.parallel.checkpoint import AtomicCheckpointIO, CheckpointWriteError
     from tests.helpers import FullDisk
 
     io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
@@ -276,8 +276,8 @@ def test_sigterm_outside_training_raises_where_the_program_is_and_cleans_up(tmp_
     import signal
     import time
 
-    from ppo_lightning.preemption import Preempted, handle_sigterm
-    from ppo_lightning.recipes.common import build_cached
+    from ppo_lightning.parallel.preemption import Preempted, handle_sigterm
+    from ppo_lightning.tasks.common import build_cached
 
     def build(tmp):
         (tmp / "half_written.bin").write_bytes(b"0" * 1024)
@@ -295,8 +295,8 @@ def test_sigterm_outside_training_raises_where_the_program_is_and_cleans_up(tmp_
 
 def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_path, cache_dir):
     from ppo_lightning.generation.hf import generate
-    from ppo_lightning.factory import build
-    from ppo_lightning.jobs import export, train
+    from ppo_lightning.jobs.factory import build
+    from ppo_lightning.jobs.run import export, train
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = compose_cfg(
@@ -353,7 +353,7 @@ def test_export_loads_in_plain_transformers_and_generates_the_same_tokens(tmp_pa
 
 
 def test_nan_rewards_skip_those_steps_and_count_them(tmp_path, cache_dir):
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     cfg = compose_cfg(
         [*FAST, "trainer.max_steps=6", "reward=function", "reward.fn=tests.helpers.nan_on_odd_calls", "callbacks=none"],

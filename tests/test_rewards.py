@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ppo_lightning.config import RewardConfig
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.rewards import FunctionReward, RewardError, RewardModel, build_reward, fit_normalization
 from ppo_lightning.rewards.rules import char_fraction, keyword, target_length
 
@@ -241,8 +241,8 @@ def test_reward_model_matches_unpadded_forward(tiny_rm_dir, rm_texts):
 
 def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_texts):
     """Scoring the policy's token ids (left pads, EOS, pads after EOS) gives the text path's scores."""
-    from ppo_lightning.policy import load_tokenizer
-    from ppo_lightning.rollout import decode_prompts_and_responses, score_responses
+    from ppo_lightning.models.policy import load_tokenizer
+    from ppo_lightning.algo.rollout import decode_prompts_and_responses, score_responses
 
     tok = load_tokenizer(str(tiny_lm_dir))  # the policy's: left padding, pad distinct from EOS
     prompts, responses = rm_texts
@@ -273,7 +273,7 @@ def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_
 
 
 def test_reward_model_token_input_needs_the_policy_vocabulary(tiny_rm_dir):
-    from ppo_lightning.examples.tokenizer import build_word_tokenizer
+    from ppo_lightning.tasks.tokenizers import build_word_tokenizer
 
     words = build_word_tokenizer(["the", "film", "was", "good"])
     rm = RewardModel(str(tiny_rm_dir))
@@ -372,11 +372,11 @@ def test_fit_normalization_leaves_out_non_finite_scores():
 
 
 def test_sample_and_score_applies_the_normalisation_and_keeps_the_raw_scores(tiny_lm_dir):
-    from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
+    from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
     from ppo_lightning.rewards.rules import char_fraction
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.rollout import sample_and_score
+    from ppo_lightning.algo.rollout import sample_and_score
 
     tok = load_tokenizer(str(tiny_lm_dir))
     lm = load_causal_lm(str(tiny_lm_dir), tok)

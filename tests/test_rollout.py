@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
+from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
 from ppo_lightning.rewards.rules import char_fraction
 from ppo_lightning.generation.hf import generate
 from tests.helpers import greedy_by_full_forward, make_rollout
@@ -155,7 +155,7 @@ def test_fused_gelu_matches_gelu_new_and_export_keeps_the_config(tiny_lm_dir, tm
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.activations import NewGELUActivation
 
-    from ppo_lightning.policy import fuse_activations
+    from ppo_lightning.models.policy import fuse_activations
 
     tok = load_tokenizer(str(tiny_lm_dir))
     fused = load_causal_lm(str(tiny_lm_dir), tok).eval()
@@ -175,7 +175,7 @@ def test_fused_gelu_matches_gelu_new_and_export_keeps_the_config(tiny_lm_dir, tm
 def test_values_read_the_final_hidden_state_and_the_reference_has_no_hook(tiny_lm_dir):
     """The value head reads the LM head's input (a pre-hook): the same states as
     ``output_hidden_states[-1]`` at the positions before each response token."""
-    from ppo_lightning.policy import make_reference, position_ids_from_mask
+    from ppo_lightning.models.policy import make_reference, position_ids_from_mask
 
     tok = load_tokenizer(str(tiny_lm_dir))
     policy = PolicyWithValueHead(load_causal_lm(str(tiny_lm_dir), tok))

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ppo_lightning.config import ModelConfig, OptimizerConfig
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.rewards import RewardModel
 from ppo_lightning.stages import (
     IGNORE_INDEX,
@@ -36,7 +36,7 @@ from ppo_lightning.stages import (
     tokenize_pairs,
     tokenize_sft,
 )
-from ppo_lightning.tiny import build_byte_tokenizer
+from ppo_lightning.models.tiny import build_byte_tokenizer
 
 EOS, PAD = 256, 257
 
@@ -204,7 +204,7 @@ def test_sft_learns_and_saves_a_policy(tiny_lm_dir, tmp_path):
     the learned responses, and loads as the PPO policy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ppo_lightning.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer
+    from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer
 
     records = repeat_records()
     path = write_jsonl(tmp_path / "sft.jsonl", records)
@@ -668,7 +668,7 @@ def test_model_tiny_never_writes_into_a_users_model_directory(tmp_path, cache_di
     every file, byte for byte, and gains none."""
     import shutil
 
-    from ppo_lightning.jobs import run_task
+    from ppo_lightning.jobs.run import run_task
     from tests.conftest import compose_cfg
 
     user = tmp_path / "home" / "my_model"

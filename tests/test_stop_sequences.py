@@ -32,7 +32,7 @@ def test_the_mask_ends_at_the_first_eos_or_stop_token():
 
 @pytest.fixture(scope="module")
 def bpe_lm(tmp_path_factory):
-    from ppo_lightning.policy import load_causal_lm, load_tokenizer
+    from ppo_lightning.models.policy import load_causal_lm, load_tokenizer
 
     path = save_bpe_lm(tmp_path_factory.mktemp("bpe") / "lm")
     tok = load_tokenizer(str(path))
@@ -43,7 +43,7 @@ def bpe_lm(tmp_path_factory):
 def test_sampling_stops_each_row_at_its_first_stop_token(tiny_lm_dir, fast_decode):
     """Greedy decoding without stops, then with a stop token taken from what row 0 wrote: row 0
     now ends at its first occurrence, with the same tokens up to it and pad after."""
-    from ppo_lightning.policy import load_causal_lm, load_tokenizer
+    from ppo_lightning.models.policy import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(tiny_lm_dir))
     lm = load_causal_lm(str(tiny_lm_dir), tok)
@@ -104,8 +104,8 @@ def test_the_audits_split_stops_where_matching_ids_would_not():
 
 
 def test_stop_settings_reach_the_sampler_and_bad_ones_name_the_key(tmp_path, cache_dir):
-    from ppo_lightning.errors import ConfigError
-    from ppo_lightning.factory import build_module
+    from ppo_lightning.config.errors import ConfigError
+    from ppo_lightning.jobs.factory import build_module
     from tests.conftest import compose_cfg
 
     module, _ = build_module(
@@ -122,8 +122,8 @@ def test_each_row_stops_at_its_own_limit_and_its_positions_stay_within_it(tiny_l
     """``row_max_new_tokens``: a row ends at its own limit (its mask ends there, pad after), the
     other rows sample exactly as without it, and an ended row's positions stop growing: a model
     with 24 positions samples a 20-token prompt for 12 new tokens on the rows allowed 4."""
-    from ppo_lightning.policy import load_causal_lm, load_tokenizer
-    from ppo_lightning.tiny import gpt2_config, save_random_model
+    from ppo_lightning.models.policy import load_causal_lm, load_tokenizer
+    from ppo_lightning.models.tiny import gpt2_config, save_random_model
 
     tok = load_tokenizer(str(tiny_lm_dir))
     lm = load_causal_lm(str(tiny_lm_dir), tok)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ppo_lightning.jobs import train
+from ppo_lightning.jobs.run import train
 from tests.conftest import compose_cfg, read_metrics
 
 FAST = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "sampling.max_new_tokens=16"]
@@ -169,7 +169,7 @@ def _wrap_check(module, v0):
 
 
 def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_dir, tiny_rm_dir):
-    from ppo_lightning.factory import build
+    from ppo_lightning.jobs.factory import build
 
     cfg = compose_cfg(
         [
@@ -213,7 +213,7 @@ def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_d
         pad_token_id=module.tokenizer.pad_token_id,
         generator=g,
     )
-    from ppo_lightning.rollout import decode_prompts_and_responses
+    from ppo_lightning.algo.rollout import decode_prompts_and_responses
 
     p, r = decode_prompts_and_responses(module.tokenizer, batch["input_ids"], resp, mask)
     scores = module.score(p, r)  # the raw scores through the fitted gain and bias
@@ -226,7 +226,7 @@ def test_direct_clipping_matches_lightning_clip_gradients(tmp_path, cache_dir, m
     the finiteness check); the weights must equal those of Lightning's ``self.clip_gradients``."""
     from safetensors.torch import load_file
 
-    from ppo_lightning.module import PPOModule
+    from ppo_lightning.train.module import PPOModule
 
     orig = PPOModule.on_fit_start
     weights = {}

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ppo_lightning.factory import build
+from ppo_lightning.jobs.factory import build
 from tests.conftest import compose_cfg
 
 CLIP, VF_CLIP, VF_COEF, MAX_NORM, LR = 0.01, 0.2, 0.1, 0.5, 1e-3  # a small clip: active in step 2

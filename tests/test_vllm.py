@@ -31,7 +31,7 @@ def tiny_lm(cache_dir, arch: str, seed: int = 0):
     one token, and its byte tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ppo_lightning.tiny import save_tiny_causal_lm
+    from ppo_lightning.models.tiny import save_tiny_causal_lm
 
     path = save_tiny_causal_lm(cache_dir / f"vllm-{arch}", arch=arch)
     lm, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
@@ -152,8 +152,8 @@ def test_seeded_samples_replay_and_the_engines_logprobs_are_the_training_forward
     same tokens (what a resumed run relies on), another state others. The engine's logprobs of
     what it sampled, at the sampling temperature, equal the training forward's."""
     from ppo_lightning.generation.params import SamplingParams
-    from ppo_lightning.policy import position_ids_from_mask
-    from ppo_lightning.rollout import forward_logprobs
+    from ppo_lightning.models.policy import position_ids_from_mask
+    from ppo_lightning.algo.rollout import forward_logprobs
 
     lm, tok = tiny_lm(cache_dir, "llama")
     vb = engine(lm, tok)
@@ -179,7 +179,7 @@ def test_with_lora_the_engine_samples_the_merged_policy_and_a_sync_sends_the_ada
     modules widened to what vLLM fuses with them (q, k and v share one ``qkv_proj``), nothing else."""
     from ppo_lightning.generation.hf import HFBackend
     from ppo_lightning.generation.params import SamplingParams
-    from ppo_lightning.lora import apply_lora
+    from ppo_lightning.models.lora import apply_lora
 
     lm, tok = tiny_lm(cache_dir, "llama")
     apply_lora(lm, r=4, alpha=8, target_modules=["q_proj"])
@@ -227,7 +227,7 @@ RUN = [*KV_CACHE, "generation=vllm", "trainer.enable_progress_bar=false", "train
 def test_ppo_and_grpo_under_vllm_raise_the_reward(tmp_path, cache_dir, advantage):
     """The tiny task learns with the engine sampling: its weights follow every update (each
     iteration logs the sync's time), and its logprobs stay the training forward's."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     extra = (
         ["ppo.advantage=grpo", "ppo.num_generations=4", "data.batch_size=4", "ppo.kl_in=loss"]
@@ -254,7 +254,7 @@ def test_first_update_ratio_is_exactly_one_with_the_engine_sampling(tmp_path, ca
     every token. Under bf16 autocast the engine still computes in its own dtype (float32 here:
     the rollout's autocast is kept out of it), so its logprobs differ from the bf16 forward's by
     bf16 rounding, and by float32 rounding otherwise."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
 
     overrides = ["trainer.max_steps=1", "ppo.ppo_epochs=1", "data.batch_size=8", "ppo.minibatch_size=8"]
     overrides += [
@@ -274,7 +274,7 @@ def test_first_update_ratio_is_exactly_one_with_the_engine_sampling(tmp_path, ca
 def test_a_resumed_run_replays_the_uninterrupted_trajectory(tmp_path, cache_dir):
     """The engine starts from the restored weights, and each request's seed comes from the
     restored generator: the same tokens, so the same metrics, as the run that was not stopped."""
-    from ppo_lightning.jobs import train
+    from ppo_lightning.jobs.run import train
     from tests.helpers import assert_same_metrics
 
     overrides = [*RUN, "trainer.max_steps=4", "callbacks.model_checkpoint.every_n_train_steps=2", "export_dir=null"]
@@ -314,8 +314,8 @@ def test_under_fsdp_each_rank_samples_from_the_gathered_policy_as_under_ddp(tmp_
 def test_a_model_vllm_lacks_fails_before_training_naming_generation(tmp_path, cache_dir):
     """vLLM would run GPT-NeoX through its Transformers backend, which patches the Hugging Face
     classes the policy trains with: refused when the module is built, before any sampling."""
-    from ppo_lightning.errors import ConfigError
-    from ppo_lightning.factory import build_module
+    from ppo_lightning.config.errors import ConfigError
+    from ppo_lightning.jobs.factory import build_module
 
     neox = ["model.build_tiny.arch=gpt_neox", f"model.name_or_path={cache_dir / 'tiny-gpt_neox'}"]
     cfg = compose_cfg([*RUN, *neox], tmp_path, cache_dir)

@@ -59,7 +59,7 @@ def env_factory(node):
     does not import or does not accept them."""
     import hydra
 
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
 
     target = node.get("_target_")
     if not target:
@@ -79,7 +79,7 @@ def env_factory(node):
 def check_env(node) -> None:
     """Before any model loads: the environment class imports, and one instance builds from the
     group's arguments (its tools import and have schemas)."""
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
 
     make = env_factory(node)
     try:
@@ -99,7 +99,7 @@ def check_env_reward(node) -> None:
     """``reward=environment``: the environment must score its own episodes (a TRL-style class
     with ``get_reward``, ``env=tools env.environment=...``)."""
     from ppo_lightning.envs.tools import reward_owner
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
 
     if not node or reward_owner(env_factory(node)()) is None:
         raise ConfigError(
@@ -115,7 +115,7 @@ def build_runner(node, data_cfg, tokenizer, name: str) -> EpisodeRunner:
     the chat template (``data.chat_template``, else the tokenizer's) checked to be
     prefix-preserving on the roles the run uses and, for a tool environment, to render tools."""
     from ppo_lightning.config import EnvConfig
-    from ppo_lightning.data import chat_template_of
+    from ppo_lightning.data.prompts import chat_template_of
 
     renderer = ChatRenderer(tokenizer, chat_template_of(data_cfg.chat_template))
     loop = {k: v for k, v in _plain(node).items() if k in loop_keys() and k != "_target_"}

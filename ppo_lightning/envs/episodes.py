@@ -34,7 +34,7 @@ from torch import Tensor
 from ppo_lightning.envs.base import EnvError, Message, check_reset, check_step
 from ppo_lightning.envs.template import ChatRenderer
 from ppo_lightning.envs.tools import COUNTERS, reward_owner
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation import StopChecker
 
 log = logging.getLogger(__name__)

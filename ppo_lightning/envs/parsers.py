@@ -89,7 +89,7 @@ PARSERS: dict[str, type] = {"hermes": HermesParser}
 def resolve_parser(name: str, key: str = "env.parser") -> ToolCallParser:
     """The parser ``name`` stands for: a name in ``PARSERS``, or the dotted path of a class with
     ``parse`` and ``stop_strings``, built with no arguments; a ``ConfigError`` naming ``key``."""
-    from ppo_lightning.errors import ConfigError
+    from ppo_lightning.config.errors import ConfigError
 
     if name in PARSERS:
         return PARSERS[name]()

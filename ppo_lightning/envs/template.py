@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from ppo_lightning.envs.base import Message
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from ppo_lightning.envs.base import Environment, EnvStep, Message
 from ppo_lightning.envs.parsers import ToolCall, resolve_parser
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 
 COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed_calls")
 """``EnvStep.info`` keys that count events: summed over an iteration's episodes (``env/<key>``),

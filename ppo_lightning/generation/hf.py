@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_lightning.fast_decode import decoder_for
+from ppo_lightning.generation.fast_decode import decoder_for
 from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.generation.stops import StopChecker
-from ppo_lightning.policy import model_class, position_ids_from_mask
-from ppo_lightning.sharding import is_sharded
+from ppo_lightning.models.policy import model_class, position_ids_from_mask
+from ppo_lightning.parallel.sharding import is_sharded
 
 
 class HFBackend:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,9 +59,9 @@ from unittest import mock
 import torch
 from torch import Tensor, nn
 
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation.params import SamplingParams
-from ppo_lightning.policy import underlying
+from ppo_lightning.models.policy import underlying
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class VLLMBackend:
         (a collective: every rank iterates it to the end, in the same order), so a rank holds one
         whole tensor beyond its shards, not a whole copy of the policy; with LoRA, the adapted
         modules are gathered together to be merged."""
-        from ppo_lightning.lora import merged_state_dict
+        from ppo_lightning.models.lora import merged_state_dict
 
         lm = underlying(self.lm)
         # Tied weights under both names (GPT-2's lm_head.weight is its token embedding): vLLM ties
@@ -344,7 +344,7 @@ def _gathered(state: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
     """``state``'s items with each sharded tensor (an FSDP2 ``DTensor``) gathered whole, one at
     a time, in the dict's order (the same on every rank); a tensor under two keys (a tied weight)
     is gathered once and kept until its last key."""
-    from ppo_lightning.sharding import full_tensor
+    from ppo_lightning.parallel.sharding import full_tensor
 
     keys_left = Counter(id(v) for v in state.values())
     kept: dict[int, Tensor] = {}

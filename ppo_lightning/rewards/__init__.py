@@ -7,12 +7,12 @@ the weighted sum of several such scorers (``weighted.py``). ``environment`` has 
 own (None): the episode's environment scores it (``environment.py``, added by the factory).
 """
 
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.rewards.base import Normalization, RewardError, check_scores, fit_normalization, normalized
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
 from ppo_lightning.rewards.weighted import WeightedReward
-from ppo_lightning.choices import REWARD_KINDS as KINDS
+from ppo_lightning.config.choices import REWARD_KINDS as KINDS
 
 
 __all__ = [

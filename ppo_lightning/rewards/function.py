@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from ppo_lightning.errors import ConfigError
+from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.rewards.base import RewardError, RewardInputs, check_scores
 
 TRL_ARGS = ("prompts", "completions", "completion_ids")  # the TRL-style call's own data arguments

@@ -11,10 +11,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import TORCH_DTYPES, disable_dropout, fuse_activations, position_ids_from_mask, resolve_source
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.models.policy import (
+    TORCH_DTYPES,
+    disable_dropout,
+    fuse_activations,
+    position_ids_from_mask,
+    resolve_source,
+)
 from ppo_lightning.rewards.base import check_scores
-from ppo_lightning.choices import REWARD_INPUTS as INPUTS
+from ppo_lightning.config.choices import REWARD_INPUTS as INPUTS
 
 
 class RewardModel(nn.Module):

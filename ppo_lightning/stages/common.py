@@ -22,10 +22,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import Metric
 
 from ppo_lightning.config import OptimizerConfig, check_fields
-from ppo_lightning.data import ListDataset, check_messages, read_records, records_source
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.optim import configure_optimizers
-from ppo_lightning.policy import context_length
+from ppo_lightning.data.prompts import ListDataset
+from ppo_lightning.data.records import check_messages, read_records, records_source
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.train.optim import configure_optimizers
+from ppo_lightning.models.policy import context_length
 
 log = logging.getLogger(__name__)
 
@@ -289,8 +290,8 @@ def stage_model(model_cfg, cfg, cache_dir, key_prefix: str = "task"):
     """The model a stage trains, checked before its data is read: ``(name, trust_remote_code,
     cfg with max_length resolved)``. ``model=tiny`` builds its random model first, in
     ``paths.cache_dir`` only (``tiny.ensure_tiny_model``); a directory must hold a model."""
-    from ppo_lightning.policy import resolve_source
-    from ppo_lightning.tiny import ensure_tiny_model
+    from ppo_lightning.models.policy import resolve_source
+    from ppo_lightning.models.tiny import ensure_tiny_model
 
     name = get(model_cfg, "name_or_path", None)
     if not name:
@@ -367,7 +368,7 @@ class StageOptimization:
     @property
     def last_metrics(self) -> dict[str, float]:
         """The trainer's latest value of every logged metric."""
-        from ppo_lightning.lightning_compat import attached_trainer
+        from ppo_lightning.parallel.lightning_compat import attached_trainer
 
         if attached_trainer(self) is None:
             return {}

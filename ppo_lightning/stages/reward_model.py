@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import MeanMetric, SumMetric
 
 from ppo_lightning.config import RewardModelConfig
-from ppo_lightning.data import PadCollator
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import (
+from ppo_lightning.data.prompts import PadCollator
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.models.policy import (
     enable_activation_checkpointing,
     DEFAULT_PAD_TOKEN,
     TORCH_DTYPES,

@@ -30,9 +30,15 @@ import torch.nn.functional as F
 from torchmetrics.aggregation import SumMetric
 
 from ppo_lightning.config import SFTConfig
-from ppo_lightning.data import PadCollator, PromptRecord, chat_template_of, pad_rows, render_prompts
-from ppo_lightning.errors import ConfigError
-from ppo_lightning.policy import enable_activation_checkpointing, load_causal_lm, load_tokenizer, position_ids_from_mask
+from ppo_lightning.data.prompts import PadCollator, chat_template_of, pad_rows, render_prompts
+from ppo_lightning.data.records import PromptRecord
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.models.policy import (
+    enable_activation_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    position_ids_from_mask,
+)
 from ppo_lightning.stages.common import (
     StageDataModule,
     stage_model,
@@ -283,7 +289,7 @@ def build_sft(
     elif tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ConfigError(
             "the tokenizer passed to build_sft needs an EOS and a pad token "
-            "(ppo_lightning.policy.load_tokenizer adds a pad)"
+            "(ppo_lightning.models.policy.load_tokenizer adds a pad)"
         )
     datamodule = SFTDataModule(cfg, tokenizer, records=records, key_prefix=key_prefix)
     datamodule.load()

@@ -1,0 +1,311 @@
+"""One PPO iteration, top to bottom: ``collect`` a rollout, then ``learn`` from it.
+
+    rollout = algo.collect(batch)      # sample, score, old logprobs and values, advantages
+    learned = algo.learn(rollout, opt)  # ppo_epochs x minibatches of clipped updates
+    algo.end_iteration(kl, rows)        # KL controller; an engine with its own weights gets the new ones
+
+The math is in ``ppo.py`` (losses, GAE, whitening, KL estimators), ``estimators.py`` (critic-free
+advantages) and ``rollout.py`` (sampling and scoring, ``finish_rollout``). Every concern of
+running on several ranks or in another precision goes through ``self.runtime``
+(``distributed.Runtime``); on one process it is plain PyTorch. ``module.PPOModule`` adapts this
+to Lightning's hooks: ``collect`` in ``on_train_batch_start``, ``learn`` in ``training_step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ppo_lightning.algo.kl import approx_kl, kl_estimator_for, kl_penalty
+
+from ppo_lightning.algo.losses import (
+    aggregate,
+    clip_fractions,
+    global_token_count,
+    ppo_policy_loss,
+    ppo_value_loss,
+    token_mean,
+)
+
+from ppo_lightning.algo.stats import masked_mean, masked_var
+from ppo_lightning.config import PPOConfig
+from ppo_lightning.generation import GenerationBackend, SamplingParams
+from ppo_lightning.algo.kl import build_kl_controller
+from ppo_lightning.models.policy import PolicyWithValueHead
+from ppo_lightning.rewards import pop_reward_logs
+from ppo_lightning.algo.rollout import (
+    PolicyOutput,
+    Rollout,
+    Samples,
+    finish_rollout,
+    forward_logprobs,
+    sample_and_score,
+)
+
+
+@dataclasses.dataclass
+class Learned:
+    """What ``learn`` did: per-minibatch statistics, and the updates it skipped."""
+
+    stats: dict[str, list[Tensor]]  # metric name -> one value per stepped minibatch; policy/epochs
+    skipped: int  # updates skipped for a non-finite rollout, loss or gradient (weights untouched)
+    nonfinite: str = ""  # what was non-finite, for the warning
+
+
+class PPO:
+    """PPO (or a critic-free estimator, ``cfg.advantage``) on ``policy`` against the frozen
+    ``ref_lm``, scored by ``reward_fn``; samples through ``sampler`` (the policy's generation
+    backend) as ``sampling`` says. State across iterations: ``kl_ctl`` (the KL coefficient),
+    ``generator`` (this rank's sampling and shuffling stream) and ``reward_norm`` (the score's
+    ``(gain, bias)``), all checkpointed by the module."""
+
+    def __init__(
+        self,
+        policy: PolicyWithValueHead,
+        ref_lm: nn.Module,
+        reward_fn,
+        tokenizer,
+        cfg: PPOConfig,
+        sampling: SamplingParams,
+        sampler: GenerationBackend,
+        runtime,
+        episodes=None,
+    ):
+        self.policy, self.ref_lm, self.reward_fn, self.tokenizer = policy, ref_lm, reward_fn, tokenizer
+        self.cfg, self.sampling, self.sampler, self.runtime = cfg, sampling, sampler, runtime
+        self.episodes = episodes  # an envs.EpisodeRunner: multi-turn episodes (env=...); None: single-turn
+        self.kl_ctl = build_kl_controller(cfg.kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
+        self.kl_estimator = kl_estimator_for(cfg.kl_in, cfg.kl_estimator)  # null: per placement
+        self.reward_norm: tuple[float, float] | None = None  # set by the module: configured, fitted or restored
+        self.generator: torch.Generator | None = None
+
+    # ------------------------------------------------------------------------- part 1: collect
+    def collect(self, batch: dict) -> Rollout:
+        """Sample ``num_generations`` responses per prompt (a group, on consecutive rows), score
+        them, take the old policy's logprobs and values and the reference's logprobs, and turn
+        scores and KL into advantages. Runs in the update's numerics, weights gathered once."""
+        c, t0 = self.cfg, time.perf_counter()
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        prompts, columns = batch.get("prompts"), batch.get("columns")  # as written; each one's metadata
+        if c.num_generations > 1:
+            input_ids = input_ids.repeat_interleave(c.num_generations, dim=0)
+            attention_mask = attention_mask.repeat_interleave(c.num_generations, dim=0)
+            prompts, columns = _repeat(prompts, c.num_generations), _repeat(columns, c.num_generations)
+        with self.runtime.rollout_context(self.policy, self.ref_lm):
+            samples = sample_and_score(
+                sampler=self.sampler,
+                params=self.sampling,
+                ref_lm=self.ref_lm,
+                reward_fn=self.reward_fn,
+                tokenizer=self.tokenizer,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                missing_eos_penalty=c.missing_eos_penalty,
+                forward_chunk_size=c.rollout_forward_batch_size,
+                head_chunk=c.lm_head_chunk_size,
+                reward_norm=self.reward_norm,
+                generator=self.generator,
+                prompts=prompts,
+                columns=columns,
+                mask_truncated=c.mask_truncated_completions,
+                episodes=self.episodes,
+            )
+            reward_logs = pop_reward_logs(self.reward_fn)  # log_metric calls of the reward functions
+            logprobs, values, first_forward = self._old_logprobs_and_values(samples)
+            kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
+            r = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, kl_estimator=self.kl_estimator, cfg=c)
+        r.first_forward, r.collect_time_s = first_forward, time.perf_counter() - t0
+        # an engine's own view of its samples (each turn's, in place, for episodes), or None
+        r.engine_logprobs = self.sampler.sampled_logprobs if r.episodes is None else r.episodes.engine_logprobs
+        r.reward_logs, r.records = reward_logs, (prompts, columns) if prompts is not None else None
+        return r
+
+    def _old_logprobs_and_values(self, s: Samples) -> tuple[Tensor, Tensor | None, PolicyOutput | None]:
+        """The old policy's logprobs and values ``[B, R]`` (values None without a value head), and
+        the forward they came from when it is fused (``ppo.fuse_rollout_forward``): when one
+        minibatch and one micro-batch are the whole batch, the first update would run exactly
+        this forward again, on the same rows and weights. It then runs once, with gradients,
+        and the first update reuses it (``Rollout.first_forward``)."""
+        c, whole = self.cfg, s.batch_size
+        if c.fuse_rollout_forward and c.minibatch_size >= whole and (c.micro_batch_size or whole) >= whole:
+            with torch.enable_grad():
+                out = self._policy_forward(s)
+            return out[2].detach(), (out[1].detach() if out[1] is not None else None), out
+        logprobs, values = forward_logprobs(
+            self.policy,
+            None,
+            s.query_responses,
+            s.attention_mask,
+            s.position_ids,
+            s.context_length,
+            self.sampling.temperature,
+            c.rollout_forward_batch_size,
+            c.lm_head_chunk_size,
+        )
+        return logprobs, values, None
+
+    def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
+        """Entropies, values and logprobs of the responses ``[B, R]`` at the sampling temperature
+        (as the rollout's logprobs), the LM head in chunks of ``ppo.lm_head_chunk_size``."""
+        logp, entropy, values = self.policy.score_responses(
+            mb.query_responses,
+            mb.attention_mask,
+            mb.position_ids,
+            mb.context_length,
+            self.sampling.temperature,
+            self.cfg.lm_head_chunk_size,
+            entropy_grad=self.cfg.ent_coef > 0,
+        )
+        return entropy, values, logp
+
+    # ------------------------------------------------------------------------- part 2: learn
+    def learn(self, r: Rollout, opt) -> Learned:
+        """``ppo_epochs`` passes over shuffled minibatches of ``r``, one clipped update each,
+        until ``target_kl`` stops them. A rollout that is not finite on every rank is skipped."""
+        c, stats = self.cfg, defaultdict(list)
+        per_epoch = max(1, r.batch_size // c.minibatch_size)
+        if not self.runtime.all_ranks(bool(r.is_finite())):  # every update would be NaN
+            r.first_forward = None
+            return Learned(stats, c.ppo_epochs * per_epoch, r.describe_nonfinite(self.tokenizer))
+        done = skipped = 0
+        nonfinite = ""
+        for mb in (mb for _ in range(c.ppo_epochs) for mb in self._minibatches(r)):
+            mb_stats, why = self._update(mb, opt, first_forward=r.first_forward if mb is r else None)
+            r.first_forward = None  # used once, and then stale
+            if why == "target_kl":  # no further update this iteration
+                break
+            done, skipped, nonfinite = done + 1, skipped + (why is not None), why or nonfinite
+            for k, v in (mb_stats or {}).items():
+                stats[k].append(v)
+        opt.zero_grad()  # free the gradients: the next rollout needs no copy of them
+        stats["policy/epochs"] = [torch.tensor(done / per_epoch, device=r.scores.device)]
+        return Learned(stats, skipped, nonfinite)
+
+    def _minibatches(self, r: Rollout) -> Iterator[Rollout]:
+        """One epoch's minibatches: shuffled rows, or the whole rollout when one covers it."""
+        mbs = self.cfg.minibatch_size
+        if mbs >= r.batch_size:
+            yield r
+            return
+        for idx in torch.randperm(r.batch_size, generator=self.generator, device=r.scores.device).split(mbs):
+            yield r.index(idx)
+
+    def _update(self, mb: Rollout, opt, first_forward: PolicyOutput | None) -> tuple[dict | None, str | None]:
+        """One clipped step on a minibatch: ``(statistics, None)``, or ``(None, why)`` when no step
+        is taken (weights untouched; decided on every rank alike): ``why`` is what was non-finite,
+        or ``"target_kl"`` when the minibatch's approximate KL to the rollout's policy, averaged
+        over ranks, passed ``ppo.target_kl`` (Stable-Baselines3's early stop: measured by this
+        minibatch's forward, so it counts every step before it).
+
+        With ``ppo.micro_batch_size`` the rows go through forward and backward a micro-batch at a
+        time, gradients accumulating (all-reduced on the last): each micro-batch's losses are its
+        share of the minibatch's token mean, so the step is the whole minibatch's.
+        """
+        c, rt = self.cfg, self.runtime
+        # what every token mean divides by: this rank's tokens, or with token_mean_global every rank's
+        n_tokens = global_token_count(mb.response_mask) if c.loss_agg == "token_mean_global" else mb.response_mask.sum()
+        size = c.micro_batch_size if c.micro_batch_size and c.micro_batch_size < mb.batch_size else mb.batch_size
+        parts = [mb] if size == mb.batch_size else [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)]
+        stats: dict[str, Tensor] = {}
+        new_logps = []
+        opt.zero_grad()
+        for i, part in enumerate(parts):
+            with rt.gradient_sync(i == len(parts) - 1):
+                loss, part_stats, new_logp = self._loss(
+                    part, first_forward or self._policy_forward(part), n_tokens, mb.batch_size
+                )
+                if not rt.all_ranks(bool(torch.isfinite(loss))):
+                    opt.zero_grad()
+                    return None, f"loss {loss.item()}"
+                rt.backward(loss)
+            for k, v in part_stats.items():  # shares of the minibatch's mean
+                stats[k] = stats[k] + v if k in stats else v
+            new_logps.append(new_logp.detach())
+        new_logp, mask = torch.cat(new_logps) if len(new_logps) > 1 else new_logps[0], mb.response_mask
+        approxkl = approx_kl(new_logp, mb.logprobs, mask)
+        if c.target_kl is not None and rt.mean_over_ranks(approxkl) > c.target_kl:
+            opt.zero_grad()
+            return None, "target_kl"
+        if not rt.all_ranks(rt.clip_and_check(opt, c.max_grad_norm)):
+            opt.zero_grad()
+            return None, "gradient norm"
+        rt.step(opt)
+        with torch.no_grad():
+            ratio = torch.exp(new_logp - mb.logprobs)
+            return {
+                "policy/approxkl_avg": approxkl,
+                **stats,
+                "val/ratio": masked_mean(ratio, mask),
+                "val/ratio_var": masked_var(ratio, mask, unbiased=False),
+            }, None
+
+    def _loss(self, part: Rollout, forward: PolicyOutput, n_tokens: Tensor, seq_count: int):
+        """``(loss, statistics, new logprobs)`` of a micro-batch: the clipped policy loss, plus
+        ``vf_coef`` x the clipped value loss (with a critic), minus ``ent_coef`` x the entropy,
+        plus ``kl_coef`` x the KL to the reference (``kl_in=loss``). Each token mean divides by
+        the minibatch's ``n_tokens``, so micro-batches' losses add up to the minibatch's."""
+        c, mask = self.cfg, part.response_mask
+        entropies, new_values, new_logp = forward
+        low, high = c.clip_low or c.clip, c.clip_high or c.clip
+        pg_loss, pg_clipfrac = ppo_policy_loss(
+            new_logp,
+            part.logprobs,
+            part.advantages,
+            mask,
+            low,
+            n_tokens,
+            clip_high=high,
+            dual_clip=c.dual_clip,
+            agg=c.loss_agg,
+            seq_count=seq_count,
+            norm_length=self.sampling.max_new_tokens,
+        )
+        with torch.no_grad():
+            clip_lo, clip_hi = clip_fractions(new_logp, part.logprobs, part.advantages, mask, low, high, n_tokens)
+        with torch.set_grad_enabled(c.ent_coef > 0):  # entropy: a bonus, else a monitor
+            entropy = token_mean(entropies, mask, n_tokens)
+        stats = {
+            "policy/clipfrac_avg": pg_clipfrac,
+            "policy/clipfrac_low_avg": clip_lo,
+            "policy/clipfrac_high_avg": clip_hi,
+            "policy/entropy_avg": entropy.detach(),
+            "loss/policy_avg": pg_loss.detach(),
+        }
+        if new_values is not None:  # critic-free estimators have no value loss, and no value metrics
+            vf_loss, vf_clipfrac = ppo_value_loss(new_values, part.values, part.returns, mask, c.vf_clip, n_tokens)
+            loss = pg_loss + c.vf_coef * vf_loss - c.ent_coef * entropy
+            stats.update({"loss/value_avg": vf_loss.detach(), "val/clipfrac_avg": vf_clipfrac})
+        else:
+            loss = pg_loss - c.ent_coef * entropy
+        if c.kl_in == "loss":  # GRPO: beta * KL(policy, reference), masked before the estimator
+            kl_loss = aggregate(
+                kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask),
+                mask,
+                c.loss_agg,
+                n_tokens,
+                seq_count,
+                self.sampling.max_new_tokens,
+            )
+            loss = loss + self.kl_ctl.value * kl_loss
+            stats["loss/kl_avg"] = kl_loss.detach()
+        return loss, stats, new_logp
+
+    # ------------------------------------------------------------------------- between iterations
+    def end_iteration(self, kl: float, rows: int) -> float | None:
+        """The KL controller steps from the measured KL (``rows`` episodes over all ranks; a
+        non-finite KL is skipped), and a backend with its own weights takes the new ones: the
+        seconds that took (``perf/time_weight_sync_s``), or None for a backend with none."""
+        if math.isfinite(kl):
+            self.kl_ctl.update(kl, rows)
+        return self.sampler.sync_weights()
+
+
+def _repeat(rows: list | None, n: int) -> list | None:
+    """Each row ``n`` times in a row (as ``repeat_interleave`` repeats a prompt's tensors)."""
+    return None if rows is None else [row for row in rows for _ in range(n)]

@@ -1,0 +1,187 @@
+"""The PPO losses, as pure tensor functions (no Lightning, no models): the clipped policy and
+value losses, how per-token losses become one number (``ppo.loss_agg``), logprobs and entropy.
+
+Shapes: ``B`` rows (episodes), ``R`` response positions. Every function takes a ``mask`` that is 1
+on real response tokens and 0 on prompt, pad and after-EOS positions; statistics are taken over
+masked positions only. Names follow the math and the tutorial. Sources:
+
+- The tutorial: the PPO tutorial this project started from, FareedKhan-dev/train-llm-from-scratch,
+  ``src/post_training/ppo.py``.
+- [N+] Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO".
+- [GAE] Schulman et al. 2016, "High-Dimensional Continuous Control Using GAE".
+- [Z19] Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences".
+- [KL] J. Schulman, "Approximating KL Divergence" (k1/k2/k3 estimators), 2020.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ppo_lightning.algo.stats import _all_reduce_sum, _select, masked_mean, masked_sum
+from ppo_lightning.config.choices import LOSS_AGGREGATIONS
+
+Tensor = torch.Tensor
+
+
+def token_mean(x: Tensor, mask: Tensor, token_count: Tensor | None = None) -> Tensor:
+    """``masked_mean`` over all tokens, or ``masked_sum / token_count``: a micro-batch's share of
+    the token mean of the minibatch it belongs to (``token_count`` = the minibatch's tokens), so
+    the shares of its micro-batches add up to exactly the minibatch's mean."""
+    if token_count is None:
+        return masked_mean(x, mask)
+    return _select(x, mask).sum() / token_count.clamp(min=1)
+
+
+# ppo.loss_agg. token_mean_global is token_mean with the token count of every rank's minibatch
+# (``global_token_count``), which the caller passes as ``token_count``.
+
+
+def global_token_count(mask: Tensor) -> Tensor:
+    """The mean over ranks of the response tokens in each rank's ``mask`` (itself on one process).
+
+    A rank whose loss is ``sum of its per-token losses / global_token_count`` contributes, once
+    DDP or FSDP averages the gradients over ranks, ``sum / (all ranks' tokens)``: the token mean
+    of the whole global minibatch, each token weighing the same wherever it was sampled (TRL's
+    ``dapo`` loss, verl's token-mean). A per-rank token mean (``token_mean``) weighs a token on a
+    rank with short responses more than one on a rank with long responses.
+    """
+    n = mask.sum().to(torch.float32)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return n
+    return _all_reduce_sum(n)[0] / dist.get_world_size()
+
+
+def aggregate(
+    x: Tensor,
+    mask: Tensor,
+    mode: str = "token_mean",
+    token_count: Tensor | None = None,
+    seq_count: Tensor | int | None = None,
+    norm_length: int | None = None,
+) -> Tensor:
+    """A per-token loss ``[B, R]`` reduced to one number (``ppo.loss_agg``):
+
+    - ``token_mean``: every response token of the minibatch weighs the same (long responses weigh
+      more); ``token_count`` = the minibatch's tokens (see ``token_mean``);
+    - ``token_mean_global``: the same, with ``token_count`` = ``global_token_count`` (every rank's
+      tokens: the caller counts them);
+    - ``seq_mean_token_mean``: the mean over responses of each response's token mean (every
+      response weighs the same: GRPO's original loss, DeepSeekMath eq. 3);
+    - ``seq_mean_token_sum``: the mean over responses of each response's token sum (no division
+      by its length);
+    - ``seq_mean_token_sum_norm``: that, divided by the constant ``norm_length``
+      (``sampling.max_new_tokens``): Dr. GRPO's loss (Liu et al. 2025; TRL's ``dr_grpo``, verl's
+      ``seq-mean-token-sum-norm``), free of the per-response length bias, at the scale of a
+      token mean (a gradient ``norm_length`` times smaller than ``seq_mean_token_sum``'s, so
+      ``ppo.max_grad_norm`` and ``ppo.ent_coef`` keep their meaning).
+
+    ``seq_count`` = the minibatch's responses, so micro-batches' shares add up to the minibatch's
+    value, as ``token_count`` does for ``token_mean``.
+    """
+    if mode in ("token_mean", "token_mean_global"):
+        return token_mean(x, mask, token_count)
+    per_seq = masked_sum(x, mask, dim=1)
+    if mode == "seq_mean_token_mean":
+        per_seq = per_seq / mask.sum(1).clamp(min=1)
+    elif mode == "seq_mean_token_sum_norm":
+        if not norm_length:
+            raise ValueError("loss_agg='seq_mean_token_sum_norm' divides by a constant length: pass norm_length")
+        per_seq = per_seq / norm_length
+    elif mode != "seq_mean_token_sum":
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGGREGATIONS}")
+    n = per_seq.shape[0] if seq_count is None else seq_count
+    return per_seq.sum() / (n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1))
+
+
+def ppo_policy_loss(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip: float,
+    token_count: Tensor | None = None,
+    *,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    agg: str = "token_mean",
+    seq_count: Tensor | int | None = None,
+    norm_length: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Clipped surrogate objective (as a loss to minimise) and the fraction of clipped tokens.
+
+    ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - clip, 1 + clip_high))`` per token
+    (``clip_high`` defaults to ``clip``; a larger one is DAPO's "clip-higher", Yu et al. 2025,
+    which lets unlikely tokens gain probability faster), then ``aggregate``d (``agg``).
+    ``dual_clip = c > 1`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+    RL"): for negative advantages the loss is also capped at ``-c * A``, so a ratio far above 1
+    on a bad token cannot produce an unbounded update. ``clip_frac`` (a token mean) counts
+    tokens where the clipped branch was the active (larger) one.
+    """
+    logratio = new_logp - old_logp
+    ratio = torch.exp(logratio)
+    high = clip if clip_high is None else clip_high
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + high)
+    per_token = torch.maximum(pg_loss1, pg_loss2)
+    if dual_clip is not None:
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    loss = aggregate(per_token, mask, agg, token_count, seq_count, norm_length)
+    clip_frac = token_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask, token_count)
+    return loss, clip_frac
+
+
+def clip_fractions(
+    new_logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    token_count: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The clipped tokens by side, as TRL's GRPOTrainer logs them (``clip_ratio/low_mean``,
+    ``high_mean``): ``ratio < 1 - clip_low`` with ``A < 0`` (the loss would push a bad token's
+    probability further down) and ``ratio > 1 + clip_high`` with ``A > 0`` (a good token's further
+    up). Token means; they add up to ``ppo_policy_loss``'s clip fraction."""
+    ratio = torch.exp(new_logp - old_logp)
+    low = (ratio < 1.0 - clip_low) & (advantages < 0)
+    high = (ratio > 1.0 + clip_high) & (advantages > 0)
+    return (
+        token_mean(low.to(new_logp.dtype), mask, token_count),
+        token_mean(high.to(new_logp.dtype), mask, token_count),
+    )
+
+
+def ppo_value_loss(
+    new_values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    vf_clip: float,
+    token_count: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` and its clip fraction.
+
+    ``V_clip = V_old + clip(V - V_old, -vf_clip, vf_clip)`` keeps the value head from moving far
+    from the rollout's values in one phase ([N+] "value function loss clipping").
+    """
+    v_clipped = old_values + torch.clamp(new_values - old_values, -vf_clip, vf_clip)
+    vf_loss1 = (new_values - returns) ** 2
+    vf_loss2 = (v_clipped - returns) ** 2
+    loss = 0.5 * token_mean(torch.maximum(vf_loss1, vf_loss2), mask, token_count)
+    clip_frac = token_mean((vf_loss2 > vf_loss1).to(new_values.dtype), mask, token_count)
+    return loss, clip_frac
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical distribution at each position: ``logsumexp(z) - sum p z``."""
+    pd = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(-1)
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(logits)[token] at each position, in float32 for stability. [B, R, V] -> [B, R]"""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)

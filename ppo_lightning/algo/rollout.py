@@ -1,0 +1,517 @@
+"""Rollouts: responses sampled to left-padded prompts (through a generation backend,
+``ppo_lightning/generation``), then everything PPO needs to learn from those samples, gathered in
+one ``Rollout`` (a dataclass of tensors). No Lightning here.
+
+Layout of one rollout (``P`` prompt positions, ``R`` response positions, ``T = P + R``)::
+
+    query_responses  [B, T]   <pad><pad> prompt tokens | response tokens <eos> <pad> <pad>
+    attention_mask   [B, T]      0    0    1 ... 1     |   1  ...  1      1     0     0
+    response_mask    [B, R]                            |   1  ...  1      1     0     0
+
+Everything after the first EOS is masked out of every loss and statistic ([N+] detail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+from ppo_lightning.algo.advantages import (
+    compute_gae,
+    critic_free_advantages,
+    from_policy_tokens,
+    policy_token_order,
+    score_at_last_token,
+    to_policy_tokens,
+)
+
+from ppo_lightning.algo.kl import kl_k1, kl_penalty
+
+from ppo_lightning.algo.losses import logprobs_from_logits
+
+from ppo_lightning.algo.stats import whiten
+from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows
+from ppo_lightning.generation.hf import logits_to_keep
+from ppo_lightning.models.lean_head import lean_head, unsupported
+from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
+from ppo_lightning.rewards.base import Normalization, RewardInputs, normalized
+
+if TYPE_CHECKING:
+    from ppo_lightning.envs import EpisodeBatch, EpisodeRunner
+
+
+class _Sequences:
+    """What ``Rollout`` and ``Samples`` share: ``query_responses [B, T]`` = left-padded prompt
+    (``context_length`` = P positions) + response."""
+
+    query_responses: Tensor
+    context_length: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.query_responses.shape[0]
+
+    @property
+    def responses(self) -> Tensor:
+        return self.query_responses[:, self.context_length :]
+
+
+PolicyOutput = tuple[Tensor, Tensor | None, Tensor]  # entropies [B, R], values [B, R], logprobs [B, R]
+
+
+@dataclasses.dataclass
+class Rollout(_Sequences):
+    """One PPO batch: sampled responses and the old policy's view of them. All tensors share B.
+    What ``values``, ``advantages`` and ``returns`` hold depends on ``ppo.advantage``."""
+
+    query_responses: Tensor  # [B, T] long
+    attention_mask: Tensor  # [B, T] long: prompt mask | response mask
+    position_ids: Tensor  # [B, T] long: left padding skipped
+    response_mask: Tensor  # [B, R] float: 1 on response tokens up to and including EOS
+    logprobs: Tensor  # [B, R] old policy log pi(a_t | s_t), logits / temperature
+    ref_logprobs: Tensor  # [B, R] reference model, same temperature
+    values: Tensor  # [B, R] gae: the value head's V(s_t) at sampling time; critic-free: zeros
+    kl: Tensor  # [B, R] per-token k1 = logprobs - ref_logprobs (for metrics)
+    rewards: Tensor  # [B, R] -beta * KL_t (kl_in=reward), plus the score at the last real token
+    non_score_reward: Tensor  # [B] sum over tokens of -beta * KL_t (the KL part of the return)
+    advantages: Tensor  # [B, R] what the policy loss weighs each token by: gae, whitened GAE;
+    # grpo / rloo, the group-relative score plus the KL return-to-go; reinforce_pp, whitened returns
+    returns: Tensor  # [B, R] gae: value targets, advantages (before whitening) + values; else a record
+    scores: Tensor  # [B] reward of each full response: normalised, after the missing-EOS penalty
+    raw_scores: Tensor  # [B] the reward's own output, before normalisation and penalty
+    contains_eos: Tensor  # [B] bool
+    context_length: int  # P
+    term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
+    scored: Tensor | None = None  # [B] bool: some reward applies (False: it returned None; masked out)
+    first_forward: PolicyOutput | None = None  # the old policy's forward with gradients, when fused
+    # (algorithm.PPO._old_logprobs_and_values): the first update reuses it, once
+    collect_time_s: float = 0.0  # wall time of sampling, scoring and the rollout's forwards
+    engine_logprobs: Tensor | None = None  # [B, R] an engine backend's logprobs of its samples (metrics)
+    turn_rewards: Tensor | None = None  # [B, R] multi-turn: each turn's EnvStep.reward on its last token
+    episodes: "EpisodeBatch | None" = None  # multi-turn: the episodes as played (metrics, dumps)
+    reward_logs: dict[str, float] = dataclasses.field(default_factory=dict)  # rewards/<term>/<name>: log_metric
+    records: tuple[list, list] | None = None  # each row's prompt as written and its columns (rollout dumps)
+
+    def is_finite(self) -> Tensor:
+        """Whether every score, logprob, value and advantage is finite (a 0-dim bool tensor)."""
+        return torch.stack(
+            [
+                torch.isfinite(t).all()
+                for t in (self.scores, self.logprobs, self.ref_logprobs, self.values, self.advantages, self.returns)
+            ]
+        ).all()
+
+    def describe_nonfinite(self, tokenizer) -> str:
+        """What is not finite, for the warning: the first bad score with its prompt, or the rest."""
+        bad = (~torch.isfinite(self.scores)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            prompt = tokenizer.decode(self.query_responses[i, : self.context_length], skip_special_tokens=True)
+            return f"reward {self.scores[i].item()} for prompt {prompt[:60]!r}"
+        return "logprobs, values or advantages in the rollout"
+
+    def index(self, idx: Tensor | slice) -> "Rollout":
+        """The rows ``idx`` of every tensor: a minibatch, or a micro-batch of one."""
+        skip = ("first_forward", "episodes", "reward_logs", "records")  # used once / the whole iteration's
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        fields["term_scores"] = {k: v[idx] for k, v in self.term_scores.items()}
+        return Rollout(**{k: v[idx] if isinstance(v, Tensor) else v for k, v in fields.items()})
+
+
+# ----------------------------------------------------------------------------- scoring forwards
+@torch.no_grad()
+def forward_logprobs(
+    policy: PolicyWithValueHead | None,
+    lm,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    context_length: int,
+    temperature: float,
+    chunk_size: int | None = None,
+    head_chunk: int | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Logprobs of the response tokens (and values, when ``policy`` is given), in row chunks of
+    ``chunk_size``; with ``head_chunk``, the LM head in chunks of that many positions
+    (``lean_head``, when the head allows it; ``ppo.lm_head_chunk_size``).
+
+    Logits are divided by the sampling temperature before the log-softmax, so the logprobs are
+    those of the distribution the tokens were sampled from ([N+] detail).
+    """
+    B = query_responses.shape[0]
+    chunk_size = chunk_size or B
+    responses = query_responses[:, context_length:]
+    R = responses.shape[1]
+    logps, values = [], []
+    for s in range(0, B, chunk_size):
+        sl = slice(s, s + chunk_size)
+        if policy is not None:
+            logp, _, v = policy.score_responses(
+                query_responses[sl],
+                attention_mask[sl],
+                position_ids[sl],
+                context_length,
+                temperature,
+                head_chunk,
+                entropy_grad=False,
+            )
+            if v is not None:  # a policy without a value head (critic-free estimators) gives none
+                values.append(v)
+            logps.append(logp)
+            continue
+        lean = head_chunk and unsupported(lm) is None
+        with lean_head(lm, responses[sl], temperature, head_chunk) if lean else nullcontext():
+            out = lm(
+                input_ids=query_responses[sl],
+                attention_mask=attention_mask[sl],
+                position_ids=position_ids[sl],
+                use_cache=False,
+                **logits_to_keep(lm, R + 1),
+            ).logits
+        if lean:  # [B, R, 2]: logprobs and entropies
+            logps.append(out[..., 0])
+            continue
+        logits = out[:, -(R + 1) : -1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        logps.append(logprobs_from_logits(logits, responses[sl]))
+    return torch.cat(logps), (torch.cat(values) if values else None)
+
+
+# ----------------------------------------------------------------------------- decoding
+def decode_prompts_and_responses(
+    tokenizer, input_ids: Tensor, responses: Tensor, response_mask: Tensor
+) -> tuple[list[str], list[str]]:
+    """Prompt and response texts such that ``prompt + response`` is the decoded whole sequence.
+
+    A response decoded on its own can lose the space (or other joiner) that the tokenizer only
+    emits between tokens: word-level and SentencePiece tokenizers do. So the whole sequence is
+    decoded and the response is what follows the decoded prompt; the reward then judges exactly
+    the text a user would read.
+    """
+    pad = tokenizer.pad_token_id
+    responses = responses.masked_fill(response_mask == 0, pad)
+    prompts = tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+    full = tokenizer.batch_decode(torch.cat([input_ids, responses], dim=1), skip_special_tokens=True)
+    alone = None
+    texts = []
+    for i, (p, f) in enumerate(zip(prompts, full)):
+        if f.startswith(p):
+            texts.append(f[len(p) :])
+        else:  # a tokenizer whose joint decoding rewrites the prompt: fall back to the response alone
+            alone = alone or tokenizer.batch_decode(responses, skip_special_tokens=True)
+            texts.append(alone[i])
+    return prompts, texts
+
+
+def score_responses(
+    reward_fn: Callable,
+    tokenizer,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    prompts: list | None = None,
+    columns: list[dict] | None = None,
+) -> Tensor:
+    """The scorer's raw score of each row, float32, on the rollout's device; NaN where no reward
+    applies (``score_terms``)."""
+    total, applies, _ = score_terms(
+        reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
+    )
+    return torch.where(applies, total, torch.full_like(total, float("nan")))
+
+
+def score_terms(
+    reward_fn: Callable,
+    tokenizer,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    prompts: list | None = None,
+    columns: list[dict] | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """``(raw score [B], applies [B] bool, {term: raw scores [B]})`` on the rollout's device.
+
+    ``applies`` is False where the reward (every term, with ``reward.terms``) returned None: "does
+    not apply to this response"; the score there is 0. The terms' raw scores are NaN where that
+    term returned None, and the dict is empty without ``reward.terms``.
+
+    A reward model that shares the policy's vocabulary (``RewardModel.token_input``) reads the
+    token ids directly. A scorer with ``score_applies`` (a reward function, weighted terms) gets
+    ``RewardInputs``: the decoded texts, and each row's prompt as the user wrote it and its
+    record's ``columns`` when the batch has them; any other scorer gets ``(prompts, responses)``
+    as decoded text.
+    """
+    device = input_ids.device
+    if getattr(reward_fn, "token_input", False):
+        ids = torch.cat([input_ids, responses], dim=1)
+        mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
+        scores = reward_fn.score_tokens(ids, mask).float().to(device)
+        return scores, torch.ones_like(scores, dtype=torch.bool), {}
+    prompt_texts, texts = decode_prompts_and_responses(tokenizer, input_ids, responses, response_mask)
+    if not hasattr(reward_fn, "score_applies"):
+        scores = torch.as_tensor(reward_fn(prompt_texts, texts), dtype=torch.float32).to(device)
+        return scores, torch.ones_like(scores, dtype=torch.bool), {}
+    completion_ids = None
+    if getattr(reward_fn, "trl_style", False):
+        completion_ids = [row[m > 0].tolist() for row, m in zip(responses.cpu(), response_mask.cpu())]
+    inputs = RewardInputs(prompt_texts, texts, completion_ids, prompts, columns)
+    out = reward_fn.score_applies(inputs)
+    total, applies, terms = out if len(out) == 3 else (*out, {})
+    total = torch.where(applies, total, torch.zeros_like(total))
+    return total.to(device), applies.to(device), {k: v.to(device) for k, v in terms.items()}
+
+
+def score_episodes(
+    reward_fn: Callable, tokenizer, played: EpisodeBatch, error_reward: float = 0.0
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """``score_terms`` for multi-turn episodes: the reward sees the whole conversation (a reward
+    function: ``prompts`` the episode's prompt messages, ``completions`` its messages after them,
+    ``completion_ids`` every response token, ``environments``; a reward model: the rendered
+    sequence). An episode whose environment raised scores ``error_reward``, its terms NaN."""
+    eps, P, device = played.episodes, played.context_length, played.loss_mask.device
+    prompt_ids, responses = played.query_responses[:, :P], played.query_responses[:, P:]
+    response_attention = played.attention_mask[:, P:]
+    if getattr(reward_fn, "token_input", False):
+        total = reward_fn.score_tokens(played.query_responses, played.attention_mask).float().to(device)
+        applies, terms = torch.ones_like(total, dtype=torch.bool), {}
+    else:
+        prompt_texts, texts = decode_prompts_and_responses(tokenizer, prompt_ids, responses, response_attention)
+        if not hasattr(reward_fn, "score_applies"):
+            total = torch.as_tensor(reward_fn(prompt_texts, texts), dtype=torch.float32).to(device)
+            applies, terms = torch.ones_like(total, dtype=torch.bool), {}
+        else:
+            inputs = RewardInputs(
+                prompt_texts,
+                texts,
+                [e.response_ids for e in eps],
+                [e.prompt_messages for e in eps],
+                [e.record.columns for e in eps],
+                completions=[e.completion for e in eps],
+                environments=[getattr(e.env, "environment", None) or e.env for e in eps],
+            )
+            out = reward_fn.score_applies(inputs)
+            total, applies, terms = out if len(out) == 3 else (*out, {})
+            total = torch.where(applies, total, torch.zeros_like(total)).to(device)
+            applies, terms = applies.to(device), {k: v.to(device) for k, v in terms.items()}
+    failed = torch.tensor([e.env_error is not None for e in eps], dtype=torch.bool, device=device)
+    if failed.any():  # the environment broke: its score, not the reward's
+        total = torch.where(failed, torch.full_like(total, error_reward), total)
+        applies = applies | failed
+        terms = {k: torch.where(failed, torch.full_like(v, float("nan")), v) for k, v in terms.items()}
+    return total, applies, terms
+
+
+@torch.no_grad()
+def reference_scores(
+    ref_sampler: GenerationBackend,
+    reward_fn: Callable,
+    tokenizer,
+    params: SamplingParams,
+    batches,
+    generator: torch.Generator,
+    device,
+    episodes: EpisodeRunner | None = None,
+) -> Tensor:
+    """The raw scores of the reference's responses to ``batches`` of prompts, sampled and scored
+    as the rollouts are (what reward normalisation is fitted on); with ``episodes``, of the
+    reference's episodes, each its score plus its turn rewards (the episode's return)."""
+    raw = []
+    for batch in batches:
+        ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        if episodes is not None:
+            played = episodes.run(batch["prompts"], batch["columns"], ref_sampler, params, generator, device)
+            total, applies, _ = score_episodes(reward_fn, tokenizer, played, episodes.cfg.error_reward)
+            total = total + played.turn_rewards.sum(1)
+            raw.append(torch.where(applies, total, torch.full_like(total, float("nan"))))
+            continue
+        resp, mask = ref_sampler.generate(ids, am, params, generator)
+        raw.append(
+            score_responses(reward_fn, tokenizer, ids, am, resp, mask, batch.get("prompts"), batch.get("columns"))
+        )
+    return torch.cat(raw)
+
+
+# ----------------------------------------------------------------------------- the whole step
+@dataclasses.dataclass
+class Samples(_Sequences):
+    """Sampled, scored responses: the part of a rollout that does not need the policy's forward.
+
+    ``finish_rollout`` completes it from the old policy's logprobs and values: a no-grad forward
+    (``forward_logprobs``), or, when one PPO minibatch is the whole batch, the first update's own
+    forward run early (``algorithm.PPO._old_logprobs_and_values``).
+    """
+
+    query_responses: Tensor  # [B, T]
+    attention_mask: Tensor  # [B, T]
+    position_ids: Tensor  # [B, T]
+    response_mask: Tensor  # [B, R] float
+    ref_logprobs: Tensor  # [B, R] (unmasked)
+    scores: Tensor  # [B] normalised, after the missing-EOS penalty
+    raw_scores: Tensor  # [B] the reward's own output
+    contains_eos: Tensor  # [B] bool: stopped by EOS or a stop sequence
+    context_length: int  # P
+    term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
+    scored: Tensor | None = None  # [B] bool: some reward applies (False: it returned None; masked out)
+    turn_rewards: Tensor | None = None  # [B, R] multi-turn: turn rewards on their turns' last tokens
+    episodes: "EpisodeBatch | None" = None  # multi-turn: the episodes as played
+
+
+@torch.no_grad()
+def sample_and_score(
+    *,
+    sampler: GenerationBackend,
+    params: SamplingParams,
+    ref_lm,
+    reward_fn: Callable,
+    tokenizer,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    missing_eos_penalty: float | None = None,
+    forward_chunk_size: int | None = None,
+    head_chunk: int | None = None,
+    reward_norm: Normalization | None = None,
+    generator: torch.Generator | None = None,
+    prompts: list | None = None,
+    columns: list[dict] | None = None,
+    mask_truncated: bool = False,
+    episodes: EpisodeRunner | None = None,
+) -> Samples:
+    """Sample responses to left-padded prompts through ``sampler`` (the policy's backend) as
+    ``params`` say; reference logprobs and reward scores for them. With ``episodes`` (an
+    ``env``), each prompt record is played out as a multi-turn episode instead
+    (``envs.EpisodeRunner``, from ``prompts`` and ``columns``): the response holds every turn, the
+    environment's tokens attended to but out of ``response_mask``.
+
+    ``reward_norm = (gain, bias)``: the score is ``gain * raw + bias`` ([N+] reward
+    normalisation, fitted by ``rewards.fit_normalization``; None leaves it raw); turn rewards are
+    scaled by the gain.
+    """
+    turn_rewards = played = None
+    if episodes is None:
+        P = input_ids.shape[1]
+        responses, response_mask = sampler.generate(input_ids, attention_mask, params, generator)
+        query_responses = torch.cat([input_ids, responses], dim=1)  # [B, T]
+        full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
+        raw_scores, scored, term_scores = score_terms(
+            reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
+        )
+        contains_eos = stopped_rows(responses, response_mask, params, tokenizer)
+    else:
+        played = episodes.run(prompts, columns, sampler, params, generator, input_ids.device)
+        P, query_responses, full_mask = played.context_length, played.query_responses, played.attention_mask
+        response_mask, contains_eos = played.loss_mask, played.stopped
+        raw_scores, scored, term_scores = score_episodes(reward_fn, tokenizer, played, episodes.cfg.error_reward)
+        turn_rewards = played.turn_rewards * (reward_norm or (1.0, 0.0))[0]
+    position_ids = position_ids_from_mask(full_mask)
+    ref_logprobs, _ = forward_logprobs(
+        None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size, head_chunk
+    )
+    scores = normalized(raw_scores, reward_norm)
+    if missing_eos_penalty is not None and params.stop_at_eos:
+        scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
+    # out of every loss: responses no reward applies to (raw score 0, as TRL), and with
+    # mask_truncated those cut at max_new_tokens (DAPO's overlong filtering)
+    keep = scored & contains_eos if mask_truncated and params.stop_at_eos else scored
+    if not keep.all():
+        response_mask = response_mask * keep[:, None]
+    return Samples(
+        query_responses=query_responses,
+        attention_mask=full_mask,
+        position_ids=position_ids,
+        response_mask=response_mask,
+        ref_logprobs=ref_logprobs,
+        scores=scores,
+        raw_scores=raw_scores,
+        contains_eos=contains_eos,
+        context_length=P,
+        term_scores=term_scores,
+        scored=scored,
+        turn_rewards=None if turn_rewards is None else turn_rewards * response_mask,
+        episodes=played,
+    )
+
+
+@torch.no_grad()
+def finish_rollout(
+    s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_coef: float, kl_estimator: str, cfg
+) -> Rollout:
+    """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``, with the
+    estimator and its options of ``cfg`` (a ``config.PPOConfig``: ``advantage``, ``gamma``,
+    ``lam``, ``whiten_rewards``, ``num_generations``, ``scale_by_group_std``): per-token rewards
+    (``-kl_coef`` x the ``kl_estimator`` KL, plus the score at the last real token), then the
+    advantages: GAE on the values, whitened (``advantage="gae"``), or a critic-free estimator on
+    groups of ``num_generations`` consecutive rows (``critic_free_advantages``: the
+    scores compared within a group, the KL penalty added per token; ``values`` None, and the
+    rollout's values are zeros). ``whiten_rewards`` is GAE's alone: the critic-free estimators
+    normalise the scores themselves, and whitening per-token rewards while keeping their mean
+    would add a term proportional to each response's length to its return."""
+    advantage, whiten_rewards = cfg.advantage, cfg.whiten_rewards
+    if whiten_rewards and advantage != "gae":
+        raise ValueError(f"whiten_rewards is for advantage='gae' (got {advantage!r}): it would add a length bias")
+    mask = s.response_mask
+    values = torch.zeros_like(logprobs) if values is None else values
+    logprobs, ref_logprobs, values = logprobs * mask, s.ref_logprobs * mask, values * mask
+    kl = kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
+    per_token_kl = kl if kl_estimator == "k1" else kl_penalty(logprobs, ref_logprobs, kl_estimator, mask)
+    kl_rewards = -kl_coef * per_token_kl  # [B, R]
+    non_score_reward = kl_rewards.sum(1)
+    rewards = kl_rewards + score_at_last_token(s.scores, mask)
+    turn = s.turn_rewards  # multi-turn: each turn's reward on its last token; None: single-turn
+    if turn is not None and advantage == "gae":
+        rewards = rewards + turn
+    # multi-turn: the advantages are computed over the policy's tokens only, each row's gathered
+    # to its front (an environment span is neither a step nor a discount), then put back
+    order = policy_token_order(mask)
+    c_mask, c_values = to_policy_tokens(mask, order), to_policy_tokens(values, order)
+    if advantage == "gae":
+        c_rewards = to_policy_tokens(rewards, order)
+        if whiten_rewards:
+            c_rewards = whiten(c_rewards, c_mask, shift_mean=False, distributed=True)
+        values_next = torch.cat([c_values[:, 1:], torch.zeros_like(c_values[:, :1])], dim=1)  # compute_gae masks it
+        advantages, returns = compute_gae(c_rewards, c_values, values_next, c_mask, cfg.gamma, cfg.lam)
+        advantages = whiten(advantages, c_mask, distributed=True)
+        rewards = from_policy_tokens(c_rewards, order)  # whitened, with whiten_rewards
+    else:
+        advantages, returns = critic_free_advantages(
+            advantage,
+            s.scores,
+            to_policy_tokens(kl_rewards, order),
+            c_mask,
+            group_size=cfg.num_generations,
+            gamma=cfg.gamma,
+            scale_by_std=cfg.scale_by_group_std,
+            distributed=True,
+            turn_rewards=None if turn is None else to_policy_tokens(turn, order),
+        )
+    advantages, returns = from_policy_tokens(advantages, order), from_policy_tokens(returns, order)
+    if turn is not None:
+        rewards = rewards if advantage == "gae" else rewards + turn  # the per-token record of every reward
+    return Rollout(
+        query_responses=s.query_responses,
+        attention_mask=s.attention_mask,
+        position_ids=s.position_ids,
+        response_mask=mask,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        values=values,
+        kl=kl,
+        rewards=rewards,
+        non_score_reward=non_score_reward,
+        advantages=advantages,
+        returns=returns,
+        scores=s.scores,
+        raw_scores=s.raw_scores,
+        contains_eos=s.contains_eos,
+        context_length=s.context_length,
+        term_scores=s.term_scores,
+        scored=s.scored,
+        turn_rewards=s.turn_rewards,
+        episodes=s.episodes,
+    )

@@ -1,0 +1,337 @@
+"""Config -> the parts of a PPO run: policy, reference, reward, prompts, ``PPOModule``, Trainer.
+
+The jobs (``ppo_lightning/jobs/run.py``, which the entry point ``train.py`` runs) and the recipes
+(whose red-team rounds are short PPO runs) both build runs here; nothing here imports a recipe.
+``check_inputs`` holds every check of the user's inputs that needs no model, so each can run
+before any recipe build or model load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ppo_lightning.parallel.checkpoint import AtomicCheckpointIO, stop_every_rank_on_write_error
+from ppo_lightning.parallel.preemption import StopOnPreemption
+from ppo_lightning.config import validate
+from ppo_lightning.data.prompts import PromptDataModule
+from ppo_lightning.data.records import read_prompts, record_formats
+from ppo_lightning.envs import build_runner, check_env, check_env_reward
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.generation import SamplingParams
+from ppo_lightning.train.module import PPOModule
+from ppo_lightning.models.lora import DisabledAdapters, apply_lora
+from ppo_lightning.models.policy import (
+    PolicyWithValueHead,
+    VALUE_HEAD_FILE,
+    context_length,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    load_value_head,
+    make_reference,
+    resolve_source,
+)
+from ppo_lightning.config import recipe_root
+from ppo_lightning.config.choices import RECIPES
+from ppo_lightning.rewards import build_eval_metrics, build_reward, function_scorers, needs_model
+from ppo_lightning.rewards.environment import with_environment_reward
+from ppo_lightning.rewards.function import check_reward_columns
+from ppo_lightning.models.tiny import ensure_tiny_model
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's config tree
+
+
+# ----------------------------------------------------------------------------- configs
+def compose_config(overrides: list[str]) -> DictConfig:
+    """``conf/train.yaml`` composed with ``overrides`` through Hydra's compose API, exactly as
+    ``train.py`` composes it (schemas, defaults list, presets). Inside a running Hydra app it
+    uses that app's config search path; elsewhere it initialises one on ``CONF_DIR``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose("train", overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def _under(path: str | os.PathLike, root: Path) -> bool:
+    return Path(path).expanduser().resolve().is_relative_to(root.resolve())
+
+
+def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
+    """Every check of the user's inputs that needs no model: ranges and cross-group constraints
+    (``config.validate``), the prompt file (exists, holds prompts, parses), the reward function
+    (imports), model and checkpoint paths (exist, or are hub ids that can be reached).
+
+    Paths under ``built_by_recipe`` are skipped: the recipe builds them next. A missing path
+    that another recipe builds says which ``recipe=`` would build it.
+    """
+    validate(cfg)
+
+    def pending(path) -> bool:
+        return built_by_recipe is not None and bool(path) and _under(path, built_by_recipe)
+
+    d, m, r = cfg.data, cfg.model, cfg.reward
+    if d.path is None and d.hf_dataset is None:
+        raise ConfigError(
+            "data.path and data.hf_dataset are both null: set data.path=prompts.txt "
+            "(one prompt a line) or .jsonl, or data.hf_dataset=<name>"
+        )
+    if d.path is not None and built_by_recipe is not None and not pending(d.path):
+        log.warning(
+            "data.path=%s is not recipe=%s's prompts: this job keeps that task's data group and "
+            "preset (prompt limit, KL coefficient, response length); for your own prompts with the "
+            "library's defaults choose data=file",
+            d.path,
+            cfg.recipe,
+        )
+    if d.path is not None and not pending(d.path):
+        if not os.path.exists(d.path):
+            raise ConfigError(
+                f"data.path={d.path!r}: no such file or directory. Give a {record_formats()}, each record "
+                f"with a {d.prompt_field!r} field (data.prompt_field)" + _built_by_hint(d.path, cfg)
+            )
+        read_prompts(d.path, d.prompt_field)  # empty, malformed or unsupported files fail here
+    if cfg.eval.path is not None and not pending(cfg.eval.path):
+        if not os.path.exists(cfg.eval.path):
+            raise ConfigError(
+                f"eval.path={cfg.eval.path!r}: no such file or directory. Give a {record_formats()}"
+                + _built_by_hint(cfg.eval.path, cfg)
+            )
+        read_prompts(cfg.eval.path, d.prompt_field, key_prefix="eval")  # as data.path's: fails here
+    if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
+    if not needs_model(r):
+        build_reward(r)  # imports reward.fn (or every term's)
+    build_eval_metrics(cfg.eval.metrics)  # imports each eval.metrics function
+    check_backend(cfg.get("generation"))
+    if cfg.get("env"):
+        check_env(cfg.env)  # the environment class imports and builds, its tools have schemas
+    if r.kind == "environment" and not r.terms:
+        check_env_reward(cfg.get("env"))  # the environment scores its episodes (get_reward)
+    sources = [
+        (
+            "model.name_or_path",
+            m.name_or_path,
+            m.build_tiny is not None and _under(m.name_or_path, Path(cfg.paths.cache_dir)),
+        ),
+        ("model.tokenizer_name_or_path", m.tokenizer_name_or_path, False),
+        ("ref.name_or_path", cfg.ref.name_or_path, False),
+        ("reward.name_or_path", r.name_or_path if r.kind == "model" and not r.terms else None, False),
+        *(
+            (f"reward.terms.{name}.name_or_path", term.get("name_or_path"), False)
+            for name, term in (r.terms or {}).items()
+            if term.get("kind", "function") == "model"
+        ),
+    ]
+    for key, value, built_here in sources:
+        if value and not built_here and not pending(value):
+            try:
+                resolve_source(value, key)
+            except ConfigError as e:
+                raise ConfigError(f"{e}{_built_by_hint(value, cfg)}") from None
+    if (
+        m.value_head_path
+        and not pending(m.value_head_path)
+        and not (Path(m.value_head_path) / VALUE_HEAD_FILE).is_file()
+    ):
+        raise ConfigError(f"model.value_head_path={m.value_head_path!r}: no {VALUE_HEAD_FILE} there")
+
+
+def _built_by_hint(path: str, cfg: DictConfig) -> str:
+    for name in RECIPES:
+        if _under(path, recipe_root(cfg.paths.cache_dir, name)):
+            return (
+                f" It is built by recipe={name}, which this job does not run: add recipe={name} "
+                "(the preset that uses it sets it: conf/experiment/preset), or point the key at your "
+                "own file or model."
+            )
+    return ""
+
+
+# ----------------------------------------------------------------------------- the module
+def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
+    """Module, prompts and Trainer for a composed config; every cheap check runs first. The
+    Trainer stops on SIGTERM at an iteration's end, with a checkpoint (``StopOnPreemption``)."""
+    module, datamodule = build_module(cfg)
+    return module, datamodule, build_trainer(cfg, extra_callbacks=[StopOnPreemption()])
+
+
+def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
+    """The ``PPOModule`` (policy with value head, frozen reference, reward) and the prompts."""
+    check_inputs(cfg)
+    # first: building the tiny model seeds the global RNG itself, and what follows must not
+    # depend on whether this run built it (LoRA's adapter init draws from that RNG)
+    ensure_tiny_model(cfg.model, cfg.paths.cache_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    reward_fn = None if needs_model(cfg.reward) else build_reward(cfg.reward)
+
+    tokenizer_path = cfg.model.tokenizer_name_or_path or cfg.model.name_or_path
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
+    # multi-turn: the chat template checked (prefix-preserving, renders tools) before any model loads
+    episodes = build_runner(cfg.env, cfg.data, tokenizer, tokenizer_path) if cfg.get("env") else None
+    tools = episodes.probe_tools() if episodes is not None else None
+    datamodule = PromptDataModule(
+        cfg.data, tokenizer, seed=cfg.seed, eval_cfg=cfg.eval, chat=episodes is not None, tools=tools
+    )
+    datamodule.load()  # reads, renders (chat templates) and tokenises the prompts
+    for fn in function_scorers(cfg.reward):  # every record has the columns each function asks for
+        check_reward_columns(fn, [*datamodule.records, *datamodule.eval_records])
+    eval_metrics = build_eval_metrics(cfg.eval.metrics)
+    for fn in eval_metrics.values():
+        check_reward_columns(fn, datamodule.eval_records)
+
+    lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
+    ctx = context_length(lm.config)
+    response = "env.max_total_tokens" if episodes is not None else "sampling.max_new_tokens"
+    need = cfg.data.max_prompt_length + OmegaConf.select(cfg, response)
+    if ctx is not None and need > ctx:
+        raise ConfigError(
+            f"data.max_prompt_length + {response} = {need} exceeds the model's "
+            f"context of {ctx} tokens; lower data.max_prompt_length or {response}"
+        )
+    ref_lm = build_reference(cfg, lm, tokenizer)  # before LoRA: a copy, if any, of the plain LM
+    peft_model = None
+    if cfg.model.lora.r > 0:
+        lora = cfg.model.lora
+        peft_model = apply_lora(
+            lm, lora.r, lora.alpha, OmegaConf.to_object(lora.target_modules) if lora.target_modules else None
+        )
+        ref_lm = DisabledAdapters(peft_model)
+    policy = PolicyWithValueHead(lm, peft_model, value_head=cfg.ppo.advantage == "gae")  # the critic-free: none
+    if cfg.model.value_head_path:
+        load_value_head(policy, cfg.model.value_head_path)
+    if cfg.model.gradient_checkpointing:  # the policy only: the frozen reference never backprops
+        policy.enable_gradient_checkpointing()
+    if needs_model(cfg.reward):
+        reward_fn = build_reward(cfg.reward)
+        reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
+    owner = episodes.reward_owner() if episodes is not None else None
+    if owner is not None:  # a TRL environment's get_reward(): one more term, named after its class
+        reward_fn = with_environment_reward(reward_fn, owner)
+    # reward normalisation: fitted when the run starts, else the configured gain and bias
+    reward_norm = None if cfg.reward.normalize else (cfg.reward.gain, cfg.reward.bias)
+    if cfg.model.value_head_init == "reward_model":  # on the raw scale when a fit will rescale it
+        init_value_head_from(policy, reward_fn, *(reward_norm or (1.0, 0.0)))
+
+    # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
+    ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
+    module = PPOModule(
+        policy,
+        ref_lm,
+        reward_fn,
+        tokenizer,
+        ppo_cfg,
+        optim_cfg,
+        seed=cfg.seed,
+        eval_cfg=OmegaConf.to_object(cfg.eval),
+        eval_metrics=eval_metrics,
+        sampling=SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
+        reward_norm=reward_norm,
+        normalize_reward_samples=cfg.reward.normalize_samples,
+        value_head_from_reward=cfg.model.value_head_init == "reward_model",
+        backend=build_backend(cfg.get("generation")),
+        episodes=episodes,
+        rollout_dir=str(Path(cfg.paths.output_dir) / "rollouts") if cfg.ppo.rollout_dump else None,
+    )
+    return module, datamodule
+
+
+def build_backend(node: DictConfig | None):
+    """The generation backend's factory (``generation.*``: a partial ``_target_``); the ``hf``
+    backend when the group is absent."""
+    if not node:
+        return None  # PPOModule's default: hf
+    if "_target_" not in node:
+        raise ConfigError("generation: expected a mapping with a _target_ (a backend class), e.g. generation=hf")
+    factory = hydra.utils.instantiate(node, _partial_=True)
+    if not callable(factory):
+        raise ConfigError(f"generation._target_={node._target_!r}: not a class or function to call")
+    return factory
+
+
+def check_backend(node: DictConfig | None) -> None:
+    """The generation backend's class imports, and its ``preflight`` (if it has one: vllm's
+    checks that the package imports) passes, before any model loads."""
+    if not node or "_target_" not in node:
+        return  # build_backend says what is missing
+    try:
+        cls = hydra.utils.get_object(node._target_)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"generation._target_={node._target_!r}: cannot import it ({e})") from None
+    preflight = getattr(cls, "preflight", None)
+    if preflight is not None:
+        preflight()
+
+
+def build_reference(cfg: DictConfig, lm, tokenizer):
+    """The frozen reference (``ref.*``): a copy of the policy's initial LM in ``ref.dtype``, or the
+    model at ``ref.name_or_path``; None with LoRA, whose reference is the policy with its adapters
+    off (``lora.DisabledAdapters``)."""
+    ref = cfg.ref
+    if cfg.model.lora.r > 0:
+        return None
+    if ref.name_or_path is None:
+        return make_reference(lm, ref.dtype)
+    ref_lm = load_causal_lm(
+        ref.name_or_path, tokenizer, ref.dtype or cfg.model.dtype, cfg.model.trust_remote_code, key="ref.name_or_path"
+    )
+    n_ref, n_policy = ref_lm.get_input_embeddings().num_embeddings, lm.get_input_embeddings().num_embeddings
+    if n_ref != n_policy:
+        raise ConfigError(
+            f"ref.name_or_path={ref.name_or_path!r}: its vocabulary has {n_ref} entries, the "
+            f"policy's {n_policy}; the KL penalty compares the two token by token, so the reference "
+            "must share the policy's tokenizer"
+        )
+    return freeze(ref_lm)
+
+
+def init_value_head_from(policy: PolicyWithValueHead, reward_model, gain: float = 1.0, bias: float = 0.0) -> None:
+    """Copy the reward model's score head into the value head ([N+]: initialise the value
+    function from the reward model), mapped by the reward normalisation ``gain * score + bias``,
+    so early value estimates are already on the reward's scale."""
+    head = reward_model.score_head()
+    if head.weight.shape != policy.v_head.weight.shape:
+        raise ConfigError(
+            f"model.value_head_init=reward_model: reward head {tuple(head.weight.shape)} does "
+            f"not fit the value head {tuple(policy.v_head.weight.shape)} (hidden sizes differ)"
+        )
+    with torch.no_grad():
+        policy.v_head.weight.copy_(head.weight.float() * gain)
+        head_bias = head.bias.float() if head.bias is not None else torch.zeros(1)
+        policy.v_head.bias.copy_(head_bias * gain + bias)
+
+
+# ----------------------------------------------------------------------------- the trainer
+def instantiate_dict(group: DictConfig | None, key: str) -> list:
+    """Instantiate every ``_target_`` entry of a named dict group (logger, callbacks)."""
+    objs = []
+    for name, node in (group or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(f"{key}.{name}: expected a mapping with a _target_ (a class to build)")
+        objs.append(hydra.utils.instantiate(node))
+    return objs
+
+
+def build_trainer(cfg: DictConfig, extra_callbacks: tuple | list = ()) -> L.Trainer:
+    loggers = instantiate_dict(cfg.get("logger"), "logger")
+    callbacks = [*instantiate_dict(cfg.get("callbacks"), "callbacks"), *extra_callbacks]
+    trainer = hydra.utils.instantiate(
+        cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[AtomicCheckpointIO()]
+    )
+    stop_every_rank_on_write_error(trainer.strategy)
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    return trainer

@@ -1,0 +1,236 @@
+"""The default job: steer a small LM towards positive movie reviews, offline, in minutes.
+
+The offline analogue of the classic RLHF demo (GPT-2 + an IMDB sentiment classifier). Everything
+comes from this project (``ppo_lightning/tasks/reviews/data.py``): a grammar of short reviews, a
+word-level tokenizer over its vocabulary, an SFT policy trained on reviews of mixed sentiment,
+and a reward model trained on preference pairs (the more positive continuation wins), then
+hardened by ``RED_TEAM_ROUNDS`` rounds of online preference collection (``red_team_pairs``). PPO
+then raises the reward model's score; the ground-truth sentiment and the grammar check tell
+whether the gain is real or reward hacking.
+
+Built once under ``recipe_root(paths.cache_dir, "reviews")`` (about two minutes on 2 CPU cores)::
+
+    tokenizer/  sft/  reward_model/  prompts_train.txt  prompts_eval.txt  DONE
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+from ppo_lightning.config import recipe_root
+from ppo_lightning.tasks.common import build_cached, eval_report, fit_stage, save_base_model
+from ppo_lightning.tasks.reviews import data as reviews
+
+log = logging.getLogger(__name__)
+
+BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=64)
+RED_TEAM_ROUNDS = 2  # rounds of online preference collection after the first reward model
+
+
+def root(cfg) -> Path:
+    return recipe_root(cfg.paths.cache_dir, "reviews")
+
+
+def prepare(cfg) -> Path:
+    """Build (first run) or reuse the tokenizer, SFT policy, reward model and prompt files."""
+
+    def build(tmp: Path) -> None:
+        log.info(
+            "reviews recipe, first run: building the tokenizer, data, SFT policy and reward "
+            "model under %s (cached for later runs)",
+            root(cfg),
+        )
+        rng = random.Random(cfg.seed)
+        tokenizer = reviews.build_tokenizer()
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
+        (tmp / "prompts_train.txt").write_text("\n".join(reviews.prompts(rng, 2000)) + "\n")
+        (tmp / "prompts_eval.txt").write_text("\n".join(reviews.prompts(rng, 512)) + "\n")
+        log.info("[1/3] SFT policy on 6000 generated reviews of mixed sentiment")
+        sft = fit_stage(
+            "sft",
+            tmp / "base",
+            tmp / "sft",
+            reviews.sft_corpus(rng, 6000),
+            steps=600,
+            batch_size=64,
+            lr=3e-3,
+            max_length=32,
+            seed=cfg.seed,
+            extra={"max_prompt_length": 8},
+        )
+        log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
+        pairs = reviews.preference_pairs(rng, 5000, ill_formed_fraction=0.3)
+        pairs += drift_pairs(tmp / "sft", rng, 6000, temperature=2.0)
+        rng.shuffle(pairs)
+        log.info(
+            "[2/3] reward model on %d generated preference pairs (%d against the SFT policy's own broken text)",
+            len(pairs),
+            len(pairs) - 5000,
+        )
+        rm = fit_stage(
+            "reward_model",
+            tmp / "base",
+            tmp / "reward_model_r1",
+            pairs,
+            steps=1000,
+            batch_size=32,
+            lr=1e-3,
+            max_length=32,
+            seed=cfg.seed,
+        )
+        log.info("reward model, round 1: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
+        current = tmp / "reward_model_r1"
+        for r in range(2, RED_TEAM_ROUNDS + 2):
+            log.info(
+                "[3/3] red team %d/%d: a short PPO run against the reward model; its broken outputs become new pairs",
+                r - 1,
+                RED_TEAM_ROUNDS,
+            )
+            found = red_team_pairs(tmp, current, rng, seed=cfg.seed + r)
+            if len(found) < 20:  # nothing left worth another round
+                break
+            # the new pairs plus twice as many old ones, so a round does not forget the last
+            mixed = found + rng.sample(pairs, min(len(pairs), 2 * len(found)))
+            pairs += found
+            rng.shuffle(mixed)
+            rm = fit_stage(
+                "reward_model",
+                current,
+                tmp / f"reward_model_r{r}",
+                mixed,
+                steps=300,
+                batch_size=32,
+                lr=3e-4,
+                max_length=32,
+                seed=cfg.seed,
+            )
+            shutil.rmtree(current)
+            current = tmp / f"reward_model_r{r}"
+            log.info(
+                "reward model, round %d (%d new pairs): val/accuracy %.3f",
+                r,
+                len(found),
+                rm.get("val/accuracy", float("nan")),
+            )
+        os.replace(current, tmp / "reward_model")
+
+    return build_cached(root(cfg), build)
+
+
+def drift_pairs(sft_dir: Path, rng: random.Random, n_prompts: int, temperature: float = 1.5) -> list[dict]:
+    """Preference pairs against the SFT policy's own mistakes.
+
+    Sampled hot, the SFT policy breaks the grammar the way a drifting PPO policy does (number
+    agreement, a missing connective, a dangling intensifier). A reward model that never saw such
+    text scores it arbitrarily, and PPO finds and exploits that within tens of iterations. Each
+    broken sample is paired with a well-formed, positive continuation of the same prompt.
+    """
+    from ppo_lightning.models.policy import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(str(sft_dir))
+    lm = load_causal_lm(str(sft_dir), tok).eval()
+    return pairs_against_broken_samples(lm, tok, rng, n_prompts, temperature, batch_size=256)
+
+
+def pairs_against_broken_samples(
+    lm, tok, rng: random.Random, n_prompts: int, temperature: float = 1.0, batch_size: int = 256
+) -> list[dict]:
+    """Sample one response per fresh prompt from ``lm``; label it with the grammar; pair each
+    ill-formed one (rejected) with a well-formed, positive continuation of its prompt (chosen).
+
+    Part of the recipe's build, which is cached once for every later run: it samples with the
+    recipe's own fixed settings (20 new tokens at ``temperature``, nothing truncated), never
+    with a run's, so the cached data does not depend on which run built it."""
+    import torch
+
+    from ppo_lightning.data.prompts import PadCollator
+    from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.generation.hf import HFBackend
+    from ppo_lightning.algo.rollout import decode_prompts_and_responses
+
+    ps = reviews.prompts(rng, n_prompts)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    collate = PadCollator(tok.pad_token_id)
+    sampler, params = HFBackend(lm, tok), SamplingParams(max_new_tokens=20, temperature=temperature)
+    pairs = []
+    for s in range(0, len(ps), batch_size):
+        batch = collate(tok(ps[s : s + batch_size], add_special_tokens=False)["input_ids"])
+        resp, mask = sampler.generate(batch["input_ids"], batch["attention_mask"], params, g)
+        for p, r in zip(*decode_prompts_and_responses(tok, batch["input_ids"], resp, mask)):
+            if not reviews.is_well_formed(reviews.join_text(p, r)):
+                pairs.append(
+                    {
+                        "prompt": p,
+                        "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
+                        "rejected": " " + r.strip(),
+                    }
+                )
+    return pairs
+
+
+def red_team_pairs(
+    tmp: Path, reward_dir: Path, rng: random.Random, seed: int, iterations: int = 40, n_samples: int = 4096
+) -> list[dict]:
+    """One round of online preference collection, as iterated RLHF does it.
+
+    PPO on a loose leash (β = 0.02) runs ``iterations`` steps from the SFT policy against the
+    round-1 reward model, which finds that model's blind spots far faster than any corruption
+    list can guess them (a repeated "the", a "." before the clause ends: whatever this seed's
+    model happens to miss). ``n_samples`` responses of that policy are then labelled by the
+    grammar, the offline stand-in for a human labeller: each ill-formed one becomes a pair
+    that loses to a well-formed, positive continuation of the same prompt.
+    """
+    from ppo_lightning.jobs.factory import build, compose_config
+
+    cfg = compose_config(
+        [
+            "logger=none",
+            "callbacks=none",
+            "export_dir=null",
+            f"seed={seed}",
+            "model=reviews",
+            f"model.name_or_path={tmp / 'sft'}",
+            "reward=model",
+            f"reward.name_or_path={reward_dir}",
+            "reward.max_length=32",
+            "reward.normalize=true",
+            "data=file",
+            f"data.path={tmp / 'prompts_train.txt'}",
+            "data.batch_size=32",
+            "data.max_prompt_length=8",
+            "sampling.max_new_tokens=20",
+            "ppo.kl_coef=0.02",
+            f"trainer.max_steps={iterations}",
+            "trainer.enable_checkpointing=false",
+            "trainer.enable_model_summary=false",
+            f"paths.output_dir={tmp / 'red_team'}",
+            f"paths.cache_dir={tmp}",
+        ]
+    )
+    module, datamodule, trainer = build(cfg)
+    trainer.fit(module, datamodule=datamodule)
+
+    pairs = pairs_against_broken_samples(module.policy.lm.eval(), module.tokenizer, rng, n_samples, batch_size=512)
+    shutil.rmtree(tmp / "red_team", ignore_errors=True)
+    log.info("red team: %d of %d samples ill-formed after %d PPO iterations", len(pairs), n_samples, iterations)
+    return pairs
+
+
+ROWS = {
+    "reward (reward model, raw)": "eval/reward/mean@1",
+    "sentiment (ground truth)": "eval/metrics/sentiment/mean@1",
+    "well-formed fraction": "eval/metrics/well_formed/mean@1",
+    "KL to reference (nats)": "eval/kl",
+}
+"""The before/after table: labels and the run's own ``eval/*`` metrics (``eval.metrics`` holds the
+ground truths; experiment/preset/reviews-reviews)."""
+
+
+def evaluate(cfg, module, out_dir: Path | None) -> str:
+    """The run's evaluations of the held-out prompts before training (the SFT policy) and after."""
+    return eval_report(module.eval_history, ROWS, out_dir)

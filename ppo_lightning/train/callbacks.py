@@ -1,0 +1,58 @@
+"""Callbacks for PPO runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import WandbLogger
+
+from ppo_lightning.envs.template import conversation_text
+from ppo_lightning.algo.rollout import decode_prompts_and_responses
+
+
+class SampleTable(L.Callback):
+    """Every ``every_n_steps`` PPO iterations, record prompts, responses and scores.
+
+    Rows go to ``<dirpath>/samples.jsonl`` (one JSON object per sample, with the iteration, and
+    with ``reward.terms`` each term's raw score as a column of its own; in a multi-turn run the
+    prompt and the response are the conversation's messages, each under its role) and,
+    when a W&B logger is attached, to a W&B table ``samples`` at that step. Seeing what the policy
+    writes is the first check against reward hacking.
+    """
+
+    def __init__(self, dirpath: str, every_n_steps: int = 10, n_samples: int = 4):
+        self.path = Path(dirpath) / "samples.jsonl"
+        self.every_n_steps, self.n_samples = every_n_steps, n_samples
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step - 1  # the iteration that just finished
+        r = pl_module.rollout
+        if r is None or step % self.every_n_steps != 0 or not trainer.is_global_zero:
+            return
+        n = min(self.n_samples, r.batch_size)
+        if r.episodes is None:
+            prompts, responses = decode_prompts_and_responses(
+                pl_module.tokenizer, r.query_responses[:n, : r.context_length], r.responses[:n], r.response_mask[:n]
+            )
+        else:  # multi-turn: the whole conversation, each message under its role
+            episodes = r.episodes.episodes[:n]
+            prompts = [conversation_text(e.prompt_messages) for e in episodes]
+            responses = [conversation_text(e.completion) for e in episodes]
+        scores = r.scores[:n].tolist()
+        terms = {name: x[:n].tolist() for name, x in r.term_scores.items()}  # reward.terms, raw
+        rows = [
+            {"step": step, "prompt": p, "response": resp, "score": s, **{k: v[i] for k, v in terms.items()}}
+            for i, (p, resp, s) in enumerate(zip(prompts, responses, scores))
+        ]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        for lg in trainer.loggers:
+            if isinstance(lg, WandbLogger):
+                columns = list(rows[0])
+                lg.log_table(
+                    key="samples", columns=columns, data=[[row[c] for c in columns] for row in rows], step=step
+                )

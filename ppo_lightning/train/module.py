@@ -1,0 +1,317 @@
+"""``PPOModule``: the Lightning adapter of the PPO loop (``algorithm.PPO``), one iteration per batch.
+
+1. ``on_train_batch_start``: ``algo.collect(batch)``, this iteration's ``Rollout``.
+2. ``training_step``: ``algo.learn(rollout, optimizer)`` (manual optimisation), then the end of the
+   iteration: Lightning's step counter and the scheduler, the KL controller, the run's counters,
+   and the iteration's metrics (``metrics.py``).
+
+The algorithm is in ``algorithm.py``; the math in ``ppo.py``, ``estimators.py`` and
+``rollout.py``; ranks and precision in ``distributed.py``. This module adds what Lightning owns:
+hooks, the optimizer and scheduler, FSDP2 sharding, checkpoints. Lightning's ``global_step``
+counts PPO iterations (not the optimizer steps inside one), so ``trainer.max_steps``,
+checkpoint intervals and logger steps all speak in iterations.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from ppo_lightning.train import evaluation
+from ppo_lightning.train import metrics
+from ppo_lightning.train.evaluation import EvalPoint
+from ppo_lightning.algo.algorithm import PPO
+from ppo_lightning.config import OptimizerConfig, PPOConfig
+from ppo_lightning.parallel.distributed import Runtime
+from ppo_lightning.train.dumps import episode_rows, write_rollout
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.generation import BackendFactory, SamplingParams, default_backend
+from ppo_lightning.parallel.lightning_compat import count_iteration
+from ppo_lightning.train.optim import configure_optimizers
+from ppo_lightning.models.policy import PolicyWithValueHead
+from ppo_lightning.rewards import fit_normalization, normalized, pop_reward_logs
+from ppo_lightning.algo.rollout import Rollout, reference_scores
+from ppo_lightning.parallel.sharding import FSDP2Strategy, initialize_root, is_sharded, shard_module, tied_aliases
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many PPO iterations in a row produced non-finite rewards, losses or gradients."""
+
+
+class PPOModule(L.LightningModule):
+    """PPO on a causal LM with a value head, against a frozen reference and a reward scorer.
+
+    ``policy``: trained; ``ref_lm``: the frozen reference (KL anchor); ``reward_fn``: ``(prompts,
+    responses) -> raw scores``; ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` / ``OptimizerConfig``.
+    ``sampling``: how every caller samples (the ``sampling.*`` node; null: ``SamplingParams``'
+    defaults, 32 new tokens). ``backend``: the
+    generation backend's factory (the ``generation`` config group; ``hf`` by default), called
+    once for the policy (``sampler``) and once for the reference (``ref_sampler``; the ``hf``
+    backend when the policy's is an engine with weights of its own).
+    ``reward_norm``: the ``(gain, bias)`` every raw score goes through, or None to fit it on
+    ``normalize_reward_samples`` reference samples when the run starts. ``value_head_from_reward``:
+    the value head was copied from the reward model's raw head, so the fit maps it too.
+    ``episodes``: an ``envs.EpisodeRunner`` (``env``): every rollout, reference sample and
+    evaluation plays multi-turn episodes; None: single-turn. ``rollout_dir``: where
+    ``ppo.rollout_dump`` writes each iteration's episodes.
+    """
+
+    def __init__(
+        self,
+        policy: PolicyWithValueHead,
+        ref_lm: nn.Module,
+        reward_fn,
+        tokenizer,
+        ppo_cfg: PPOConfig,
+        optim_cfg: OptimizerConfig,
+        seed: int = 0,
+        reward_norm: tuple[float, float] | None = (1.0, 0.0),
+        normalize_reward_samples: int = 256,
+        value_head_from_reward: bool = False,
+        backend: BackendFactory | None = None,
+        sampling: SamplingParams | None = None,
+        eval_cfg=None,
+        eval_metrics: dict | None = None,
+        episodes=None,
+        rollout_dir: str | None = None,
+    ):
+        super().__init__()
+        self.automatic_optimization = False
+        self.strict_loading = False  # frozen weights are not checkpointed (see checkpointed)
+        self.policy, self.ref_lm, self.reward_fn = policy, ref_lm, reward_fn  # submodules, when modules
+        self.tokenizer, self.ppo_cfg, self.optim_cfg, self.seed = tokenizer, ppo_cfg, optim_cfg, seed
+        self.sampling = sampling or SamplingParams(max_new_tokens=32)
+        make = backend or default_backend()
+        self.sampler = make(policy.lm, tokenizer)
+        # an engine with weights of its own holds the policy's: the reference samples live (hf)
+        live = self.sampler.samples_live_module
+        self.ref_sampler = (make if live else default_backend())(ref_lm, tokenizer)
+        self.runtime = Runtime(self)
+        self.algo = PPO(
+            policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, self.runtime, episodes
+        )
+        self.rollout_dir = rollout_dir  # ppo.rollout_dump's directory (the run's rollouts/)
+        self.algo.reward_norm = reward_norm
+        self.normalize_reward_samples = normalize_reward_samples
+        self.value_head_from_reward = value_head_from_reward
+        self.episode = 0  # episodes (sampled responses) so far, summed over ranks
+        self.skipped_updates = 0  # updates skipped for a non-finite loss or gradient
+        self.nonfinite_streak = 0  # consecutive iterations with a skip
+        self.eval_cfg = eval_cfg  # eval.* (config.EvalConfig); evaluates only when the data has eval prompts
+        self.eval_metrics = eval_metrics or {}  # eval.metrics: name -> scorer, measured on eval samples only
+        self._eval_due: dict[str, float] = {}  # this iteration's, from on_train_batch_start to training_step
+        self.eval_history: list[EvalPoint] = []  # every evaluation of this process, in order (the recipes' tables)
+        self.rollout: Rollout | None = None  # this iteration's, from on_train_batch_start to training_step
+        self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
+        self._callback_metrics: tuple[str, ...] = ()  # set in on_fit_start
+        self._unsaved_policy_keys: frozenset[str] | None = None  # see checkpointed
+
+    @property
+    def reward_norm(self) -> tuple[float, float] | None:
+        return self.algo.reward_norm
+
+    @torch.no_grad()
+    def score(self, prompts: list[str], responses: list[str]) -> Tensor:
+        """The training reward of texts: the reward's raw scores through the run's normalisation."""
+        return normalized(torch.as_tensor(self.reward_fn(prompts, responses), dtype=torch.float32), self.reward_norm)
+
+    # ------------------------------------------------------------------------- setup
+    def configure_model(self) -> None:
+        """Under ``FSDP2Strategy`` (``trainer=fsdp``, ``fsdp_cpu``): shard the policy and the
+        reference over the data-parallel mesh (``sharding.shard_module``). Other strategies: nothing."""
+        if isinstance(self.trainer.strategy, FSDP2Strategy):
+            shard_module(self, self.device_mesh["data_parallel"])
+
+    def configure_optimizers(self):
+        return configure_optimizers(self, [p for p in self.policy.parameters() if p.requires_grad], self.optim_cfg)
+
+    def on_fit_start(self) -> None:
+        # A resumed run restored every rank's generator from the checkpoint (before this hook, or
+        # after it under sharded strategies, which then replace this one).
+        if self.algo.generator is None:
+            self.algo.generator = self.runtime.new_generator(self.seed)
+        self.ref_lm.eval()
+        if is_sharded(self.policy):
+            initialize_root(self.policy, self.device)
+        self.runtime.setup()
+        self._callback_metrics = metrics.callback_metrics(self.trainer)
+
+    # ------------------------------------------------------------------------- part 1: collect
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        if self.reward_norm is None:  # once per run: a resumed run restored it from the checkpoint
+            # (here, not in on_fit_start: sharded strategies restore checkpoints after on_fit_start)
+            self._fit_reward_normalization()
+        if self._evaluates_at(self.global_step):  # the policy before this iteration's update
+            self._eval_due = self.evaluate()
+        self.rollout = self.algo.collect(batch)
+
+    @torch.no_grad()
+    def _fit_reward_normalization(self) -> None:
+        """Fix ``reward_norm`` from the raw scores of reference samples on this rank's share of
+        ``normalize_reward_samples`` of the run's prompts ([N+]; ``rewards.fit_normalization``),
+        sampled in the rollouts' numerics with a generator of their own (the training stream does
+        not move). A value head copied from the reward model's raw head is mapped onto the new
+        scale too."""
+        world, rt = self.trainer.world_size, self.runtime
+        need = self.normalize_reward_samples // max(1, world)
+        if need < 1:  # config.validate refuses it when the process count is known before launch
+            raise ConfigError(
+                f"reward.normalize_samples={self.normalize_reward_samples} is split over {world} ranks "
+                f"and leaves none for some; set it to at least {2 * world}"
+            )
+        with rt.rollout_context(self.ref_lm):
+            raw = reference_scores(
+                self.ref_sampler,
+                self.reward_fn,
+                self.tokenizer,
+                self.sampling,
+                self.trainer.datamodule.normalization_batches(need),
+                rt.new_generator(self.seed + 7919, stride=1),
+                self.device,
+                episodes=self.algo.episodes,
+            )
+        gain, bias = fit_normalization(
+            raw, rt.reduce_sum if world > 1 else None, source=getattr(self.reward_fn, "name", "the reward")
+        )
+        pop_reward_logs(self.reward_fn)  # log_metric calls of the fit are no iteration's
+        self.algo.reward_norm = (gain, bias)
+        if self.value_head_from_reward:
+            self.policy.v_head.weight.mul_(gain)
+            self.policy.v_head.bias.mul_(gain).add_(bias)
+        log.info("reward normalisation from %d reference samples: gain %.4g, bias %.4g", len(raw), gain, bias)
+
+    # ------------------------------------------------------------------------- part 2: learn
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        r, t0 = self.rollout, time.perf_counter()
+        lr, kl_coef = self.lr_schedulers().get_last_lr()[0], self.algo.kl_ctl.value  # what this iteration uses
+        learned = self.algo.learn(r, self.optimizers())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # count queued kernels in the timers
+        m = metrics.iteration_metrics(
+            r,
+            learned.stats,
+            num_generations=self.ppo_cfg.num_generations,
+            has_critic=self.policy.v_head is not None,
+            time_rollout=r.collect_time_s,
+            time_update=time.perf_counter() - t0,
+            runtime=self.runtime,
+            mask_truncated=self.ppo_cfg.mask_truncated_completions and self.sampling.stop_at_eos,
+        )
+        count_iteration(self.optimizers())
+        self.lr_schedulers().step()
+        rows = r.batch_size * self.trainer.world_size
+        sync_s = self.algo.end_iteration(m["objective/kl"], rows)
+        if sync_s is not None:
+            m["perf/time_weight_sync_s"] = sync_s
+        self.episode += rows
+        self.skipped_updates += learned.skipped
+        self.nonfinite_streak = self.nonfinite_streak + 1 if learned.skipped else 0
+        if learned.skipped:
+            log.warning(
+                "PPO iteration %d: skipped %d update(s) with non-finite %s; weights untouched",
+                self.global_step - 1,
+                learned.skipped,
+                learned.nonfinite,
+            )
+        m.update(
+            {
+                "objective/kl_coef": kl_coef,
+                "lr": lr,
+                "episode": float(self.episode),
+                "health/skipped_updates": float(self.skipped_updates),
+            }
+        )
+        m.update(self._eval_due)
+        self._eval_due = {}
+        self.last_metrics = m
+        metrics.log_metrics(self, m, self._callback_metrics, r.batch_size)
+        if self.ppo_cfg.rollout_dump and self.rollout_dir:
+            rows = episode_rows(r, self.tokenizer)
+            write_rollout(self.rollout_dir, self.global_step - 1, rows, self.global_rank, self.trainer.world_size)
+        if self.nonfinite_streak >= self.ppo_cfg.max_nonfinite_iterations:
+            raise NonFiniteError(
+                f"{self.nonfinite_streak} PPO iterations in a row had non-finite values (last: {learned.nonfinite}); "
+                f"stopping (ppo.max_nonfinite_iterations={self.ppo_cfg.max_nonfinite_iterations}). Checkpoints "
+                "written so far are intact. Check the reward function, or lower optimizer.lr."
+            )
+
+    def on_train_end(self) -> None:
+        if self.global_step >= self.trainer.max_steps and self._evaluates_at(None):  # a run stopped early: none
+            m = self.evaluate()
+            for lg in self.loggers:
+                lg.log_metrics(m, step=self.global_step)
+                lg.save()
+
+    def teardown(self, stage: str) -> None:
+        """The fit is over (finished, stopped or failed): an engine backend frees its engine."""
+        self.sampler.close()
+
+    def _evaluates_at(self, step: int | None) -> bool:
+        return evaluation.due(self.eval_cfg, self.trainer.datamodule, step)
+
+    def evaluate(self) -> dict[str, float]:
+        """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate_module``), also
+        kept with rank 0's first samples in ``eval_history``."""
+        samples: list = []
+        m = evaluation.evaluate_module(self, samples)
+        self.eval_history.append(EvalPoint(self.global_step, m, samples))
+        return m
+
+    # ------------------------------------------------------------------------- checkpoints
+    def checkpointed(self, key: str) -> bool:
+        """Whether a state-dict entry is saved in checkpoints. Frozen weights are not: the reference
+        and reward model, and with LoRA the policy's base weights; each is rebuilt from its source
+        (``model.name_or_path``, ``ref.*``, ``reward.*``) when a run resumes or exports. Nor is the
+        second name of a tied weight (GPT-2's ``lm_head.weight`` is its token embedding): loading
+        the first sets both, and a gathered (FSDP) state dict would hold it as a second copy."""
+        if key.startswith(("ref_lm.", "reward_fn.")):
+            return False
+        if self._unsaved_policy_keys is None:
+            frozen = {
+                k
+                for k, v in self.policy.state_dict(keep_vars=True).items()
+                if isinstance(v, nn.Parameter) and not v.requires_grad
+            }
+            self._unsaved_policy_keys = frozenset(f"policy.{k}" for k in frozen | tied_aliases(self.policy))
+        return key not in self._unsaved_policy_keys
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        sd = checkpoint["state_dict"]
+        for k in [k for k in sd if not self.checkpointed(k)]:
+            del sd[k]
+        checkpoint["ppo_state"] = {
+            "kl_ctl": self.algo.kl_ctl.state_dict(),
+            "episode": self.episode,
+            "skipped_updates": self.skipped_updates,
+            "nonfinite_streak": self.nonfinite_streak,
+            "reward_norm": list(self.reward_norm) if self.reward_norm is not None else None,
+            "generators": self.runtime.generator_states(self.algo.generator),  # a collective
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("ppo_state", {})
+        if "kl_ctl" in state:
+            self.algo.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.episode = int(state.get("episode", 0))
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        if state.get("reward_norm") is not None:
+            self.algo.reward_norm = tuple(state["reward_norm"])
+        states = state.get("generators") or ([state["generator"]] if state.get("generator") is not None else None)
+        if states:
+            self.algo.generator, resumed = self.runtime.restore_generator(
+                states, self.seed, int(checkpoint.get("global_step", 0))
+            )
+            if not resumed and self.global_rank == 0:
+                log.warning(
+                    "the checkpoint holds the sampling streams of %d rank(s); this run has %d, so each rank "
+                    "starts a new stream (the trajectory differs from an uninterrupted run)",
+                    len(states),
+                    self.trainer.world_size,
+                )
