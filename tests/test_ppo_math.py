@@ -16,7 +16,8 @@ from ppo_lightning.algo.advantages import compute_gae
 
 from ppo_lightning.algo.kl import approx_kl, kl_k1, kl_k2, kl_k3, kl_penalty
 
-from ppo_lightning.algo.losses import entropy_from_logits, logprobs_from_logits, ppo_policy_loss, ppo_value_loss
+from ppo_lightning.algo.losses import ppo_policy_loss, ppo_value_loss
+from ppo_lightning.models.lean_head import entropy_from_logits, logprobs_from_logits
 
 from ppo_lightning.algo.stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
 from ppo_lightning.algo.kl import AdaptiveKLController, FixedKLController, build_kl_controller

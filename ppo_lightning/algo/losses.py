@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ppo_lightning.algo.stats import _all_reduce_sum, _select, masked_mean, masked_sum
 from ppo_lightning.config.choices import LOSS_AGGREGATIONS
@@ -173,15 +172,3 @@ def ppo_value_loss(
     loss = 0.5 * token_mean(torch.maximum(vf_loss1, vf_loss2), mask, token_count)
     clip_frac = token_mean((vf_loss2 > vf_loss1).to(new_values.dtype), mask, token_count)
     return loss, clip_frac
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the categorical distribution at each position: ``logsumexp(z) - sum p z``."""
-    pd = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(-1)
-
-
-def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log softmax(logits)[token] at each position, in float32 for stability. [B, R, V] -> [B, R]"""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)

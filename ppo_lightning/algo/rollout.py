@@ -31,7 +31,7 @@ from ppo_lightning.algo.advantages import (
 
 from ppo_lightning.algo.kl import kl_k1, kl_penalty
 
-from ppo_lightning.algo.losses import logprobs_from_logits
+from ppo_lightning.models.lean_head import logprobs_from_logits
 
 from ppo_lightning.algo.stats import whiten
 from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows

@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_lightning.models.policy import model_class, underlying
+from ppo_lightning.models.policy import model_class
+
+from ppo_lightning.models.lora import underlying
 
 ROTARY_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 """Rotary embedding types the lean step accepts: their inverse frequencies and scaling are computed

@@ -22,7 +22,7 @@ from ppo_lightning.generation.fast_decode import decoder_for
 from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.generation.stops import StopChecker
 from ppo_lightning.models.policy import model_class, position_ids_from_mask
-from ppo_lightning.parallel.sharding import is_sharded
+from ppo_lightning.models.weights import is_sharded
 
 
 class HFBackend:

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation.params import SamplingParams
-from ppo_lightning.models.policy import underlying
+from ppo_lightning.models.lora import underlying
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def _gathered(state: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
     """``state``'s items with each sharded tensor (an FSDP2 ``DTensor``) gathered whole, one at
     a time, in the dict's order (the same on every rank); a tensor under two keys (a tied weight)
     is gathered once and kept until its last key."""
-    from ppo_lightning.parallel.sharding import full_tensor
+    from ppo_lightning.models.weights import full_tensor
 
     keys_left = Counter(id(v) for v in state.values())
     kept: dict[int, Tensor] = {}

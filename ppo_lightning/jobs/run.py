@@ -21,7 +21,7 @@ from ppo_lightning.jobs.factory import build, build_module, build_trainer, check
 from ppo_lightning.train.loggers import finish_wandb
 from ppo_lightning.models.policy import save_policy
 from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted, handle_sigterm
-from ppo_lightning.tasks import get_recipe
+from ppo_lightning.jobs.task import load_task
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     Every input is checked first (``check_inputs``; paths the recipe builds are skipped), then
     the job's recipe, if it names one, builds what is missing, then the run is built and fit.
     """
-    recipe = get_recipe(cfg.recipe) if cfg.recipe else None
+    recipe = load_task(cfg.recipe) if cfg.recipe else None
     check_inputs(cfg, built_by_recipe=recipe.root(cfg) if recipe is not None else None)
     if recipe is not None:
         recipe.prepare(cfg)  # first run builds its policy, reward model and prompts (cached)

@@ -1,4 +1,5 @@
-"""Response logprobs and entropy without the ``[batch, response, vocab]`` logits: the LM head in chunks.
+"""Response logprobs and entropy: from whole logits (``logprobs_from_logits``,
+``entropy_from_logits``), or without the ``[batch, response, vocab]`` logits, the LM head in chunks.
 
 An update needs, per response token, ``log pi(token)`` and the entropy of ``pi``. Computing them
 from the LM's logits holds ``[B, R, V]`` float32 logits, their log-softmax and, for the backward,
@@ -41,7 +42,7 @@ def unsupported(lm: nn.Module) -> str | None:
 def _logp_and_entropy(hidden: Tensor, tokens: Tensor, weight: Tensor, bias: Tensor | None, temperature: float):
     """``log softmax(z)[token]`` and the entropy of ``softmax(z)``, ``z = (hidden W^T + b) / T``,
     in float32, with exactly the plain path's operations (``PPO._policy_forward``,
-    ``ppo.logprobs_from_logits``, ``ppo.entropy_from_logits``)."""
+    ``logprobs_from_logits``, ``entropy_from_logits`` below)."""
     z = F.linear(hidden, weight, bias)
     if temperature != 1.0:
         z = z / temperature
@@ -86,3 +87,15 @@ def lean_head(lm: nn.Module, responses: Tensor, temperature: float, chunk: int):
         yield
     finally:
         del head.forward
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical distribution at each position: ``logsumexp(z) - sum p z``."""
+    pd = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(-1)
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(logits)[token] at each position, in float32 for stability. [B, R, V] -> [B, R]"""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)

@@ -169,3 +169,11 @@ def save_adapter(peft_model, directory: str | Path, lm_state: dict[str, torch.Te
     with _quiet_peft_warnings():
         peft_model.save_pretrained(str(directory), state_dict=lm_state)
     return directory
+
+
+def underlying(lm: nn.Module) -> nn.Module:
+    """The module a call to ``lm`` runs: for a ``lora.DisabledAdapters`` view (the LoRA policy's
+    own LM with its adapters off, the reference under LoRA) that LM, else ``lm`` itself. The
+    one place that sees through the wrappers this project makes; peft's own wrapper is unwrapped
+    once, when the view is made (``get_base_model``)."""
+    return lm.lm if isinstance(lm, DisabledAdapters) else lm

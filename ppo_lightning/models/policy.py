@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_lightning.config.errors import ConfigError
-from ppo_lightning.models.lean_head import lean_head, unsupported
-from ppo_lightning.algo.losses import entropy_from_logits, logprobs_from_logits
+from ppo_lightning.models.lean_head import entropy_from_logits, lean_head, logprobs_from_logits, unsupported
+from ppo_lightning.models.lora import underlying
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 DEFAULT_PAD_TOKEN = "<|pad|>"
@@ -370,16 +370,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- what a module really is
-def underlying(lm: nn.Module) -> nn.Module:
-    """The module a call to ``lm`` runs: for a ``lora.DisabledAdapters`` view (the LoRA policy's
-    own LM with its adapters off, the reference under LoRA) that LM, else ``lm`` itself. The
-    one place that sees through the wrappers this project makes; peft's own wrapper is unwrapped
-    once, when the view is made (``get_base_model``)."""
-    from ppo_lightning.models.lora import DisabledAdapters
-
-    return lm.lm if isinstance(lm, DisabledAdapters) else lm
-
-
 def model_class(lm: nn.Module) -> type:
     """The class whose ``forward`` a call to ``lm`` runs (its signature says which keyword
     arguments the model takes; ``fast_decode`` accepts exact classes only): ``underlying(lm)``'s,
@@ -404,7 +394,7 @@ def save_policy(policy: PolicyWithValueHead, tokenizer, directory: str | os.Path
     this, and only ranks with ``write`` (rank 0) write."""
     from safetensors.torch import save_file
 
-    from ppo_lightning.parallel.sharding import drop_tied_aliases, full_state_dict, is_sharded
+    from ppo_lightning.models.weights import drop_tied_aliases, full_state_dict, is_sharded
 
     directory = Path(directory)
     lm_state = None  # the LM's own state dict

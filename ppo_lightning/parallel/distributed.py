@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from ppo_lightning.parallel.lightning_compat import no_gradient_sync, step_optimizer
-from ppo_lightning.parallel.sharding import FSDP2Strategy, full_tensor, unsharded_for_rollout
+from ppo_lightning.parallel.sharding import FSDP2Strategy, unsharded_for_rollout
+from ppo_lightning.models.weights import full_tensor
 
 
 class Runtime:

@@ -1,21 +1,10 @@
-"""Recipes: self-contained jobs that build everything they need offline, then report.
+"""Tasks: offline demos, one folder each, that build everything they need and then report.
 
-A recipe (``recipe=<name>``, set by the job that needs it: ``conf/experiment/preset/*.yaml``)
-generates its data, trains its own tokenizer-sized SFT policy and reward model once (cached under
-``paths.cache_dir``), and after PPO prints a before/after table on held-out prompts: the run's own
-first and last evaluation (``eval.*``, set by the preset; ``recipes.common.eval_report``). Each
-recipe module offers ``root(cfg)``, ``prepare(cfg)`` and ``evaluate(cfg, module, out_dir)``.
+A task (``recipe=<name>``, set by its preset: ``conf/experiment/preset/*.yaml``, or by an
+``experiment/`` file) generates its data, trains its own tokenizer-sized SFT policy and reward
+model once (cached under ``paths.cache_dir``), and after PPO prints a before/after table on
+held-out prompts: the run's own first and last evaluation (``eval.*``, set by the preset;
+``common.eval_report``). ``tasks/<name>/task.py`` implements ``jobs.task.Task`` (``root``,
+``prepare``, ``evaluate``); ``tasks/<name>/data.py`` holds its prompts, corpora and reward.
+What the tasks share: ``common.py`` (cached builds, the stages, the table), ``tokenizers.py``.
 """
-
-from __future__ import annotations
-
-
-from ppo_lightning.config import recipe_root
-
-
-def get_recipe(name: str):
-    """The recipe module ``name`` (imported on demand: recipes pull in the stages and examples)."""
-    recipe_root(".", name)  # an unknown name fails here, with the choices
-    import importlib
-
-    return importlib.import_module(f"ppo_lightning.tasks.{name}.task")

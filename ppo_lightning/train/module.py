@@ -35,7 +35,8 @@ from ppo_lightning.train.optim import configure_optimizers
 from ppo_lightning.models.policy import PolicyWithValueHead
 from ppo_lightning.rewards import fit_normalization, normalized, pop_reward_logs
 from ppo_lightning.algo.rollout import Rollout, reference_scores
-from ppo_lightning.parallel.sharding import FSDP2Strategy, initialize_root, is_sharded, shard_module, tied_aliases
+from ppo_lightning.parallel.sharding import FSDP2Strategy, initialize_root, shard_module
+from ppo_lightning.models.weights import is_sharded, tied_aliases
 
 log = logging.getLogger(__name__)
 
