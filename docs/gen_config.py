@@ -28,6 +28,7 @@ OUT = ROOT / "docs" / "config.md"
 sys.path.insert(0, str(ROOT))
 
 from ppo_lightning import config as C  # noqa: E402
+import ppo_lightning.algo.advantages  # noqa: E402,F401  registers the estimators (ppo.advantage's choices)
 
 INTRO = """\
 # Configuration

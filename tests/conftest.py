@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")  # tests of the W&B logger turn it back on
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import ppo_lightning.algo.advantages  # noqa: E402,F401  the estimators register (config.choices.ESTIMATORS)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 

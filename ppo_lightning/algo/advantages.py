@@ -37,7 +37,10 @@ from __future__ import annotations
 import torch
 
 from ppo_lightning.algo.stats import whiten
-from ppo_lightning.config.choices import ESTIMATORS
+import dataclasses
+from typing import NamedTuple
+
+from ppo_lightning.config.choices import ESTIMATORS, EstimatorSpec
 
 Tensor = torch.Tensor
 
@@ -159,54 +162,6 @@ def per_token(advantages: Tensor, mask: Tensor) -> Tensor:
     return advantages[:, None].to(mask.dtype) * mask
 
 
-def critic_free_advantages(
-    estimator: str,
-    scores: Tensor,
-    kl_rewards: Tensor,
-    mask: Tensor,
-    *,
-    group_size: int,
-    gamma: float = 1.0,
-    scale_by_std: bool = True,
-    distributed: bool = False,
-    turn_rewards: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``(advantages, returns)`` ``[B, R]`` of a critic-free ``estimator`` from the responses'
-    ``scores [B]`` and the per-token KL penalty ``kl_rewards [B, R]`` (``-beta * KL_t``; zeros
-    when the KL is a loss term, ``ppo.kl_in=loss``). ``turn_rewards [B, R]``: a multi-turn
-    episode's rewards for its turns, each on its turn's last token (None: none); REINFORCE++
-    keeps them there, GRPO and RLOO compare the episode totals, score plus turn rewards.
-
-    GRPO and RLOO compare the *scores* within each group, then add each token's return-to-go of
-    the KL penalty: ``A_t = group_advantage(score)_i - beta * sum_{s >= t} KL_s`` (OpenRLHF's
-    group_norm and rloo). Comparing ``score - beta * sum KL`` instead would let the KL's sampling
-    noise break the ties of a group whose scores are all equal, and GRPO's std division would
-    then blow that noise up to advantages of about +-1 whatever beta is: a group that carries no
-    signal would train as hard as one that does. Here such a group's advantages are the KL
-    penalty's alone, of size beta * KL.
-
-    REINFORCE++ keeps the per-token rewards (score at the last response token plus the KL
-    penalty) and whitens their return-to-go over the batch (``reinforce_pp_advantages``).
-    ``returns`` are the return-to-go of the score plus the KL penalty, for every estimator (a
-    record; no value head learns from them).
-    """
-    if turn_rewards is not None and estimator != "reinforce_pp":
-        scores = scores + turn_rewards.sum(1)  # the episode's total, compared within the group
-    rewards = kl_rewards + score_at_last_token(scores, mask)  # [B, R]
-    if turn_rewards is not None and estimator == "reinforce_pp":
-        rewards = rewards + turn_rewards
-    if estimator == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, mask, gamma, distributed)
-    if estimator == "grpo":
-        adv = grpo_advantages(scores, group_size, scale_by_std)
-    elif estimator == "rloo":
-        adv = rloo_advantages(scores, group_size)
-    else:
-        raise ValueError(f"unknown critic-free estimator {estimator!r}; choose one of {ESTIMATORS[1:]}")
-    advantages = per_token(adv, mask) + returns_to_go(kl_rewards, mask)
-    return advantages, returns_to_go(rewards, mask)
-
-
 def score_at_last_token(scores: Tensor, mask: Tensor) -> Tensor:
     """``scores [B]`` placed on each row's last response token ``[B, R]`` (0 elsewhere): the
     score is the reward of the whole response, earned by its last action ([N+] detail). In a
@@ -225,3 +180,99 @@ def group_reward_stats(scores: Tensor, group_size: int) -> dict[str, Tensor]:
     g = _groups(scores.float(), group_size)
     equal = g.amax(dim=1) == g.amin(dim=1)  # exactly, where a std could round to 1e-9
     return {"group_std": g.std(dim=1).mean(), "frac_zero_std": equal.float().mean()}
+
+
+# ----------------------------------------------------------------------------- the registry
+@dataclasses.dataclass(frozen=True)
+class AdvantageInputs:
+    """One rollout's inputs to an estimator. Every ``[B, R]`` tensor is in policy-token order
+    (``to_policy_tokens``: a multi-turn episode's environment spans moved out of the way, so an
+    environment span is neither a step nor a discount); single-turn masks are already so."""
+
+    scores: Tensor  # [B] the reward terms' score of each response (normalised, after the EOS penalty)
+    kl_rewards: Tensor  # [B, R] -beta * KL_t (zeros when the KL is a loss term, ppo.kl_in=loss)
+    mask: Tensor  # [B, R] 1 on the policy's tokens
+    values: Tensor  # [B, R] the old values (zeros without a critic)
+    turn_rewards: Tensor | None = None  # [B, R] multi-turn: each turn's EnvStep.reward on its last token
+    gamma: float = 1.0
+    lam: float = 0.95
+    group_size: int = 1  # ppo.num_generations: consecutive rows are one prompt's samples
+    scale_by_std: bool = True  # ppo.scale_by_group_std
+    whiten_rewards: bool = False  # ppo.whiten_rewards (the critic's estimator only)
+    distributed: bool = True  # statistics over every rank's tokens
+
+
+class Advantages(NamedTuple):
+    advantages: Tensor  # [B, R]
+    returns: Tensor  # [B, R] the value target (GAE), or the return-to-go of the rewards (a record)
+    rewards: Tensor  # [B, R] the per-token rewards the estimate stands on (a record)
+
+
+def token_rewards(x: AdvantageInputs, scores: Tensor | None = None) -> Tensor:
+    """The per-token rewards: the KL penalty on every token, the score (``scores``, else
+    ``x.scores``) on the last one, each turn's reward on its turn's last token."""
+    rewards = x.kl_rewards + score_at_last_token(x.scores if scores is None else scores, x.mask)
+    return rewards if x.turn_rewards is None else rewards + x.turn_rewards
+
+
+def estimate(name: str, x: AdvantageInputs) -> Advantages:
+    """The advantages of estimator ``name`` (``ppo.advantage``). Reward whitening is the critic's
+    alone: the critic-free estimators normalise the scores themselves, and whitening per-token
+    rewards while keeping their mean would add a term proportional to each response's length."""
+    if x.whiten_rewards and not ESTIMATORS.spec(name).critic:
+        raise ValueError(f"whiten_rewards is for an estimator with a critic (got {name!r}): it would add a length bias")
+    return ESTIMATORS.implementation(name)(x)
+
+
+@ESTIMATORS.register("gae", EstimatorSpec(critic=True, groups=False, turn_rewards="token"))
+def gae(x: AdvantageInputs) -> Advantages:
+    """PPO's: GAE over the critic's values on the per-token rewards (optionally whitened without
+    their mean shifted, [N+]), then the advantages whitened over every response token."""
+    rewards = token_rewards(x)
+    if x.whiten_rewards:
+        rewards = whiten(rewards, x.mask, shift_mean=False, distributed=x.distributed)
+    values_next = torch.cat([x.values[:, 1:], torch.zeros_like(x.values[:, :1])], dim=1)  # compute_gae masks it
+    advantages, returns = compute_gae(rewards, x.values, values_next, x.mask, x.gamma, x.lam)
+    return Advantages(whiten(advantages, x.mask, distributed=x.distributed), returns, rewards)
+
+
+def _group_estimate(x: AdvantageInputs, score_advantages: Tensor, totals: Tensor) -> Advantages:
+    """GRPO's and RLOO's: a response's score advantage on each of its tokens plus each token's
+    return-to-go of the KL penalty: ``A_t = group_advantage(score)_i - beta * sum_{s >= t} KL_s``
+    (OpenRLHF's group_norm and rloo). Comparing ``score - beta * sum KL`` instead would let the
+    KL's sampling noise break the ties of a group whose scores are all equal, and GRPO's std
+    division would then blow that noise up to advantages of about +-1 whatever beta is: a group
+    that carries no signal would train as hard as one that does. Here such a group's advantages
+    are the KL penalty's alone, of size beta * KL."""
+    advantages = per_token(score_advantages, x.mask) + returns_to_go(x.kl_rewards, x.mask)
+    returns = returns_to_go(x.kl_rewards + score_at_last_token(totals, x.mask), x.mask)
+    return Advantages(advantages, returns, token_rewards(x))
+
+
+def _episode_totals(x: AdvantageInputs) -> Tensor:
+    """Each response's score plus, in a multi-turn episode, its turn rewards: what a group compares."""
+    return x.scores if x.turn_rewards is None else x.scores + x.turn_rewards.sum(1)
+
+
+@ESTIMATORS.register("grpo", EstimatorSpec(critic=False, groups=True, group_std=True, turn_rewards="total"))
+def grpo(x: AdvantageInputs) -> Advantages:
+    """[GRPO] each response's total against its group's mean, divided by the group's std
+    (``scale_by_std``; [DrGRPO] without)."""
+    totals = _episode_totals(x)
+    return _group_estimate(x, grpo_advantages(totals, x.group_size, x.scale_by_std), totals)
+
+
+@ESTIMATORS.register("rloo", EstimatorSpec(critic=False, groups=True, turn_rewards="total"))
+def rloo(x: AdvantageInputs) -> Advantages:
+    """[RLOO] each response's total against the mean of the other responses to its prompt."""
+    totals = _episode_totals(x)
+    return _group_estimate(x, rloo_advantages(totals, x.group_size), totals)
+
+
+@ESTIMATORS.register("reinforce_pp", EstimatorSpec(critic=False, groups=False, turn_rewards="token"))
+def reinforce_pp(x: AdvantageInputs) -> Advantages:
+    """[R++] the per-token rewards' return-to-go, whitened over the batch; turn rewards stay on
+    their turns."""
+    rewards = token_rewards(x)
+    advantages, returns = reinforce_pp_advantages(rewards, x.mask, x.gamma, x.distributed)
+    return Advantages(advantages, returns, rewards)

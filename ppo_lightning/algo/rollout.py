@@ -21,22 +21,16 @@ import torch
 from torch import Tensor
 
 from ppo_lightning.algo.advantages import (
-    compute_gae,
-    critic_free_advantages,
+    AdvantageInputs,
+    estimate,
     from_policy_tokens,
     policy_token_order,
-    score_at_last_token,
     to_policy_tokens,
 )
-
 from ppo_lightning.algo.kl import kl_k1, kl_penalty
-
-from ppo_lightning.models.lean_head import logprobs_from_logits
-
-from ppo_lightning.algo.stats import whiten
 from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows
 from ppo_lightning.generation.hf import logits_to_keep
-from ppo_lightning.models.lean_head import lean_head, unsupported
+from ppo_lightning.models.lean_head import lean_head, logprobs_from_logits, unsupported
 from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
 from ppo_lightning.rewards.base import Normalization, RewardInputs, normalized
 
@@ -442,57 +436,33 @@ def sample_and_score(
 def finish_rollout(
     s: Samples, logprobs: Tensor, values: Tensor | None, *, kl_coef: float, kl_estimator: str, cfg
 ) -> Rollout:
-    """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``, with the
-    estimator and its options of ``cfg`` (a ``config.PPOConfig``: ``advantage``, ``gamma``,
-    ``lam``, ``whiten_rewards``, ``num_generations``, ``scale_by_group_std``): per-token rewards
-    (``-kl_coef`` x the ``kl_estimator`` KL, plus the score at the last real token), then the
-    advantages: GAE on the values, whitened (``advantage="gae"``), or a critic-free estimator on
-    groups of ``num_generations`` consecutive rows (``critic_free_advantages``: the
-    scores compared within a group, the KL penalty added per token; ``values`` None, and the
-    rollout's values are zeros). ``whiten_rewards`` is GAE's alone: the critic-free estimators
-    normalise the scores themselves, and whitening per-token rewards while keeping their mean
-    would add a term proportional to each response's length to its return."""
-    advantage, whiten_rewards = cfg.advantage, cfg.whiten_rewards
-    if whiten_rewards and advantage != "gae":
-        raise ValueError(f"whiten_rewards is for advantage='gae' (got {advantage!r}): it would add a length bias")
+    """The rollout of ``s`` given the old policy's ``logprobs`` and ``values`` ``[B, R]``: the
+    per-token KL penalty (``-kl_coef`` x the ``kl_estimator`` KL), then the advantages of the
+    estimator ``cfg.advantage`` names (a ``config.PPOConfig``; ``algo.advantages.ESTIMATORS``:
+    GAE on the values, or a critic-free one, whose ``values`` are None and the rollout's zeros).
+    Multi-turn: the estimator sees the policy's tokens only, each row's gathered to its front (an
+    environment span is neither a step nor a discount); the results go back to their positions."""
     mask = s.response_mask
     values = torch.zeros_like(logprobs) if values is None else values
     logprobs, ref_logprobs, values = logprobs * mask, s.ref_logprobs * mask, values * mask
     kl = kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
     per_token_kl = kl if kl_estimator == "k1" else kl_penalty(logprobs, ref_logprobs, kl_estimator, mask)
     kl_rewards = -kl_coef * per_token_kl  # [B, R]
-    non_score_reward = kl_rewards.sum(1)
-    rewards = kl_rewards + score_at_last_token(s.scores, mask)
-    turn = s.turn_rewards  # multi-turn: each turn's reward on its last token; None: single-turn
-    if turn is not None and advantage == "gae":
-        rewards = rewards + turn
-    # multi-turn: the advantages are computed over the policy's tokens only, each row's gathered
-    # to its front (an environment span is neither a step nor a discount), then put back
     order = policy_token_order(mask)
-    c_mask, c_values = to_policy_tokens(mask, order), to_policy_tokens(values, order)
-    if advantage == "gae":
-        c_rewards = to_policy_tokens(rewards, order)
-        if whiten_rewards:
-            c_rewards = whiten(c_rewards, c_mask, shift_mean=False, distributed=True)
-        values_next = torch.cat([c_values[:, 1:], torch.zeros_like(c_values[:, :1])], dim=1)  # compute_gae masks it
-        advantages, returns = compute_gae(c_rewards, c_values, values_next, c_mask, cfg.gamma, cfg.lam)
-        advantages = whiten(advantages, c_mask, distributed=True)
-        rewards = from_policy_tokens(c_rewards, order)  # whitened, with whiten_rewards
-    else:
-        advantages, returns = critic_free_advantages(
-            advantage,
-            s.scores,
-            to_policy_tokens(kl_rewards, order),
-            c_mask,
-            group_size=cfg.num_generations,
-            gamma=cfg.gamma,
-            scale_by_std=cfg.scale_by_group_std,
-            distributed=True,
-            turn_rewards=None if turn is None else to_policy_tokens(turn, order),
-        )
-    advantages, returns = from_policy_tokens(advantages, order), from_policy_tokens(returns, order)
-    if turn is not None:
-        rewards = rewards if advantage == "gae" else rewards + turn  # the per-token record of every reward
+    inputs = AdvantageInputs(
+        scores=s.scores,
+        kl_rewards=to_policy_tokens(kl_rewards, order),
+        mask=to_policy_tokens(mask, order),
+        values=to_policy_tokens(values, order),
+        turn_rewards=None if s.turn_rewards is None else to_policy_tokens(s.turn_rewards, order),
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        group_size=cfg.num_generations,
+        scale_by_std=cfg.scale_by_group_std,
+        whiten_rewards=cfg.whiten_rewards,
+    )
+    advantages, returns, rewards = (from_policy_tokens(x, order) for x in estimate(cfg.advantage, inputs))
+    non_score_reward = kl_rewards.sum(1)
     return Rollout(
         query_responses=s.query_responses,
         attention_mask=s.attention_mask,

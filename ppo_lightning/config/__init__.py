@@ -968,7 +968,7 @@ class IgnoredUnless:
 
 
 _PPO = lambda cfg: cfg.task.name == "ppo"  # noqa: E731
-_CRITIC = lambda cfg: cfg.ppo.advantage == "gae"  # noqa: E731
+_CRITIC = lambda cfg: choices.ESTIMATORS.spec(cfg.ppo.advantage).critic  # noqa: E731
 _FUNCTION = lambda cfg: cfg.reward.kind == "function" and not cfg.reward.terms  # noqa: E731
 _MODEL = lambda cfg: cfg.reward.kind == "model" and not cfg.reward.terms  # noqa: E731
 _STOPS = lambda cfg: cfg.sampling.stop_at_eos  # noqa: E731
@@ -1083,11 +1083,12 @@ def validate(cfg) -> None:
             f"ppo.minibatch_size={p.minibatch_size!r}: must divide {what}; choose a divisor, e.g. "
             f"ppo.minibatch_size={_largest_divisor(rows, p.minibatch_size)}"
         )
-    if p.advantage in choices.GROUP_ESTIMATORS and p.num_generations < 2:
+    spec = choices.ESTIMATORS.spec(p.advantage)
+    if spec.groups and p.num_generations < 2:
         raise ConfigError(
             f"ppo.advantage={p.advantage}: compares the responses to one prompt; set ppo.num_generations >= 2 (e.g. 4)"
         )
-    if p.advantage != "gae":
+    if not spec.critic:
         for key in ("model.value_head_path", "model.value_head_init"):
             value = OmegaConf.select(cfg, key)
             if value not in (None, "zeros"):
@@ -1169,22 +1170,25 @@ def check_moved_keys(cfg) -> None:
 def _check_estimator_options(p) -> None:
     """Keys that would do nothing, or something other than their docs say, with the chosen
     estimator or KL placement: refused, naming both keys."""
-    if p.whiten_rewards and p.advantage != "gae":
+    spec = choices.ESTIMATORS.spec(p.advantage)
+    if p.whiten_rewards and not spec.critic:
         raise ConfigError(
             f"ppo.whiten_rewards=true with ppo.advantage={p.advantage}: reward whitening is GAE's; "
             f"{p.advantage} normalises the scores itself, and whitening per-token rewards would add "
             "a term proportional to each response's length; unset ppo.whiten_rewards"
         )
-    if p.gamma < 1 and p.advantage in choices.GROUP_ESTIMATORS:
+    if p.gamma < 1 and spec.groups:
         raise ConfigError(
             f"ppo.gamma={p.gamma} with ppo.advantage={p.advantage}: {p.advantage} judges each "
             "response by its score as a whole, with no per-token discount; unset ppo.gamma (it "
             "discounts GAE and REINFORCE++)"
         )
-    if not p.scale_by_group_std and p.advantage != "grpo":
+    if not p.scale_by_group_std and not spec.group_std:
+        dividers = choices.ESTIMATORS.names(group_std=True)
         raise ConfigError(
-            f"ppo.scale_by_group_std=false with ppo.advantage={p.advantage}: only grpo divides by "
-            "the group's std; unset it, or use ppo.advantage=grpo (Dr. GRPO)"
+            f"ppo.scale_by_group_std=false with ppo.advantage={p.advantage}: only {' | '.join(dividers)} "
+            f"{'divides' if len(dividers) == 1 else 'divide'} by the group's std; unset it, or use "
+            f"ppo.advantage={dividers[0]} (Dr. GRPO)"
         )
     if p.kl_in == "loss" and p.kl_estimator is not None and p.kl_estimator not in choices.LOSS_KL_ESTIMATORS:
         raise ConfigError(

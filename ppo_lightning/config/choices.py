@@ -1,13 +1,83 @@
-"""Every choice list of the config, in a module that imports nothing.
+"""Every choice list of the config, in a module that imports nothing but the standard library.
 
-``config.py`` reads its choices here, so loading the config (``--cfg job``, ``--help``, the docs
-generator) imports no torch, Lightning or transformers. The code that implements each choice
+The config (``config/__init__.py``) reads its choices here, so loading it (``--cfg job``,
+``--help``) imports no torch, Lightning or transformers. The code that implements each choice
 imports its list from here too: one place per list, and a test (``tests/test_config.py``) checks
 that each implementation covers exactly its list.
+
+One choice is a registry instead: the advantage estimators (``ppo.advantage``) register here, each
+with what the config must know of it, from the module that implements them
+(``algo/advantages.py``), so that adding one touches that module alone.
 """
 
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")  # ppo.advantage; gae needs the value head
-GROUP_ESTIMATORS = ("grpo", "rloo")  # need ppo.num_generations >= 2
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+    """What the config and the factory must know of an advantage estimator (``ppo.advantage``)."""
+
+    critic: bool
+    """It learns a value head (built, trained, checkpointed; ``ppo.vf_coef``, ``ppo.vf_clip``,
+    ``model.value_head_*`` and reward whitening, ``ppo.whiten_rewards``, are its)."""
+    groups: bool
+    """It compares the ``ppo.num_generations`` samples of one prompt (which must be >= 2), and
+    judges each by its score as a whole (no per-token discount, ``ppo.gamma``)."""
+    group_std: bool = False
+    """It divides by the group's std, which ``ppo.scale_by_group_std=false`` turns off."""
+    turn_rewards: str = "token"
+    """Multi-turn: ``token``, each turn's reward on its turn's last token; ``total``, added to the
+    episode's score before the comparison."""
+
+
+class Registry:
+    """A choice whose implementations register themselves: ``name -> (spec, implementation)``,
+    filled when the implementing module is imported (the factory imports it before it validates
+    the config; so does ``tests/conftest.py``). Iterates over the names, as a choice tuple does."""
+
+    def __init__(self, key: str, home: str):
+        self.key, self.home = key, home  # the config key, the module that registers
+        self._entries: dict[str, tuple[Any, Callable]] = {}
+
+    def register(self, name: str, spec: Any) -> Callable[[Callable], Callable]:
+        def add(impl: Callable) -> Callable:
+            if name in self._entries:
+                raise ValueError(f"{self.key}: {name!r} is registered twice")
+            self._entries[name] = (spec, impl)
+            return impl
+
+        return add
+
+    def _filled(self) -> dict[str, tuple[Any, Callable]]:
+        if not self._entries:
+            raise RuntimeError(f"{self.key}: nothing registered yet; import {self.home} first (the factory does)")
+        return self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._filled())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._filled()
+
+    def __len__(self) -> int:
+        return len(self._filled())
+
+    def spec(self, name: str) -> Any:
+        return self._filled()[name][0]
+
+    def implementation(self, name: str) -> Callable:
+        return self._filled()[name][1]
+
+    def names(self, **flags: Any) -> tuple[str, ...]:
+        """The names whose spec has every one of ``flags`` (``names(groups=True)``)."""
+        return tuple(n for n, (s, _) in self._filled().items() if all(getattr(s, k) == v for k, v in flags.items()))
+
+
+ESTIMATORS = Registry("ppo.advantage", "ppo_lightning.algo.advantages")
+"""``ppo.advantage``: the advantage estimators, registered by ``algo/advantages.py``."""
 
 KL_ESTIMATORS = ("k1", "k2", "k3")  # ppo.kl_estimator: Schulman's estimators (ppo.KL_ESTIMATOR_FNS)
 KL_PLACEMENTS = ("reward", "loss")  # ppo.kl_in

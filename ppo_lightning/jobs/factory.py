@@ -39,7 +39,7 @@ from ppo_lightning.models.policy import (
     resolve_source,
 )
 from ppo_lightning.config import recipe_root
-from ppo_lightning.config.choices import RECIPES
+from ppo_lightning.config.choices import ESTIMATORS, RECIPES
 from ppo_lightning.rewards import build_eval_metrics, build_reward, function_scorers, needs_model
 from ppo_lightning.rewards.environment import with_environment_reward
 from ppo_lightning.rewards.function import check_reward_columns
@@ -208,7 +208,8 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
             lm, lora.r, lora.alpha, OmegaConf.to_object(lora.target_modules) if lora.target_modules else None
         )
         ref_lm = DisabledAdapters(peft_model)
-    policy = PolicyWithValueHead(lm, peft_model, value_head=cfg.ppo.advantage == "gae")  # the critic-free: none
+    critic = ESTIMATORS.spec(cfg.ppo.advantage).critic  # an estimator without a critic has no value head
+    policy = PolicyWithValueHead(lm, peft_model, value_head=critic)
     if cfg.model.value_head_path:
         load_value_head(policy, cfg.model.value_head_path)
     if cfg.model.gradient_checkpointing:  # the policy only: the frozen reference never backprops
