@@ -26,6 +26,14 @@ def test_pass_at_k_is_the_chance_that_some_k_of_the_n_samples_pass(n, c):
     assert pass_ks(1) == [1] and pass_ks(4) == [1, 2, 4] and pass_ks(6) == [1, 2, 4, 6]
 
 
+def test_pass_at_k_refuses_more_draws_than_samples():
+    """With k > n there is no k-subset to draw: refused, not 1.0 for samples of which none passed."""
+    with pytest.raises(ValueError, match=r"pass@k needs 1 <= k <= n"):
+        pass_at_k(2, 0, 4)
+    with pytest.raises(ValueError, match=r"0 <= c <= n"):
+        pass_at_k(2, 3, 1)
+
+
 def _records(path, qs, sources=False):
     rows = [{"prompt": [{"role": "user", "content": helpers._item(q)}], "answer": str(q + 1), "qid": q} for q in qs]
     if sources:  # alternate two sources

@@ -12,6 +12,7 @@ from ppo_lightning.rewards.verifiable import (
     math_answer,
     math_answer_and_format,
     overlong_penalty,
+    parse_number,
 )
 
 
@@ -32,6 +33,9 @@ def test_the_answer_is_the_tag_then_hashes_then_boxed_then_the_last_number(text,
 
 def test_answers_compare_as_numbers_within_1e_4():
     assert answers_match("1,234", "1234") and answers_match("$5.50", "5.5") and answers_match("7.", "7")
+    # thousands separators only in groups of three: "1,2,3" is three numbers, not 123
+    assert answers_match("1,234,567", "1234567") and not answers_match("1,2,3", "123")
+    assert parse_number("1,2,3") is None and parse_number("12,34") is None
     assert answers_match("0.33333", "0.33332") and not answers_match("0.3334", "0.3332")
     assert not answers_match(None, "3") and not answers_match("3", None)
     assert answers_match("Paris", " paris ")  # not numbers: compared as text

@@ -22,7 +22,9 @@ import re
 
 ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 HASHES = re.compile(r"####\s*([^\n]*)")
-NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+"""A number as answers write it: thousands separators only in groups of three (``1,234,567``;
+``1,2,3`` is three numbers), a decimal part, an exponent."""
 TOLERANCE = 1e-4
 
 

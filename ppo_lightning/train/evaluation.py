@@ -45,7 +45,11 @@ class EvalPoint(NamedTuple):
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased estimator of pass@k from ``n`` samples of which ``c`` pass (Chen et al. 2021,
-    "Evaluating Large Language Models Trained on Code"): ``1 - C(n - c, k) / C(n, k)``."""
+    "Evaluating Large Language Models Trained on Code"): ``1 - C(n - c, k) / C(n, k)``. It needs
+    ``k <= n``: with fewer samples than ``k`` there is nothing to estimate (the formula would say 1
+    with no sample passing)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n (got n={n}, c={c}, k={k})")
     if n - c < k:
         return 1.0
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
