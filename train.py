@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra composes)
 from ppo_lightning.parallel.checkpoint import CheckpointWriteError
-from ppo_lightning.config import check_sweep_launch
+from ppo_lightning.config.rules import check_sweep_launch
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.train.loggers import finish_wandb
 from ppo_lightning.train.module import NonFiniteError

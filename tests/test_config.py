@@ -12,6 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from ppo_lightning import config as C
+from ppo_lightning.config.rules import SECTIONS
 
 from ppo_lightning.algo.advantages import AdvantageInputs, estimate
 
@@ -118,7 +119,7 @@ def test_the_estimator_experiments_are_the_arithmetic_job_with_their_estimator(
 
 
 def _checked_fields():
-    for prefix, cls in {**C.SECTIONS, "": C.TrainConfig}.items():
+    for prefix, cls in {**SECTIONS, "": C.TrainConfig}.items():
         for f in dataclasses.fields(cls):
             if f.metadata and not C.is_placeholder(f):
                 yield prefix, f
@@ -217,7 +218,7 @@ def test_two_nodes_of_two_processes_make_one_sharding_mesh_of_four(
 def test_a_sweep_over_a_multi_process_trainer_is_refused_before_any_job_runs(tmp_path, cache_dir):
     """Lightning starts a trainer's other processes by re-running the command line, so under
     ``-m`` each of them would run the whole sweep (seen: rank 1 printed "Launching 2 jobs")."""
-    from ppo_lightning.config import check_sweep_launch, processes_per_job
+    from ppo_lightning.config.rules import check_sweep_launch, processes_per_job
 
     for overrides, n in (
         (["trainer=cpu"], 1),

@@ -12,8 +12,8 @@ with what the config must know of it, from the module that implements them
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Iterator
+import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,89 @@
+"""Keys that moved or were removed: each stays in its schema as a null placeholder, so that
+setting it composes and then fails validation with one line naming its new home or why it went,
+instead of Hydra's "not in the schema"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+import dataclasses
+
+from omegaconf import OmegaConf
+
+from ppo_lightning.config.errors import ConfigError
+
+
+LORA_DROPOUT_REMOVED = (
+    "PPO needs logprobs that are a deterministic function of the weights (dropout would "
+    "make the first update's ratio differ from 1); the adapters train without dropout"
+)
+
+
+DATA_WORKERS_REMOVED = (
+    "the PPO prompt loader runs in the main process (its prompts are tokenised once, before "
+    "any model loads); a stage's loader workers are task.num_workers"
+)
+
+
+DATA_WORKERS_REMOVED = (
+    "the PPO prompt loader runs in the main process (its prompts are tokenised once, before "
+    "any model loads); a stage's loader workers are task.num_workers"
+)
+
+
+MOVED_KEYS = {
+    "ppo.max_new_tokens": "sampling.max_new_tokens",
+    "ppo.temperature": "sampling.temperature",
+    "ppo.top_k": "sampling.top_k",
+    "ppo.top_p": "sampling.top_p",
+    "ppo.stop_at_eos": "sampling.stop_at_eos",
+    "ppo.stop_token_ids": "sampling.stop_token_ids",
+    "ppo.stop_strings": "sampling.stop_strings",
+    "ppo.rollout_generate_batch_size": "sampling.chunk_size",
+    "ppo.fast_decode": "generation.fast_decode",
+}
+"""Keys that moved, and their new homes. Each old key stays in its schema as a null placeholder,
+so that setting it (on the command line or in a YAML file) composes and then fails validation
+with one line naming the new key, instead of Hydra's "not in the schema"."""
+
+
+REMOVED_KEYS = {"model.lora.dropout": LORA_DROPOUT_REMOVED, "data.num_workers": DATA_WORKERS_REMOVED}
+"""Keys that were removed, and why; placeholders like the moved ones."""
+
+
+def is_placeholder(f: dataclasses.Field) -> bool:
+    """Whether a schema field only holds the place of a moved or removed key."""
+    return "moved_to" in f.metadata or "removed" in f.metadata
+
+
+def moved(new_home: str):
+    """A placeholder for a key that moved to ``new_home`` (see ``MOVED_KEYS``); not documented."""
+    return field(default=None, metadata={"moved_to": new_home})
+
+
+@dataclass
+class _MovedPPOKeys:
+    """The sampling keys that were ``ppo.*`` (``MOVED_KEYS``)."""
+
+    max_new_tokens: Optional[Any] = moved("sampling.max_new_tokens")
+    temperature: Optional[Any] = moved("sampling.temperature")
+    top_k: Optional[Any] = moved("sampling.top_k")
+    top_p: Optional[Any] = moved("sampling.top_p")
+    stop_at_eos: Optional[Any] = moved("sampling.stop_at_eos")
+    stop_token_ids: Optional[Any] = moved("sampling.stop_token_ids")
+    stop_strings: Optional[Any] = moved("sampling.stop_strings")
+    rollout_generate_batch_size: Optional[Any] = moved("sampling.chunk_size")
+    fast_decode: Optional[Any] = moved("generation.fast_decode")
+
+
+def check_moved_keys(cfg) -> None:
+    """A moved key that is set fails with one line: its new home, with the value to write there;
+    a removed one says why it went."""
+    for old, why in REMOVED_KEYS.items():
+        if OmegaConf.select(cfg, old) is not None:
+            raise ConfigError(f"{old} was removed: {why}; unset it")
+    for old, new in MOVED_KEYS.items():
+        value = OmegaConf.select(cfg, old)
+        if value is not None:
+            shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            raise ConfigError(f"{old} moved to {new}: write {new}={shown!r} instead")

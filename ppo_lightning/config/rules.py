@@ -1,0 +1,361 @@
+"""The checks across keys: the ignored-unless rules (a key a mode does not read) and ``validate``
+(every field's own check, then the constraints no single field can express), each raising one
+``ConfigError`` that names the key and what to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+import dataclasses
+import logging
+
+from omegaconf import OmegaConf
+
+from ppo_lightning.config import choices
+from ppo_lightning.config.compat import check_moved_keys
+from ppo_lightning.config.data import DataConfig
+from ppo_lightning.config.env import EnvConfig, ToolsConfig
+from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.config.eval import EvalConfig
+from ppo_lightning.config.model import LoRAConfig, ModelConfig, RefConfig, TinyModelConfig
+from ppo_lightning.config.optimizer import OptimizerConfig
+from ppo_lightning.config.ppo import PPOConfig
+from ppo_lightning.config.reward import RewardConfig, RewardTermConfig, TERM_NAME
+from ppo_lightning.config.root import TrainConfig
+from ppo_lightning.config.sampling import SamplingConfig
+from ppo_lightning.config.schema import check_fields
+from ppo_lightning.config.trainer import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IgnoredUnless:
+    """Key ``key`` is read only when ``mode`` holds (``active(cfg)``); set to anything but its
+    schema default in another mode, it does nothing, and ``validate`` warns."""
+
+    key: str
+    mode: str
+    active: Any  # (cfg) -> bool
+
+
+_PPO = lambda cfg: cfg.task.name == "ppo"  # noqa: E731
+_CRITIC = lambda cfg: choices.ESTIMATORS.spec(cfg.ppo.advantage).critic  # noqa: E731
+_FUNCTION = lambda cfg: cfg.reward.kind == "function" and not cfg.reward.terms  # noqa: E731
+_MODEL = lambda cfg: cfg.reward.kind == "model" and not cfg.reward.terms  # noqa: E731
+_STOPS = lambda cfg: cfg.sampling.stop_at_eos  # noqa: E731
+IGNORED_UNLESS = (
+    IgnoredUnless("ppo.vf_coef", "ppo.advantage=gae (the only estimator with a critic)", _CRITIC),
+    IgnoredUnless("ppo.vf_clip", "ppo.advantage=gae (the only estimator with a critic)", _CRITIC),
+    IgnoredUnless("ppo.lam", "ppo.advantage=gae (GAE's lambda)", _CRITIC),
+    IgnoredUnless(
+        "ppo.clip",
+        "ppo.clip_low or ppo.clip_high is null (each side defaults to ppo.clip)",
+        lambda cfg: cfg.ppo.clip_low is None or cfg.ppo.clip_high is None,
+    ),
+    IgnoredUnless("ppo.kl_target", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
+    IgnoredUnless("ppo.kl_horizon", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
+    IgnoredUnless("ppo.missing_eos_penalty", "sampling.stop_at_eos=true", _STOPS),
+    IgnoredUnless("ppo.mask_truncated_completions", "sampling.stop_at_eos=true", _STOPS),
+    IgnoredUnless("sampling.stop_token_ids", "sampling.stop_at_eos=true", _STOPS),
+    IgnoredUnless("sampling.stop_strings", "sampling.stop_at_eos=true", _STOPS),
+    IgnoredUnless(
+        "reward.gain", "reward.normalize=false (normalisation fits gain and bias)", lambda cfg: not cfg.reward.normalize
+    ),
+    IgnoredUnless(
+        "reward.bias", "reward.normalize=false (normalisation fits gain and bias)", lambda cfg: not cfg.reward.normalize
+    ),
+    IgnoredUnless("reward.normalize_samples", "reward.normalize=true", lambda cfg: cfg.reward.normalize),
+    IgnoredUnless("reward.fn", "reward.kind=function and no reward.terms", _FUNCTION),
+    IgnoredUnless("reward.kwargs", "reward.kind=function and no reward.terms", _FUNCTION),
+    *(
+        IgnoredUnless(f"reward.{k}", "reward.kind=model and no reward.terms", _MODEL)
+        for k in ("name_or_path", "batch_size", "max_length", "dtype", "input", "label_index", "trust_remote_code")
+    ),
+    IgnoredUnless("data.hf_split", "data.hf_dataset is read (data.path is null)", lambda cfg: cfg.data.path is None),
+    *(
+        IgnoredUnless(
+            f"trainer.{k}",
+            "task=sft or task=reward_model (a PPO run has no validation loop)",
+            lambda cfg: not _PPO(cfg),
+        )
+        for k in ("limit_val_batches", "val_check_interval", "check_val_every_n_epoch", "num_sanity_val_steps")
+    ),
+)
+"""Keys that do nothing in some modes; ``validate`` warns when one is set there, and
+``docs/config.md`` renders this table. (Combinations that would do something other than their docs
+say are refused instead: ``_check_estimator_options``.)"""
+
+
+def ignored_keys(cfg) -> list[str]:
+    """``"<key>=<value> is ignored unless <mode>"`` for each key set away from its schema default
+    in a mode that does not read it (the PPO job's keys; the stages read their own)."""
+    out = []
+    for rule in IGNORED_UNLESS if cfg.task.name == "ppo" else ():
+        if rule.active(cfg):
+            continue
+        section, name = rule.key.rsplit(".", 1)
+        schema = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+        value = OmegaConf.select(cfg, rule.key)
+        value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if value != _schema_default(schema):
+            out.append(f"{rule.key}={value!r} is ignored unless {rule.mode}")
+    return out
+
+
+def _schema_default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+# ============================================================================= validation
+FP16_PRECISIONS = ("16-mixed", "16", "16-true", "transformer-engine-float16")  # refused by validate
+SECTIONS = {
+    "model": ModelConfig,
+    "model.lora": LoRAConfig,
+    "model.build_tiny": TinyModelConfig,
+    "ref": RefConfig,
+    "reward": RewardConfig,
+    "optimizer": OptimizerConfig,
+    "ppo": PPOConfig,
+    "sampling": SamplingConfig,
+    "eval": EvalConfig,
+    "data": DataConfig,
+    "trainer": TrainerConfig,
+}
+
+
+def validate(cfg) -> None:
+    """Every field's own check (``param``), then the constraints across fields that no single
+    field can express (``RULES``, in order); raises ``ConfigError`` naming the key. Files and
+    imports are checked by ``factory.check_inputs``, which calls this first."""
+    for rule in RULES:
+        rule(cfg)
+
+
+def _check_fields(cfg) -> None:
+    check_moved_keys(cfg)
+    for prefix, cls in SECTIONS.items():
+        node = OmegaConf.select(cfg, prefix)
+        if node is not None:
+            check_fields(node, cls, prefix)
+    check_fields(cfg, TrainConfig)  # the run-level keys
+    check_reward_terms(cfg.reward)
+
+
+def _check_pass_term(cfg) -> None:
+    pass_term = cfg.eval.pass_term
+    if pass_term is not None and pass_term not in (cfg.reward.terms or {}):
+        raise ConfigError(
+            f"eval.pass_term={pass_term!r}: not a reward.terms name; choose one of "
+            f"{sorted(cfg.reward.terms or {})} or null (the whole reward)"
+        )
+
+
+def _warn_ignored(cfg) -> None:
+    for line in ignored_keys(cfg):
+        log.warning(line)
+
+
+def _check_minibatch(cfg) -> None:
+    p, d = cfg.ppo, cfg.data
+    rows = d.batch_size * p.num_generations
+    if rows % p.minibatch_size:
+        what = (
+            f"data.batch_size={d.batch_size} (the rollout batch)"
+            if p.num_generations == 1
+            else f"the rollout's {rows} rows (data.batch_size={d.batch_size} x ppo.num_generations={p.num_generations})"
+        )
+        raise ConfigError(
+            f"ppo.minibatch_size={p.minibatch_size!r}: must divide {what}; choose a divisor, e.g. "
+            f"ppo.minibatch_size={_largest_divisor(rows, p.minibatch_size)}"
+        )
+    if p.micro_batch_size is not None and p.minibatch_size % p.micro_batch_size:
+        raise ConfigError(
+            f"ppo.micro_batch_size={p.micro_batch_size!r}: must divide ppo.minibatch_size="
+            f"{p.minibatch_size}; choose a divisor, e.g. ppo.micro_batch_size="
+            f"{_largest_divisor(p.minibatch_size, p.micro_batch_size)}"
+        )
+
+
+def _check_estimator(cfg) -> None:
+    p = cfg.ppo
+    spec = choices.ESTIMATORS.spec(p.advantage)
+    if spec.groups and p.num_generations < 2:
+        raise ConfigError(
+            f"ppo.advantage={p.advantage}: compares the responses to one prompt; set ppo.num_generations >= 2 (e.g. 4)"
+        )
+    if not spec.critic:
+        for key in ("model.value_head_path", "model.value_head_init"):
+            value = OmegaConf.select(cfg, key)
+            if value not in (None, "zeros"):
+                raise ConfigError(
+                    f"{key}={value!r} with ppo.advantage={p.advantage}: the critic-free "
+                    "estimators run no value head; unset it, or use ppo.advantage=gae"
+                )
+    _check_estimator_options(p)
+
+
+def _check_reward_normalization(cfg) -> None:
+    world, r = processes_per_job(cfg.trainer), cfg.reward
+    if r.normalize and world and r.normalize_samples < world:
+        raise ConfigError(
+            f"reward.normalize_samples={r.normalize_samples} with {world} processes (trainer.devices x "
+            f"trainer.num_nodes): each rank scores normalize_samples // {world} = 0 samples; set "
+            f"reward.normalize_samples >= {max(2, world)}"
+        )
+    if cfg.model.value_head_init == "reward_model" and (cfg.reward.kind != "model" or cfg.reward.terms):
+        raise ConfigError(f"model.value_head_init={cfg.model.value_head_init!r}: needs reward=model")
+
+
+def _check_precision(cfg) -> None:
+    if str(cfg.trainer.precision) in FP16_PRECISIONS:
+        raise ConfigError(
+            f"trainer.precision={cfg.trainer.precision}: float16 is not supported (it needs loss "
+            "scaling, which PPO's skip-on-overflow would have to share); use bf16-mixed (GPUs "
+            "since Ampere, and CPUs) or 32-true"
+        )
+
+
+def _check_lora_reference(cfg) -> None:
+    lora = cfg.model.lora
+    if lora.r > 0 and (cfg.ref.name_or_path is not None or cfg.ref.dtype is not None):
+        key = "ref.name_or_path" if cfg.ref.name_or_path is not None else "ref.dtype"
+        raise ConfigError(
+            f"{key}={OmegaConf.select(cfg, key)!r} with model.lora.r={lora.r}: with LoRA the "
+            "reference is the policy with its adapters off (no second copy of the weights); unset "
+            f"{key}, or set model.lora.r=0 to keep a separate reference"
+        )
+
+
+def _check_strategy(cfg) -> None:
+    target = strategy_name(cfg.trainer)
+    if target.lower() in ("fsdp", "fsdpstrategy") or target.endswith(".FSDPStrategy"):
+        raise ConfigError(
+            f"trainer.strategy={target}: Lightning's FSDP1 flattens the weights the sampler reads; "
+            "use trainer=fsdp (FSDP2, ppo_lightning.parallel.sharding.FSDP2Strategy) or trainer=fsdp_cpu"
+        )
+
+
+def check_reward_terms(reward) -> None:
+    """Each ``reward.terms`` entry: a mapping with a name fit for a metric key and only the keys
+    of ``RewardTermConfig``, each within its check."""
+    known = [f.name for f in dataclasses.fields(RewardTermConfig)]
+    for name, term in (reward.get("terms") or {}).items():
+        key = f"reward.terms.{name}"
+        if not TERM_NAME.match(str(name)):
+            raise ConfigError(f"{key}: a term's name may hold letters, digits, _ and - only (it names its metrics)")
+        if not OmegaConf.is_dict(term) and not isinstance(term, dict):
+            raise ConfigError(f"{key}={term!r}: expected a mapping such as {{fn: my_pkg.my_fn, weight: 0.5}}")
+        unknown = [k for k in term if k not in known]
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}: not a reward term key; choose from {', '.join(known)}")
+        check_fields(term, RewardTermConfig, key)
+        if term.get("kind", "function") == "function" and not term.get("fn"):
+            raise ConfigError(f"{key}.fn is empty: set {key}.fn=my_pkg.my_module.my_fn")
+
+
+def _check_estimator_options(p) -> None:
+    """Keys that would do nothing, or something other than their docs say, with the chosen
+    estimator or KL placement: refused, naming both keys."""
+    spec = choices.ESTIMATORS.spec(p.advantage)
+    if p.whiten_rewards and not spec.critic:
+        raise ConfigError(
+            f"ppo.whiten_rewards=true with ppo.advantage={p.advantage}: reward whitening is GAE's; "
+            f"{p.advantage} normalises the scores itself, and whitening per-token rewards would add "
+            "a term proportional to each response's length; unset ppo.whiten_rewards"
+        )
+    if p.gamma < 1 and spec.groups:
+        raise ConfigError(
+            f"ppo.gamma={p.gamma} with ppo.advantage={p.advantage}: {p.advantage} judges each "
+            "response by its score as a whole, with no per-token discount; unset ppo.gamma (it "
+            "discounts GAE and REINFORCE++)"
+        )
+    if not p.scale_by_group_std and not spec.group_std:
+        dividers = choices.ESTIMATORS.names(group_std=True)
+        raise ConfigError(
+            f"ppo.scale_by_group_std=false with ppo.advantage={p.advantage}: only {' | '.join(dividers)} "
+            f"{'divides' if len(dividers) == 1 else 'divide'} by the group's std; unset it, or use "
+            f"ppo.advantage={dividers[0]} (Dr. GRPO)"
+        )
+    if p.kl_in == "loss" and p.kl_estimator is not None and p.kl_estimator not in choices.LOSS_KL_ESTIMATORS:
+        raise ConfigError(
+            f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in=loss: as a loss term k1's gradient "
+            "has expectation 0 under the policy's own samples, so it pulls nothing toward the "
+            f"reference; choose one of {' | '.join(choices.LOSS_KL_ESTIMATORS)} (null: k3)"
+        )
+
+
+TOOL_ENVIRONMENT = "ppo_lightning.envs.ToolEnvironment"  # env=tools' class (conf/env/tools.yaml)
+
+
+def _check_env(cfg) -> None:
+    """The ``env`` group's keys: a class chosen, the loop's keys (and a tool environment's) in
+    range, and turns that can end (stop at EOS)."""
+    env = cfg.get("env")
+    if not env:
+        return
+    if not env.get("_target_"):
+        raise ConfigError("env._target_ is null: name the environment class, env=function env._target_=my_pkg.MyEnv")
+    check_fields(env, EnvConfig, "env")
+    if env.get("_target_") in (TOOL_ENVIRONMENT, "ppo_lightning.envs.tools.ToolEnvironment"):
+        check_fields(env, ToolsConfig, "env")
+    if not cfg.sampling.stop_at_eos:
+        raise ConfigError(
+            "sampling.stop_at_eos=false with env: a policy turn must end (at EOS or a stop string) for the "
+            "environment to answer; unset sampling.stop_at_eos"
+        )
+
+
+def strategy_name(trainer) -> str:
+    """``trainer.strategy`` as a name: a string as given (``ddp``), a class by its ``_target_``."""
+    strategy = trainer.get("strategy", "auto")
+    return str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
+
+
+def processes_per_job(trainer) -> int | None:
+    """How many processes the ``trainer`` group starts: devices per node times nodes (None for
+    ``devices: -1`` / ``auto`` with a multi-process strategy: every visible device, unknown
+    until the accelerator is queried)."""
+    devices, nodes = trainer.get("devices", 1), int(trainer.get("num_nodes", 1) or 1)
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        return len(devices) * nodes
+    if str(devices) in ("-1", "auto"):
+        return None if strategy_name(trainer) not in ("auto", "single_device") else nodes
+    return int(devices) * nodes
+
+
+def check_sweep_launch(cfg) -> None:
+    """A Hydra multirun (``-m``) runs its jobs one after another in one process. With a trainer
+    of several processes, Lightning's launcher starts the others by re-running the command line,
+    so each of them runs the whole sweep on its own, in step with rank 0 only by luck (a sweep
+    directory named by the clock, a sampler's draws), and under torchrun every process does.
+    Refused, with what to do instead."""
+    n = processes_per_job(cfg.trainer)
+    if n == 1:
+        return
+    raise ConfigError(
+        f"hydra multirun (-m) with a trainer of {n or 'several'} processes (trainer.devices="
+        f"{cfg.trainer.get('devices')}, trainer.num_nodes={cfg.trainer.get('num_nodes', 1)}): each "
+        "process would run the whole sweep; sweep on one device per job (trainer=cpu or trainer=gpu), "
+        "or launch each multi-process job on its own (a shell loop over the values)"
+    )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(k for k in range(1, max(1, min(n, at_most)) + 1) if n % k == 0)
+
+
+RULES = (
+    _check_fields,
+    _check_pass_term,
+    _warn_ignored,
+    _check_minibatch,
+    _check_estimator,
+    _check_env,
+    _check_reward_normalization,
+    _check_precision,
+    _check_lora_reference,
+    _check_strategy,
+)
+"""``validate``'s rules, in the order they run: each field's own check first, so that the rules
+after it read values of the right type and range."""

@@ -1,0 +1,65 @@
+"""The ``param`` machinery: a config field declared once with its default, its check (choices,
+bounds) and, in the docstring under it, its documentation; ``check_fields`` runs the checks."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+import dataclasses
+
+from omegaconf import MISSING
+
+from ppo_lightning.config.errors import ConfigError
+
+
+def param(
+    default: Any = MISSING, *, factory=None, choices=None, gt=None, ge=None, lt=None, le=None, hint: str | None = None
+):
+    """A config field with its check: ``choices`` (a registry: any iterable of the allowed
+    values), bounds ``gt``/``ge``/``lt``/``le``, and a ``hint`` appended to the error message.
+    A null value (an optional key left unset) is never checked."""
+    meta = {k: v for k, v in dict(choices=choices, gt=gt, ge=ge, lt=lt, le=le, hint=hint).items() if v is not None}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def describe_check(meta: dict) -> str:
+    """The check of a field in words: ``> 0``, ``in [0, 1]``, ``one of k1 | k2 | k3``."""
+    if "choices" in meta:
+        return "one of " + " | ".join(str(c) for c in meta["choices"])
+    lo = ("(", meta["gt"]) if "gt" in meta else ("[", meta["ge"]) if "ge" in meta else None
+    hi = (")", meta["lt"]) if "lt" in meta else ("]", meta["le"]) if "le" in meta else None
+    if lo and hi:
+        return f"in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+    if lo:
+        return f"{'>' if lo[0] == '(' else '>='} {lo[1]}"
+    if hi:
+        return f"{'<' if hi[0] == ')' else '<='} {hi[1]}"
+    return ""
+
+
+def check_fields(node: Any, cls: type, prefix: str = "") -> None:
+    """Check every field of dataclass ``cls`` in ``node`` (a DictConfig, a dataclass or a dict)
+    against its ``param`` check; raises ``ConfigError`` naming ``<prefix>.<field>`` and the value."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not meta:
+            continue
+        value = node.get(f.name) if isinstance(node, dict) else getattr(node, f.name, None)
+        if value is None:
+            continue
+        if "choices" in meta:
+            ok = value in tuple(meta["choices"])
+        else:
+            ok = (
+                ("gt" not in meta or value > meta["gt"])
+                and ("ge" not in meta or value >= meta["ge"])
+                and ("lt" not in meta or value < meta["lt"])
+                and ("le" not in meta or value <= meta["le"])
+            )
+        if not ok:
+            what = "choose " + describe_check(meta) if "choices" in meta else "must be " + describe_check(meta)
+            hint = f" ({meta['hint']})" if "hint" in meta else ""
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            raise ConfigError(f"{key}={value!r}: {what}{hint}")
