@@ -22,6 +22,7 @@ from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import PPOConfig
 from ppo_lightning.config.reward import RewardConfig, RewardTermConfig, TERM_NAME
 from ppo_lightning.config.root import TrainConfig
+from ppo_lightning.config.task import DEFAULT_MAX_LENGTH, SFTConfig
 from ppo_lightning.config.sampling import SamplingConfig
 from ppo_lightning.config.schema import check_fields
 from ppo_lightning.config.trainer import TrainerConfig
@@ -359,3 +360,35 @@ RULES = (
 )
 """``validate``'s rules, in the order they run: each field's own check first, so that the rules
 after it read values of the right type and range."""
+
+
+# ----------------------------------------------------------------------------- the stages
+def validate_stage(cfg, cls: type, key_prefix: str = "task", optimizer=None) -> None:
+    """A stage's keys (``task=sft``, ``task=reward_model``: a ``cls`` instance): each field's own
+    check, then ``STAGE_RULES``; with ``optimizer``, its keys against ``OptimizerConfig`` (a
+    partial dict is fine). Raises ``ConfigError`` naming ``<key_prefix>.<key>``."""
+    check_fields(cfg, cls, key_prefix)
+    for rule in STAGE_RULES:
+        rule(cfg, key_prefix)
+    if optimizer is not None:
+        check_fields(optimizer, OptimizerConfig, "optimizer")
+
+
+def _check_stage_source(cfg, p: str) -> None:
+    if cfg.path is not None and cfg.hf_dataset is not None:
+        raise ConfigError(f"{p}.path={cfg.path!r} and {p}.hf_dataset={cfg.hf_dataset!r} are both set; choose one")
+
+
+def _check_sft_prompt_length(cfg, p: str) -> None:
+    if not isinstance(cfg, SFTConfig):
+        return
+    max_length = DEFAULT_MAX_LENGTH if cfg.max_length is None else cfg.max_length
+    if not cfg.max_prompt_length < max_length:
+        raise ConfigError(
+            f"{p}.max_prompt_length={cfg.max_prompt_length!r}: must be >= 1 and < {p}.max_length={max_length} "
+            "(a response token must fit)"
+        )
+
+
+STAGE_RULES = (_check_stage_source, _check_sft_prompt_length)
+"""``validate_stage``'s rules, after each field's own check."""

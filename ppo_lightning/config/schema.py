@@ -4,10 +4,11 @@ bounds) and, in the docstring under it, its documentation; ``check_fields`` runs
 from __future__ import annotations
 
 from dataclasses import field
+from collections.abc import Mapping
 from typing import Any
 import dataclasses
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ppo_lightning.config.errors import ConfigError
 
@@ -63,3 +64,26 @@ def check_fields(node: Any, cls: type, prefix: str = "") -> None:
             hint = f" ({meta['hint']})" if "hint" in meta else ""
             key = f"{prefix}.{f.name}" if prefix else f.name
             raise ConfigError(f"{key}={value!r}: {what}{hint}")
+
+
+def as_dataclass(cfg: Any, cls: type, key_prefix: str):
+    """``cfg`` as a ``cls`` dataclass: None (defaults), a ``cls``, a dict or a DictConfig.
+
+    An unknown key fails here, naming it (Hydra's structured configs fail earlier, at composition).
+    """
+    if isinstance(cfg, cls):
+        return cfg
+    if cfg is None:
+        return cls()
+    if isinstance(cfg, DictConfig):
+        obj = OmegaConf.to_object(cfg)
+        if isinstance(obj, cls):
+            return obj
+        cfg = obj
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{key_prefix}: expected a mapping of {cls.__name__} keys, got {type(cfg).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(cfg) - names)
+    if unknown:
+        raise ConfigError(f"{key_prefix}.{unknown[0]}: unknown key; {cls.__name__} has {sorted(names)}")
+    return cls(**dict(cfg))

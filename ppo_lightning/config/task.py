@@ -8,6 +8,9 @@ from typing import Optional
 from ppo_lightning.config import choices
 from ppo_lightning.config.schema import param
 
+DEFAULT_MAX_LENGTH = 512
+"""A stage's ``max_length`` when it is null and the model states no context (else the context, at most this)."""
+
 
 @dataclass
 class StageConfig:

@@ -21,7 +21,6 @@ from ppo_lightning.stages.reward_model import (
     RewardModelModule,
     bradley_terry_loss,
     build_reward_model,
-    check_reward_model_config,
     prepare_reward_tokenizer,
     tokenize_pairs,
 )
@@ -33,7 +32,6 @@ from ppo_lightning.stages.sft import (
     SFTDataModule,
     SFTModule,
     build_sft,
-    check_sft_config,
     sft_loss_sums,
     tokenize_sft,
 )
@@ -53,7 +51,6 @@ __all__ = [
     "SFTCollator",
     "build_sft",
     "save_sft",
-    "check_sft_config",
     "tokenize_sft",
     "sft_loss_sums",
     "RewardModelConfig",
@@ -62,7 +59,6 @@ __all__ = [
     "PairCollator",
     "build_reward_model",
     "save_reward_model",
-    "check_reward_model_config",
     "prepare_reward_tokenizer",
     "tokenize_pairs",
     "bradley_terry_loss",

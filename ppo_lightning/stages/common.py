@@ -21,7 +21,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import Metric
 
-from ppo_lightning.config import OptimizerConfig, check_fields
+from ppo_lightning.config.schema import as_dataclass
+from ppo_lightning.config.task import DEFAULT_MAX_LENGTH
 from ppo_lightning.data.prompts import ListDataset
 from ppo_lightning.data.records import check_messages, read_records, records_source
 from ppo_lightning.config.errors import ConfigError
@@ -32,58 +33,12 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- configs
-def as_config(cfg: Any, cls: type, key_prefix: str):
-    """``cfg`` as a ``cls`` dataclass: None (defaults), a ``cls``, a dict or a DictConfig.
-
-    An unknown key fails here, naming it (Hydra's structured configs fail earlier, at composition).
-    """
-    if isinstance(cfg, cls):
-        return cfg
-    if cfg is None:
-        return cls()
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            obj = OmegaConf.to_object(cfg)
-            if isinstance(obj, cls):
-                return obj
-            cfg = obj
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    if not isinstance(cfg, Mapping):
-        raise ConfigError(f"{key_prefix}: expected a mapping of {cls.__name__} keys, got {type(cfg).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(cfg) - names)
-    if unknown:
-        raise ConfigError(f"{key_prefix}.{unknown[0]}: unknown key; {cls.__name__} has {sorted(names)}")
-    return cls(**dict(cfg))
-
-
 def get(cfg: Any, name: str, default: Any) -> Any:
     """``cfg.name`` for a dataclass / DictConfig / dict / None, ``default`` when absent or null."""
     if cfg is None:
         return default
     value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
     return default if value is None else value
-
-
-def check(ok: bool, key: str, value: Any, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: {what}")
-
-
-def check_common(cfg, cls: type, key_prefix: str) -> None:
-    """Each field's own check (``config.param``), then: ``path`` and ``hf_dataset`` not both set."""
-    check_fields(cfg, cls, key_prefix)
-    p = key_prefix
-    if cfg.path is not None and cfg.hf_dataset is not None:
-        raise ConfigError(f"{p}.path={cfg.path!r} and {p}.hf_dataset={cfg.hf_dataset!r} are both set; choose one")
-
-
-def check_optimizer(optim_cfg) -> None:
-    """``optimizer.*`` against ``OptimizerConfig``'s checks (a partial dict or None is fine)."""
-    check_fields(optim_cfg if optim_cfg is not None else {}, OptimizerConfig, "optimizer")
 
 
 # ----------------------------------------------------------------------------- records
@@ -203,9 +158,6 @@ def make_loader(
 
 
 # ----------------------------------------------------------------------------- models
-DEFAULT_MAX_LENGTH = 512
-
-
 class StageDataModule(L.LightningDataModule):
     """A stage's records from ``stage_cfg.path`` / ``stage_cfg.hf_dataset`` or ``records`` (an
     in-memory list of dicts with the configured fields), read and tokenised once (``load``, before
@@ -221,7 +173,7 @@ class StageDataModule(L.LightningDataModule):
         self, stage_cfg, tokenizer, records: Sequence[Mapping[str, Any]] | None = None, key_prefix: str = "task"
     ):
         super().__init__()
-        self.cfg = as_config(stage_cfg, self.config_class, key_prefix)
+        self.cfg = as_dataclass(stage_cfg, self.config_class, key_prefix)
         self.tokenizer, self.records, self.key_prefix = tokenizer, records, key_prefix
         self.train_examples: list[dict[str, list[int]]] | None = None
         self.val_examples: list[dict[str, list[int]]] = []

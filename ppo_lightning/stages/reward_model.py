@@ -41,25 +41,19 @@ from ppo_lightning.models.policy import (
     fuse_activations,
     resolve_source,
 )
+from ppo_lightning.config.rules import validate_stage
+from ppo_lightning.config.schema import as_dataclass
+from ppo_lightning.config.task import DEFAULT_MAX_LENGTH
 from ppo_lightning.stages.common import (
     StageDataModule,
     stage_model,
-    DEFAULT_MAX_LENGTH,
-    as_config,
-    check_common,
     StageOptimization,
-    check_optimizer,
     get,
     reset_val_metrics,
     synced_value,
 )
 
 log = logging.getLogger(__name__)
-
-
-def check_reward_model_config(cfg: RewardModelConfig, key_prefix: str = "task") -> None:
-    """Each field's check (``config.param``); raises ``ConfigError`` naming the key."""
-    check_common(cfg, RewardModelConfig, key_prefix)
 
 
 # ----------------------------------------------------------------------------- tokenizer, data
@@ -280,9 +274,8 @@ def build_reward_model(
     and checked before the model loads; errors are ``ConfigError``s naming ``<key_prefix>.<key>``.
     ``cache_dir``: ``paths.cache_dir``, the only place ``model.build_tiny`` builds a model.
     """
-    cfg = as_config(stage_cfg, RewardModelConfig, key_prefix)
-    check_reward_model_config(cfg, key_prefix)
-    check_optimizer(optim_cfg)
+    cfg = as_dataclass(stage_cfg, RewardModelConfig, key_prefix)
+    validate_stage(cfg, RewardModelConfig, key_prefix, optimizer=optim_cfg if optim_cfg is not None else {})
     name, trust, cfg = stage_model(model_cfg, cfg, cache_dir, key_prefix)
     if tokenizer is None:
         tokenizer = load_reward_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust)

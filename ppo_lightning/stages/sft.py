@@ -39,15 +39,13 @@ from ppo_lightning.models.policy import (
     load_tokenizer,
     position_ids_from_mask,
 )
+from ppo_lightning.config.rules import validate_stage
+from ppo_lightning.config.schema import as_dataclass
+from ppo_lightning.config.task import DEFAULT_MAX_LENGTH
 from ppo_lightning.stages.common import (
     StageDataModule,
     stage_model,
-    DEFAULT_MAX_LENGTH,
-    as_config,
-    check,
-    check_common,
     StageOptimization,
-    check_optimizer,
     get,
     reset_val_metrics,
     synced_value,
@@ -56,19 +54,6 @@ from ppo_lightning.stages.common import (
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-
-
-def check_sft_config(cfg: SFTConfig, key_prefix: str = "task") -> None:
-    """Each field's check, then ``max_prompt_length < max_length``; raises ``ConfigError``."""
-    p = key_prefix
-    check_common(cfg, SFTConfig, p)
-    max_length = DEFAULT_MAX_LENGTH if cfg.max_length is None else cfg.max_length
-    check(
-        cfg.max_prompt_length < max_length,
-        f"{p}.max_prompt_length",
-        cfg.max_prompt_length,
-        f"must be >= 1 and < {p}.max_length={max_length} (a response token must fit)",
-    )
 
 
 # ----------------------------------------------------------------------------- examples
@@ -279,11 +264,10 @@ def build_sft(
     naming ``<key_prefix>.<key>``. ``cache_dir``: ``paths.cache_dir``, the only place
     ``model.build_tiny`` builds a model.
     """
-    cfg = as_config(stage_cfg, SFTConfig, key_prefix)
-    check_sft_config(cfg, key_prefix)
-    check_optimizer(optim_cfg)
+    cfg = as_dataclass(stage_cfg, SFTConfig, key_prefix)
+    validate_stage(cfg, SFTConfig, key_prefix, optimizer=optim_cfg if optim_cfg is not None else {})
     name, trust, cfg = stage_model(model_cfg, cfg, cache_dir, key_prefix)
-    check_sft_config(cfg, key_prefix)
+    validate_stage(cfg, SFTConfig, key_prefix)  # max_length, now from the model's context
     if tokenizer is None:
         tokenizer = load_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust_remote_code=trust)
     elif tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
