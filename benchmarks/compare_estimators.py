@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# grpo_kl_reward: GRPO with the generic keys alone (README: ppo.advantage=grpo ppo.num_generations=4),
+# grpo_kl_reward: GRPO with the generic keys alone (docs/usage.md: ppo.advantage=grpo ppo.num_generations=4),
 # the KL in the reward (added per token after the group comparison of the scores), token-mean loss
 ESTIMATORS = ("gae", "grpo", "grpo_kl_reward", "rloo", "reinforce_pp")
 RECIPES = {  # recipe -> (the job's experiment overrides, its rollout batch, the table's headline row)

@@ -20,7 +20,7 @@ iterations (``--iterations``). A thread samples the process's RSS every 2 ms dur
   ``from_pretrained`` maps the weights lazily, see ``read_weights``), so ``models_mb`` =
   ``loaded_mb - imports_mb``, and ``peak_above_loaded_mb`` = ``total_peak_mb - loaded_mb``.
 * ``peak_above_models_mb``: the peak above the RSS just before fit with the weights as
-  ``from_pretrained`` left them (the measure the README's ``small`` table uses; the weights not
+  ``from_pretrained`` left them (the measure the ``small`` table of docs/scaling.md uses; the weights not
   read while loading count in it). ``ratio_to_full`` is a switch's over full fine-tuning's,
   measured in this run, so that what a switch saves in activations shows undiluted by the weights.
 * from the tensors rather than the RSS: ``weights_mb`` (every parameter held, shared ones once),
@@ -321,7 +321,7 @@ def main() -> None:
         "threads": threads.pop() if threads else None,
         "device": "cpu",
         "measure": "RSS in MB: total peak during training = imports + models + peak above "
-        "loaded; peak above models as in the README's small table; medians over repeats",
+        "loaded; peak above models as in the small table of docs/scaling.md; medians over repeats",
     }
     results = {v: summarize(rs) for v, rs in runs.items()}
     full = results.get("full", {}).get("peak_above_models_mb")

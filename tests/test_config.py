@@ -191,7 +191,7 @@ SLURM_ENV = {
 def test_two_nodes_of_two_processes_make_one_sharding_mesh_of_four(
     tmp_path, cache_dir, monkeypatch, launcher_env, environment
 ):
-    """The README's multi-node lines: ``trainer=fsdp_cpu trainer.num_nodes=2`` under the
+    """The multi-node lines of docs/scaling.md: ``trainer=fsdp_cpu trainer.num_nodes=2`` under the
     environment torchrun or SLURM sets for rank 1 of 4. Lightning reads the ranks from it (no
     processes of its own), and the FSDP mesh spans all four processes."""
     from ppo_lightning.jobs.factory import build_trainer

@@ -114,7 +114,7 @@ def test_math_chat_builds_evaluates_and_raises_three_step_accuracy(tmp_path, cac
     """``python train.py experiment=math_chat`` for 6 of its 30 iterations (about 2 minutes, most
     of it the SFT warm start): the recipe builds its SFT policy, the held-out problems are
     evaluated before, at iteration 3 and after, and the table, eval.json and the curve's PNG are
-    written beside metrics.csv. The third step already pays by then (README: 0.88 at iteration 5)."""
+    written beside metrics.csv. The third step already pays by then (docs/usage.md: 0.88 at iteration 5)."""
     from ppo_lightning.jobs.run import train
     from tests.conftest import compose_cfg
 

@@ -121,7 +121,7 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
     before, after = result["before"], result["after"]
     assert after["reward (reward model, raw)"] > before["reward (reward model, raw)"] + 1.0  # ~+4.5 at 100 iterations
     assert after["sentiment (ground truth)"] > before["sentiment (ground truth)"] + 0.2
-    # The grammar holds within a few points (README: -4.7 to +1.0 over six runs at 100
+    # The grammar holds within a few points (docs/usage.md: -4.7 to +1.0 over six runs at 100
     # iterations); reward hacking into adjective salad, or a red-team round that taught the
     # reward model nothing, would fail it.
     assert after["well-formed fraction"] >= before["well-formed fraction"] - 0.08

