@@ -71,3 +71,26 @@ def test_sweep_runs_every_job_and_logs_metrics(cache_dir, tmp_path):
         rows = read_metrics(tmp_path / job / "metrics.csv")
         assert len(rows) == 2 and "objective/scores" in rows[0]
     assert "clip: 0.3" in (tmp_path / "1" / ".hydra" / "config.yaml").read_text()
+
+
+def test_only_the_keys_the_user_typed_warn_and_each_once(cache_dir, tmp_path):
+    """Weighted terms on top of a reward-model group (``reward=reviews``, the default job's): the
+    group's reward-model keys (``name_or_path``, ``batch_size``, ``max_length``) are the group's,
+    not the user's, so none of them warns; the one the user typed, ``reward.batch_size=8`` (read
+    only by a lone reward model), warns once, though the config is validated more than once."""
+    p = run_train(
+        [
+            "experiment=tiny_char",
+            "reward=reviews",
+            "+reward.terms.x.fn=ppo_lightning.rewards.rules.char_fraction",
+            "reward.batch_size=8",
+            "trainer.max_steps=1",
+            "logger=csv",
+            "export_dir=null",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cache_dir,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    warned = [line for line in (p.stdout + p.stderr).splitlines() if "is ignored unless" in line]
+    assert len(warned) == 1 and "reward.batch_size=8 is ignored unless reward.kind=model" in warned[0], warned

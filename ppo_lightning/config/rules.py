@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 import dataclasses
 import logging
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -88,20 +89,66 @@ IGNORED_UNLESS = (
 say are refused instead: ``_check_estimator_options``.)"""
 
 
-def ignored_keys(cfg) -> list[str]:
-    """``"<key>=<value> is ignored unless <mode>"`` for each key set away from its schema default
-    in a mode that does not read it (the PPO job's keys; the stages read their own)."""
+def ignored_keys(cfg, user_keys: set[str] | None = None) -> list[str]:
+    """``"<key>=<value> is ignored unless <mode>"`` for each key the user set (``user_keys``, see
+    ``user_set_keys``) in a mode that does not read it (the PPO job's keys; the stages read their
+    own). A group's YAML is not the user: ``reward=model`` then ``reward.terms.x.fn=...`` warns of
+    no reward-model key the user did not type. With ``user_keys`` None (no Hydra run to read them
+    from), a key counts as set when it differs from its schema default."""
     out = []
     for rule in IGNORED_UNLESS if cfg.task.name == "ppo" else ():
         if rule.active(cfg):
             continue
-        section, name = rule.key.rsplit(".", 1)
-        schema = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
         value = OmegaConf.select(cfg, rule.key)
         value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-        if value != _schema_default(schema):
+        if user_keys is not None:
+            typed = any(k == rule.key or k.startswith(rule.key + ".") for k in user_keys)
+        else:
+            section, name = rule.key.rsplit(".", 1)
+            typed = value != _schema_default(next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name))
+        if typed:
             out.append(f"{rule.key}={value!r} is ignored unless {rule.mode}")
     return out
+
+
+def user_set_keys() -> set[str] | None:
+    """The dotted keys the user set for this run: every command-line override (``+``, ``++`` and
+    ``~`` stripped) and every key the chosen ``experiment/`` file sets. None outside a run that
+    Hydra's app started (``hydra.compose`` in a script or a test): nothing says then which keys
+    were typed."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.task}
+    experiment = hc.runtime.choices.get("experiment")
+    if experiment:
+        keys |= _experiment_keys(hc, experiment)
+    return keys
+
+
+def _experiment_keys(hc, name: str) -> set[str]:
+    """The dotted keys ``conf/experiment/<name>.yaml`` sets (``@package _global_``), from the
+    primary config directory of the run."""
+    for source in hc.runtime.config_sources:
+        if source.provider == "main" and source.schema == "file":
+            path = Path(source.path) / "experiment" / f"{name}.yaml"
+            if path.is_file():
+                node = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+                return set(_dotted(node, ""))
+    return set()
+
+
+def _dotted(node, prefix: str):
+    for k, v in node.items():
+        if prefix == "" and k == "defaults":
+            continue
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            yield from _dotted(v, key + ".")
+        else:
+            yield key
 
 
 def _schema_default(f: dataclasses.Field):
@@ -152,9 +199,14 @@ def _check_pass_term(cfg) -> None:
         )
 
 
+_WARNED: set[str] = set()  # each warning once per process, however often a config is validated
+
+
 def _warn_ignored(cfg) -> None:
-    for line in ignored_keys(cfg):
-        log.warning(line)
+    for line in ignored_keys(cfg, user_set_keys()):
+        if line not in _WARNED:
+            _WARNED.add(line)
+            log.warning(line)
 
 
 def _check_minibatch(cfg) -> None:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_lightning.parallel.checkpoint import CheckpointWriteError, last_good_checkpoint
 from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.config.rules import user_set_keys
 from ppo_lightning.jobs.factory import build, build_module, build_trainer, check_inputs
 from ppo_lightning.train.loggers import finish_wandb
 from ppo_lightning.models.policy import save_policy
@@ -128,11 +129,7 @@ def _warn_of_ppo_batch_keys(cfg: DictConfig) -> None:
     ``data.*`` keys on the command line set PPO's prompt loader, which a stage never builds (they
     once set the stages' batches too): one warning each, naming the key that does. A warning, not
     a refusal: override lists shared by several jobs (scripts, sweeps) set ``data.*`` for PPO."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return
-    given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+    given = user_set_keys() or set()
     for key in ("batch_size", "shuffle", "num_workers"):
         if f"data.{key}" in given:
             log.warning(
