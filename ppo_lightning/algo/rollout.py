@@ -30,7 +30,7 @@ from ppo_lightning.algo.advantages import (
 from ppo_lightning.algo.kl import kl_k1, kl_penalty
 from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows
 from ppo_lightning.generation.hf import logits_to_keep
-from ppo_lightning.models.lean_head import lean_head, logprobs_from_logits, unsupported
+from ppo_lightning.models.lean_head import head_outputs, lean_head, use_lean_head
 from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
 from ppo_lightning.rewards.base import Normalization, RewardInputs, normalized
 
@@ -157,7 +157,7 @@ def forward_logprobs(
                 values.append(v)
             logps.append(logp)
             continue
-        lean = head_chunk and unsupported(lm) is None
+        lean = use_lean_head(lm, head_chunk)
         with lean_head(lm, responses[sl], temperature, head_chunk) if lean else nullcontext():
             out = lm(
                 input_ids=query_responses[sl],
@@ -166,13 +166,7 @@ def forward_logprobs(
                 use_cache=False,
                 **logits_to_keep(lm, R + 1),
             ).logits
-        if lean:  # [B, R, 2]: logprobs and entropies
-            logps.append(out[..., 0])
-            continue
-        logits = out[:, -(R + 1) : -1]
-        if temperature != 1.0:
-            logits = logits / temperature
-        logps.append(logprobs_from_logits(logits, responses[sl]))
+        logps.append(head_outputs(out if lean else out[:, -(R + 1) : -1], lean, responses[sl], temperature, False)[0])
     return torch.cat(logps), (torch.cat(values) if values else None)
 
 

@@ -99,3 +99,28 @@ def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
     """log softmax(logits)[token] at each position, in float32 for stability. [B, R, V] -> [B, R]"""
     logp = F.log_softmax(logits.float(), dim=-1)
     return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def use_lean_head(lm: nn.Module, chunk: int | None) -> bool:
+    """Whether to score responses with the lean head: a chunk size is set
+    (``ppo.lm_head_chunk_size``) and ``lm``'s head allows it (``unsupported``)."""
+    return bool(chunk) and unsupported(lm) is None
+
+
+def head_outputs(
+    out: Tensor, lean: bool, responses: Tensor, temperature: float, entropy: bool = True, entropy_grad: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """``(logprobs, entropy)`` ``[B, R]`` of ``responses`` from what the LM's head gave: the lean
+    head's ``[B, R, 2]`` (``lean``), or the plain head's ``[B, R, V]`` logits of the response
+    positions, divided by the sampling ``temperature`` ([N+] detail). ``entropy=False`` skips the
+    plain path's entropy (None); ``entropy_grad=False`` keeps it out of the graph (a monitor: no
+    softmax kept for the backward). The one place both paths are told apart, for the policy and
+    the reference alike."""
+    if lean:
+        return out[..., 0], out[..., 1] if entropy else None
+    logits = out / temperature if temperature != 1.0 else out
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            ent = entropy_from_logits(logits.float())
+    return logprobs_from_logits(logits, responses), ent

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_lightning.config.errors import ConfigError
-from ppo_lightning.models.lean_head import entropy_from_logits, lean_head, logprobs_from_logits, unsupported
+from ppo_lightning.models.lean_head import head_outputs, lean_head, use_lean_head
 from ppo_lightning.models.lora import underlying
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -322,17 +322,12 @@ class PolicyWithValueHead(nn.Module):
         graph (a monitor: no softmax kept for the backward); the lean path's costs nothing extra.
         """
         responses = input_ids[:, context_length:]
-        if chunk and unsupported(self.lm) is None:
-            packed, values = self(
-                input_ids, attention_mask, position_ids, context_length, (responses, temperature, chunk)
-            )
-            return packed[..., 0], packed[..., 1], values
-        logits, values = self(input_ids, attention_mask, position_ids, context_length)
-        if temperature != 1.0:
-            logits = logits / temperature
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            entropy = entropy_from_logits(logits.float())
-        return logprobs_from_logits(logits, responses), entropy, values
+        lean = use_lean_head(self.lm, chunk)
+        out, values = self(
+            input_ids, attention_mask, position_ids, context_length, (responses, temperature, chunk) if lean else None
+        )
+        logprobs, entropy = head_outputs(out, lean, responses, temperature, entropy_grad=entropy_grad)
+        return logprobs, entropy, values
 
 
 def make_reference(lm: nn.Module, dtype: str | None = None) -> nn.Module:
