@@ -235,6 +235,7 @@ def refused(overrides: list[str]) -> str | None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    import ppo_lightning.algo.advantages  # noqa: F401  (the estimators register: validate checks ppo.advantage)
     import ppo_lightning.config  # noqa: F401  (the schemas)
     from ppo_lightning.config import validate
     from ppo_lightning.config.errors import ConfigError
