@@ -19,6 +19,7 @@ default job. Every other key is the recipe's own.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import statistics
@@ -92,15 +93,14 @@ def run(recipe: str, estimator: str, seed: int, args, out_root: Path) -> dict:
     if os.waitstatus_to_exitcode(status) != 0:
         return {**result, "failed": stderr[-2000:]}
     table = json.loads((run_dir / "eval.json").read_text())
-    rows = (run_dir / "metrics.csv").read_text().splitlines()
-    header, last = rows[0].split(","), rows[-1].split(",")
-    metrics = {k: float(v) for k, v in zip(header, last) if v}
+    with open(run_dir / "metrics.csv") as f:  # the iterations' rows: an evaluation logs rows of its own
+        rows = [r for r in csv.DictReader(f) if r.get("objective/kl")]
     result.update(
         {
             "before": {k: v for k, v in table["before"].items() if k != "samples"},
             "after": {k: v for k, v in table["after"].items() if k != "samples"},
-            "kl": metrics.get("objective/kl"),
-            "iterations": len(rows) - 1,
+            "kl": float(rows[-1]["objective/kl"]) if rows else None,
+            "iterations": len(rows),
         }
     )
     return result
