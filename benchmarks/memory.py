@@ -1,12 +1,13 @@
 """Peak memory of PPO iterations with each memory switch, and of TRL's PPOTrainer: one JSON line.
 
-    python benchmarks/memory.py --workload small
-    python benchmarks/memory.py --workload small --variants full,gradient_checkpointing --repeats 3
-    python benchmarks/memory.py --workload medium          # all variants and TRL, ~20 min on 2 cores
+    python -m benchmarks.memory --workload small
+    python -m benchmarks.memory --workload small --variants full,gradient_checkpointing --repeats 3
+    python -m benchmarks.memory --workload medium          # all variants and TRL, ~20 min on 2 cores
 
-Each variant runs in a fresh process (the real config, models and Trainer of
-``benchmarks/throughput.py``), and so does TRL 1.12's ``PPOTrainer`` on the same workload, models,
-prompts and thread count (``trl_baseline.build_trainer`` / ``train``), for the same number of PPO
+Each variant runs in a fresh process (``python -m benchmarks.memory --child <variant>``: the real
+config, models and Trainer of ``benchmarks.throughput``, ``benchmarks.lib.ours.compose``), and so
+does TRL 1.12's ``PPOTrainer`` on the same workload, models, prompts and thread count
+(``benchmarks.lib.trl_ppo.build_trainer`` / ``train``), for the same number of PPO
 iterations (``--iterations``). A thread samples the process's RSS every 2 ms during
 ``trainer.fit`` (TRL: ``trainer.train()``): rollouts and updates. Per variant, in MB:
 
@@ -17,7 +18,7 @@ iterations (``--iterations``). A thread samples the process's RSS every 2 ms dur
   its adapters off). ``total_peak_ratio_to_trl`` divides it by TRL's.
 * its breakdown: ``imports_mb`` (RSS with the libraries imported, before any model loads),
   ``loaded_mb`` (RSS with the models loaded, the trainer built and every weight read once:
-  ``from_pretrained`` maps the weights lazily, see ``read_weights``), so ``models_mb`` =
+  ``from_pretrained`` maps the weights lazily, see ``benchmarks.lib.measure.read_weights``), so ``models_mb`` =
   ``loaded_mb - imports_mb``, and ``peak_above_loaded_mb`` = ``total_peak_mb - loaded_mb``.
 * ``peak_above_models_mb``: the peak above the RSS just before fit with the weights as
   ``from_pretrained`` left them (the measure the ``small`` table of docs/scaling.md uses; the weights not
@@ -33,28 +34,26 @@ iterations (``--iterations``). A thread samples the process's RSS every 2 ms dur
 A variant whose overrides the config does not accept (a key it does not have yet) is reported as
 ``{"skipped": reason}`` and the others still run. Variants alternate over ``--repeats`` rounds,
 medians reported; the default is 3 rounds, 1 for ``medium`` (each of its runs takes minutes).
-On a GPU the measure would be ``torch.cuda.max_memory_allocated`` (``benchmarks/gpu_check.py``).
+On a GPU the measure would be ``torch.cuda.max_memory_allocated`` (``benchmarks.gpu_check``).
 """
 
 from __future__ import annotations
 
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
+
 import argparse
 import gc
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from benchmarks.lib import cli
+from benchmarks.lib.measure import MB, PeakRSS, read_weights, rss, tensor_bytes
+from benchmarks.lib.runner import absolute, alternate, module_cmd, run_json
+from benchmarks.lib.workloads import WORKLOADS, build_models, make_prompts
 
 VARIANTS = {
     "full": [],
@@ -67,73 +66,12 @@ VARIANTS = {
     "plain_head": ["ppo.lm_head_chunk_size=null"],  # [batch, response, vocab] logits at once
 }
 TRL = "trl"  # TRL's PPOTrainer on the same workload: not a switch of ours, measured alongside
-MB = 2**20
-
-
-def rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-class PeakRSS:
-    """The process's peak RSS while the block runs, sampled every ``interval`` seconds in a thread,
-    and the kernel's own high-water mark over the block where it can be reset (``kernel_peak``)."""
-
-    def __init__(self, interval: float = 0.002):
-        self.interval = interval
-        self.peak = 0
-        self.kernel_peak: int | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._hwm_reset = False
-
-    def _sample(self) -> None:
-        while not self._done.is_set():
-            self.peak = max(self.peak, rss())
-            time.sleep(self.interval)
-
-    def __enter__(self):
-        self.peak = rss()
-        try:  # "5": reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
-            Path("/proc/self/clear_refs").write_text("5")
-            self._hwm_reset = True
-        except OSError:
-            pass
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-        if self._hwm_reset:
-            status = Path("/proc/self/status").read_text()
-            self.kernel_peak = int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
-
-
-def read_weights(models) -> None:
-    """Read every weight once. ``from_pretrained`` maps safetensors files into memory lazily: a
-    weight enters the RSS when first read (and becomes private memory when first written). The
-    first rollout reads them all anyway; reading them before the "loaded" sample puts them in
-    ``models_mb`` rather than in the peak above it, on both sides alike."""
-    import torch
-
-    with torch.no_grad():
-        for m in models:
-            for p in m.parameters():
-                p.detach().sum()
 
 
 def tensor_sizes(models, trainable) -> dict:
     """Weights held by ``models`` (each parameter once, however often it is shared or tied) and the
     gradient + AdamW estimate for ``trainable`` parameters (float32: 4 + 2 x 4 bytes each)."""
-    seen, weights = set(), 0
-    for m in models:
-        for p in m.parameters():
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
-                weights += p.numel() * p.element_size()
+    weights = tensor_bytes(p for m in models for p in m.parameters())
     n_train = sum(p.numel() for p in trainable)
     grads_and_adam = sum(p.numel() * p.element_size() * 3 for p in trainable)
     return {"weights_mb": weights / MB, "trainable_params_m": n_train / 1e6, "grads_and_adam_mb": grads_and_adam / MB}
@@ -157,14 +95,12 @@ def child_ours(workload: str, variant: str, iterations: int, model_root: Path, t
     import torch
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
-    from throughput import compose
-    from workloads import WORKLOADS, build_models, make_prompts
 
+    from benchmarks.lib.ours import compose
     from ppo_lightning.config.errors import ConfigError
     from ppo_lightning.jobs.factory import build
 
-    if threads:
-        torch.set_num_threads(threads)
+    cli.set_threads(threads)
     w = WORKLOADS[workload]
     gc.collect()
     imports = rss()
@@ -196,8 +132,8 @@ def child_trl(workload: str, iterations: int, model_root: Path, threads: int | N
     import datasets  # noqa: F401  imported before the baseline RSS, as ours are
     import torch
     import trl.experimental.ppo  # noqa: F401
-    from trl_baseline import build_trainer, train
-    from workloads import WORKLOADS
+
+    from benchmarks.lib.trl_ppo import build_trainer, train
 
     w = WORKLOADS[workload]
     gc.collect()
@@ -243,8 +179,8 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="small")
+    ap = cli.parser(__doc__)
+    cli.add_workload(ap, default="small")
     ap.add_argument(
         "--variants",
         default=",".join([*VARIANTS, TRL]),
@@ -252,24 +188,20 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, help="rounds over the variants (default 3; 1 for medium)")
     ap.add_argument("--iterations", type=int, default=2, help="PPO iterations per run, both sides")
-    ap.add_argument("--threads", type=int, help="torch.set_num_threads in every run (default: torch's)")
-    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
+    cli.add_threads(ap, help="torch.set_num_threads in every run (default: torch's)")
+    cli.add_model_dir(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         model_root = Path(args.model_dir)
         if args.child == TRL:
-            from trl_baseline import stdout_for_one_line
+            from benchmarks.lib.trl_side import stdout_for_one_line, write_line
 
             result_out = stdout_for_one_line()  # TRL prints to stdout
-            result = child_trl(args.workload, args.iterations, model_root, args.threads)
-            result_out.write(json.dumps(result) + "\n")
-            result_out.flush()
+            write_line(result_out, child_trl(args.workload, args.iterations, model_root, args.threads))
         else:
             print(json.dumps(child_ours(args.workload, args.child, args.iterations, model_root, args.threads)))
         return
-
-    from workloads import WORKLOADS, build_models
 
     w = WORKLOADS[args.workload]
     variants = args.variants.split(",")
@@ -277,33 +209,19 @@ def main() -> None:
     if unknown:
         sys.exit(f"--variants: unknown {unknown}; choose from {[*VARIANTS, TRL]}")
     repeats = args.repeats or (1 if w.name == "medium" else 3)
-    runs: dict[str, list[dict]] = {v: [] for v in variants}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        model_root = args.model_dir or tmp
+        model_root = absolute(args.model_dir or tmp)
         build_models(w, model_root)  # once, before any child measures
-        for _ in range(repeats):
-            for v in variants:  # alternate, so machine noise hits every variant
-                if runs[v] and "skipped" in runs[v][-1]:
-                    continue
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--workload",
-                    w.name,
-                    "--child",
-                    v,
-                    "--iterations",
-                    str(args.iterations),
-                    "--model-dir",
-                    model_root,
-                ]
-                if args.threads:
-                    cmd += ["--threads", str(args.threads)]
-                p = subprocess.run(cmd, check=False, capture_output=True, text=True)
-                if p.returncode:
-                    sys.exit(f"variant {v} failed:\n{p.stderr[-4000:]}")
-                runs[v].append(json.loads(p.stdout.strip().splitlines()[-1]))
+
+        def child(v: str):  # a fresh process per run
+            cmd = ["--workload", w.name, "--child", v, "--iterations", str(args.iterations), "--model-dir", model_root]
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            return lambda r: run_json(module_cmd("memory", *cmd), f"variant {v}")
+
+        # alternate, so machine noise hits every variant; a variant the config refuses runs once
+        runs = alternate({v: child(v) for v in variants}, repeats, done=lambda r: "skipped" in r)
     threads = {r["threads"] for rs in runs.values() for r in rs if "threads" in r}
     assert len(threads) <= 1, f"runs used different thread counts: {threads}"
     out = {

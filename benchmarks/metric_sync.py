@@ -1,7 +1,7 @@
 """Cost of the PPO iteration's cross-rank metric reduction: one stacked all_reduce vs torchmetrics.
 
-    python benchmarks/metric_sync.py
-    python benchmarks/metric_sync.py --metrics 20 --iterations 200 --world-size 2
+    python -m benchmarks.metric_sync
+    python -m benchmarks.metric_sync --metrics 20 --iterations 200 --world-size 2
 
 ``PPOModule._rollout_metrics`` reduces its ~20 scalar metrics per iteration with ONE collective: it
 stacks them and calls ``trainer.strategy.reduce(values, reduce_op="mean")`` (an all_reduce, then a
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 import warnings
@@ -39,11 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks.lib import cli
+from benchmarks.lib.runner import alternate, free_port
 
 
 def stacked(xs: list[torch.Tensor], world: int) -> list[float]:
@@ -134,13 +130,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, result_qu
             run("stacked", args.warmup, timed=False)
             run("torchmetrics", args.warmup, timed=False)
             per_round = max(1, args.iterations // args.rounds)
-            done = 0
-            for r in range(args.rounds):
-                n = per_round if r < args.rounds - 1 else args.iterations - done
-                order = ("stacked", "torchmetrics") if r % 2 == 0 else ("torchmetrics", "stacked")
-                for variant in order:
-                    run(variant, n, timed=True)
-                done += n
+
+            def timed_round(variant: str):
+                def go(r: int) -> None:  # the last round runs what the others left
+                    run(variant, per_round if r < args.rounds - 1 else args.iterations - per_round * r, timed=True)
+
+                return go
+
+            alternate({v: timed_round(v) for v in ("stacked", "torchmetrics")}, args.rounds, abba=True)
             xs_a, xs_b = next(feed), next(feed)
             collectives = {
                 "stacked": count_collectives(lambda: stacked(xs_a, world)),
@@ -180,7 +177,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, result_qu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.parser(__doc__)
     ap.add_argument("--metrics", type=int, default=20, help="scalar metrics per iteration")
     ap.add_argument("--iterations", type=int, default=200, help="timed iterations per variant")
     ap.add_argument("--warmup", type=int, default=20, help="untimed iterations per variant first")

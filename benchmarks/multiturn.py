@@ -1,7 +1,7 @@
 """What a multi-turn iteration costs against a single-turn one of the same token count.
 
-    python benchmarks/multiturn.py                         # hf backend, 3 turns of 16 tokens
-    .venv-vllm/bin/python benchmarks/multiturn.py --backend vllm
+    python -m benchmarks.multiturn                         # hf backend, 3 turns of 16 tokens
+    .venv-vllm/bin/python -m benchmarks.multiturn --backend vllm
 
 Both sides run the real job (``train.py``'s config composed by Hydra, a Lightning Trainer) on the
 tiny byte model and the toy prompts, alternating, ``--rounds`` times:
@@ -21,21 +21,18 @@ share of the tokens. One JSON line.
 
 from __future__ import annotations
 
-import argparse
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
+
 import json
-import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("WANDB_MODE", "disabled")
-
 import lightning as L
 
+from benchmarks.lib import cli
+from benchmarks.lib.measure import median_of
+from benchmarks.lib.runner import alternate, ratios
 from ppo_lightning.envs import Environment, EnvStep
 
 
@@ -88,7 +85,10 @@ def run(overrides: list[str], out: Path) -> list[dict]:
 
 def summary(rows: list[dict]) -> dict:
     rows = rows[1:]  # the first iteration warms up (allocations, the engine's start)
-    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+
+    def med(key: str) -> float:
+        return median_of(rows, key)
+
     rollout, update = med("perf/time_rollout_s"), med("perf/time_update_s")
     out = {
         "iteration_s": round(rollout + update, 4),
@@ -106,7 +106,7 @@ def summary(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.parser(__doc__)
     ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--turn-tokens", type=int, default=16)
@@ -132,17 +132,23 @@ def main() -> None:
         f"env.max_turns={args.turns}",
         f"sampling.max_new_tokens={args.turn_tokens}",
     ]
-    results: dict[str, list[dict]] = {"multi_turn": [], "single_turn": []}
+    length = 0  # the single-turn responses': the multi-turn run's of the same round, policy and env tokens
+
+    def multi_turn(r: int) -> dict:
+        nonlocal length
+        rows = run(multi, Path(tmp) / f"multi{r}")
+        length = round(
+            statistics.mean(row["rollout/response_length"] / (1 - row["env/env_token_frac"]) for row in rows)
+        )
+        return summary(rows)
+
+    def single_turn(r: int) -> dict:
+        single = [*common, f"sampling.max_new_tokens={length}", "sampling.stop_at_eos=false"]
+        return {**summary(run(single, Path(tmp) / f"single{r}")), "response_tokens": length}
+
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            rows = run(multi, Path(tmp) / f"multi{r}")
-            results["multi_turn"].append(summary(rows))
-            length = round(
-                statistics.mean(row["rollout/response_length"] / (1 - row["env/env_token_frac"]) for row in rows)
-            )
-            single = [*common, f"sampling.max_new_tokens={length}", "sampling.stop_at_eos=false"]
-            results["single_turn"].append({**summary(run(single, Path(tmp) / f"single{r}")), "response_tokens": length})
-    ratios = [m["iteration_s"] / s["iteration_s"] for m, s in zip(results["multi_turn"], results["single_turn"])]
+        results = alternate({"multi_turn": multi_turn, "single_turn": single_turn}, args.rounds)
+    per_round = ratios(results["multi_turn"], results["single_turn"], "iteration_s")
     print(
         json.dumps(
             {
@@ -151,8 +157,8 @@ def main() -> None:
                 "turn_tokens": args.turn_tokens,
                 "batch": args.batch,
                 "rounds": results,
-                "ratio_multi_over_single": round(statistics.median(ratios), 3),
-                "ratios": [round(x, 3) for x in ratios],
+                "ratio_multi_over_single": round(statistics.median(per_round), 3),
+                "ratios": [round(x, 3) for x in per_round],
             }
         ),
         flush=True,

@@ -1,12 +1,13 @@
 """Where one iteration's time goes, ppo_lightning against TRL: phase timers and a CPU profile.
 
-    python benchmarks/profile_iteration.py --workload medium --threads 1 --out prof/   # ~20 min on 2 cores
-    python benchmarks/profile_iteration.py --workload tiny --trainer grpo --out prof/  # a smoke run
+    python -m benchmarks.profile_iteration --workload medium --threads 1 --out prof/   # ~20 min on 2 cores
+    python -m benchmarks.profile_iteration --workload tiny --trainer grpo --out prof/  # a smoke run
 
 For each trainer (``--trainer ppo|grpo|both``) and each side (``--side ours|trl|both``) a fresh
-subprocess runs the job ``compare_trl.py`` runs (ours: ``throughput.run_ppo``; TRL 1.12's
-``PPOTrainer``: ``trl_baseline.py`` under ``--trl-ppo-python``; TRL 1.16's ``GRPOTrainer``:
-``trl_grpo_baseline.py`` under ``--trl-python``), for ``--iterations`` iterations (default 3): the
+subprocess (``python -m benchmarks.profile_iteration --child <side>``) runs the job
+``benchmarks.compare_trl`` runs (ours: ``benchmarks.lib.ours.run_ppo``; TRL 1.12's ``PPOTrainer``:
+``benchmarks.lib.trl_ppo`` under ``--trl-ppo-python``; TRL 1.16's ``GRPOTrainer``:
+``benchmarks.lib.trl_grpo`` under ``--trl-python``), for ``--iterations`` iterations (default 3): the
 first ones warm up, the second to last is timed by phase without the profiler, the last runs in
 ``torch.profiler.profile(activities=[CPU], record_shapes=False, with_flops=True)``. An iteration:
 ours, Lightning's ``on_train_batch_start`` to ``on_train_batch_end`` (rollout and update);
@@ -52,10 +53,12 @@ FLOPs from the profiled one.
 Writes, under ``--out``: ``<trainer>_<side>.json`` (every number), ``<trainer>_<side>_ops.txt``
 (the top ``--top`` ops by self CPU time; a ``phase:*`` row's self time is Python between ops),
 and ``summary.md`` (the tables, also printed; ``--summarize`` rebuilds it from the JSON). Run with
-``--threads 1`` (one intra-op thread on both sides; see ``compare_trl.py``).
+``--threads 1`` (one intra-op thread on both sides; see ``benchmarks.compare_trl``).
 """
 
 from __future__ import annotations
+
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
 
 import argparse
 import bisect
@@ -63,17 +66,16 @@ import collections
 import ctypes
 import functools
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(HERE))
+from benchmarks.lib import cli
+from benchmarks.lib.grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
+from benchmarks.lib.runner import ROOT, absolute, module_cmd
+from benchmarks.lib.workloads import WORKLOADS, build_models
 
 MATMUL_OPS = frozenset(
     f"aten::{n}{inplace}"
@@ -212,15 +214,13 @@ def label_backward_and_optimizer(its: Iterations) -> None:
 def child_ours(args, w, model_root: Path, its: Iterations) -> dict:
     import lightning as L
     import torch
-    from grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
-    from throughput import run_ppo
 
     import ppo_lightning.generation.hf as hf
+    from benchmarks.lib.ours import run_ppo
 
     hf.HFBackend.generate = label("generation", hf.HFBackend.generate, its)
     label_backward_and_optimizer(its)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.set_threads(args.threads)
 
     class Phases(L.Callback):
         k = 0  # batch_idx restarts with each epoch over the prompt set
@@ -246,7 +246,7 @@ def child_trl_ppo(args, w, model_root: Path, its: Iterations) -> dict:
     import trl
     import trl.experimental.ppo.ppo_trainer as ppo_trainer_module
 
-    from benchmarks.trl_baseline import build_trainer, train
+    from benchmarks.lib.trl_ppo import build_trainer, train
 
     label_backward_and_optimizer(its)
     run = build_trainer(w, model_root, episodes=its.n * w.rollout_batch, threads=args.threads)
@@ -278,8 +278,7 @@ def child_trl_grpo(args, w, model_root: Path, its: Iterations) -> dict:
     import trl
     from transformers import TrainerCallback
 
-    from benchmarks.grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
-    from benchmarks.trl_grpo_baseline import build_trainer, train
+    from benchmarks.lib.trl_grpo import build_trainer, train
 
     label_backward_and_optimizer(its)
     prompts, generations = args.prompts or DEFAULT_PROMPTS, args.generations or DEFAULT_GENERATIONS
@@ -302,14 +301,12 @@ def child_trl_grpo(args, w, model_root: Path, its: Iterations) -> dict:
 
 
 def child(args) -> None:
-    from workloads import WORKLOADS
-
     w = WORKLOADS[args.workload]
     its = Iterations(args.iterations, args.mmap_threshold)
     if args.child == "ours":
         fn = child_ours
     else:
-        from benchmarks.trl_baseline import stdout_for_one_line
+        from benchmarks.lib.trl_side import stdout_for_one_line
 
         stdout_for_one_line()  # TRL's prints go to stderr; nothing is read from stdout here
         fn = child_trl_grpo if args.trainer == "grpo" else child_trl_ppo
@@ -431,13 +428,13 @@ def summary(results: dict, workload) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", default="medium")
+    ap = cli.parser(__doc__)
+    cli.add_workload(ap, default="medium")
     ap.add_argument("--trainer", choices=("ppo", "grpo", "both"), default="both")
     ap.add_argument("--side", choices=("ours", "trl", "both"), default="both")
-    ap.add_argument("--threads", type=int, help="torch.set_num_threads on both sides (pass 1)")
+    cli.add_threads(ap, help="torch.set_num_threads on both sides (pass 1)")
     ap.add_argument("--out", required=True, help="directory for the tables and the JSON")
-    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
+    cli.add_model_dir(ap)
     ap.add_argument("--trl-python", default=".venv-trl/bin/python", help="the interpreter with trl 1.16 (GRPO)")
     ap.add_argument("--trl-ppo-python", default=".venv-bench/bin/python", help="the interpreter with trl 1.12 (PPO)")
     ap.add_argument("--prompts", type=int, help="GRPO: prompts per iteration (default 8)")
@@ -455,8 +452,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
-    from workloads import WORKLOADS, build_models
-
     w = WORKLOADS[args.workload]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -470,23 +465,23 @@ def main() -> None:
             r = json.loads(f.read_text())
             results[r["trainer"], r["side"]] = r
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model_dir or tmp
+        model_dir = absolute(args.model_dir or tmp)  # the children run from ROOT
         if trainers:
             build_models(w, model_dir)
         for trainer in trainers:
             for side in sides:
-                python = sys.executable
+                python = None  # this interpreter
                 if side == "trl":
                     python = args.trl_python if trainer == "grpo" else args.trl_ppo_python
-                cmd = [python, __file__, "--child", side, "--trainer", trainer, "--workload", w.name]
-                cmd += ["--model-dir", model_dir, "--out", str(out), "--top", str(args.top)]
+                cmd = ["--child", side, "--trainer", trainer, "--workload", w.name]
+                cmd += ["--model-dir", model_dir, "--out", absolute(out), "--top", str(args.top)]
                 cmd += ["--iterations", str(args.iterations), "--mmap-threshold", str(args.mmap_threshold)]
                 for k in ("threads", "prompts", "generations"):
                     if getattr(args, k) and (trainer == "grpo" or k == "threads"):
                         cmd += [f"--{k}", str(getattr(args, k))]
+                cmd = module_cmd("profile_iteration", *cmd, python=python)
                 print(f"[profile_iteration] {trainer} {side}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-                env = {**os.environ, "PYTHONPATH": str(ROOT)}
-                p = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+                p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
                 if p.returncode:
                     sys.exit(f"{trainer} {side} failed ({p.returncode}):\n{p.stderr[-4000:]}")
                 results[(trainer, side)] = json.loads((out / f"{trainer}_{side}.json").read_text())

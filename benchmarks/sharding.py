@@ -1,12 +1,12 @@
 """Per-rank memory and time of DDP against FSDP2 on two CPU processes: one JSON line.
 
-    python benchmarks/sharding.py                        # small workload, 3 iterations, all variants
-    python benchmarks/sharding.py --variants ddp,fsdp --iterations 4
+    python -m benchmarks.sharding                        # small workload, 3 iterations, all variants
+    python -m benchmarks.sharding --variants ddp,fsdp --iterations 4
 
-Three variants of the same run (``train.py`` with ``benchmarks/throughput.py``'s overrides for the
-workload, ``logger=csv``, a ``last.ckpt`` at the end), each as a real ``python train.py``
-subprocess, because a 2-process strategy needs it (Lightning's launcher re-runs the command line
-for rank 1):
+Three variants of the same run (``train.py`` with ``benchmarks.throughput``'s overrides for the
+workload, ``benchmarks.lib.ours.workload_overrides``, ``logger=csv``, a ``last.ckpt`` at the end),
+each as a real ``python train.py`` subprocess, because a 2-process strategy needs it (Lightning's
+launcher re-runs the command line for rank 1):
 
 * ``ddp``: ``trainer=ddp_cpu``, two gloo processes, each holding the whole model, its gradients
   and AdamW's two moments;
@@ -26,10 +26,10 @@ measures every rank in its own process and writes ``rank<k>.json``. Per rank, in
   just before an optimizer step, the rest at the end of an iteration); ``model_state_mb`` = policy + grads + optimizer: what sharding divides by the world
   size (expect ~0.5 of DDP's; not exactly, for the shards' rounding and the replicated scalars);
 * from the RSS: ``loaded_rss_mb`` at fit start (the ``setup`` hook: the models built, every
-  weight read once as ``benchmarks/memory.py``'s ``read_weights`` does, before FSDP shards them),
+  weight read once as ``benchmarks.memory`` does, ``measure.read_weights``, before FSDP shards them),
   ``train_start_rss_mb`` (after sharding and wrapping), ``peak_rss_mb`` over the whole fit (the
   kernel's high-water mark ``VmHWM``, reset through ``/proc/self/clear_refs`` at fit start, or the
-  2 ms sampler of ``memory.PeakRSS`` where it saw more; both beside it) and
+  2 ms sampler of ``benchmarks.lib.measure.PeakRSS`` where it saw more; both beside it) and
   ``peak_above_loaded_mb``. The kernel's mark is also read and reset at each phase boundary:
   ``setup_peak_rss_mb`` (sharding), ``rollout_peak_rss_mb`` (FSDP's gather, sampling, scoring, the
   old logprobs), ``update_peak_rss_mb`` (the PPO epochs), ``checkpoint_peak_rss_mb`` (writing
@@ -62,7 +62,8 @@ config refuses is reported as ``{"skipped": reason}``, one whose run fails as ``
 
 from __future__ import annotations
 
-import argparse
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
+
 import csv
 import json
 import os
@@ -73,14 +74,24 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-MMAP_THRESHOLD = 65536  # bytes; see the module docstring
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import lightning as L
-from memory import MB, PeakRSS, read_weights, rss
+
+from benchmarks.lib import cli
+from benchmarks.lib.measure import (
+    MB,
+    PeakRSS,
+    kernel_peak,
+    optimizer_tensors,
+    read_weights,
+    reset_kernel_peak,
+    rss,
+    tensor_bytes,
+)
+from benchmarks.lib.ours import workload_overrides
+from benchmarks.lib.runner import ROOT, absolute
+from benchmarks.lib.workloads import WORKLOADS, build_models, make_prompts
+
+MMAP_THRESHOLD = 65536  # bytes; see the module docstring
 
 VARIANTS = {
     "ddp": ["trainer=ddp_cpu"],
@@ -90,52 +101,6 @@ VARIANTS = {
 
 
 # ----------------------------------------------------------------------------- in the run
-def tensor_bytes(tensors) -> int:
-    """Bytes of ``tensors`` held by this process: a DTensor counts its local shard, a tensor seen
-    twice (a tied weight, one storage behind two names) once."""
-    from torch.distributed.tensor import DTensor
-
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
-
-
-def optimizer_tensors(optimizer):
-    """Every tensor in ``optimizer.state`` (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``)."""
-    import torch
-
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                yield v
-
-
-def _kernel_peak() -> int | None:
-    """The kernel's high-water mark of this process's RSS (``VmHWM``) since the last reset."""
-    import re
-
-    m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    return int(m.group(1)) * 1024 if m else None
-
-
-def _reset_kernel_peak() -> bool:
-    try:  # "5": reset VmHWM to the current RSS (Linux >= 4.0)
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 PHASES = ("setup", "rollout", "update", "checkpoint")
 
 
@@ -148,7 +113,7 @@ class MeasureRank(L.Callback):
     to the first rollout: sharding, wrapping), ``rollout`` (the module's ``on_train_batch_start``,
     this callback's hook running just before it, to ``training_step``: FSDP's gather, sampling,
     scoring, the old logprobs), ``update`` (``training_step`` to the next rollout), ``checkpoint``
-    (``on_train_end`` to ``on_fit_end``). The 2 ms sampler (``memory.PeakRSS``) runs throughout."""
+    (``on_train_end`` to ``on_fit_end``). The 2 ms sampler (``measure.PeakRSS``) runs throughout."""
 
     def __init__(self, out: str):
         self.out = Path(out)
@@ -167,8 +132,8 @@ class MeasureRank(L.Callback):
     def _enter(self, phase: str | None) -> None:
         """End the current phase (its kernel peak kept, the mark reset) and start ``phase``."""
         if self.kernel and self.phase is not None:
-            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), _kernel_peak() or 0)
-            self.kernel = _reset_kernel_peak()
+            self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), kernel_peak() or 0)
+            self.kernel = reset_kernel_peak()
         self.phase = phase
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -176,7 +141,7 @@ class MeasureRank(L.Callback):
         read_weights([pl_module])
         self.r["loaded_rss_mb"] = rss() / MB
         self.sampler = PeakRSS().__enter__()  # resets the kernel's mark too
-        self.kernel = _reset_kernel_peak()
+        self.kernel = reset_kernel_peak()
         self._enter("setup")
         step = pl_module.training_step  # the update starts here, the rollout ends
 
@@ -238,22 +203,6 @@ class MeasureRank(L.Callback):
 
 
 # ----------------------------------------------------------------------------- the driver
-def workload_overrides(w, policy_dir: Path, reward_dir: Path, prompts: Path, out_dir: Path) -> list[str]:
-    """The overrides ``throughput.compose`` turns a workload into a run with (captured from it, so
-    both benchmarks run the same thing; nothing is composed here)."""
-    import hydra
-    from throughput import compose
-
-    seen: dict[str, list[str]] = {}
-    real = hydra.compose
-    hydra.compose = lambda config_name, overrides: seen.setdefault("overrides", list(overrides))
-    try:
-        compose(w, policy_dir, reward_dir, prompts, out_dir)
-    finally:
-        hydra.compose = real
-    return seen["overrides"]
-
-
 def variant_overrides(
     base: list[str], variant: list[str], iterations: int, run_dir: Path, ranks_dir: Path
 ) -> list[str]:
@@ -286,6 +235,7 @@ def refused(overrides: list[str]) -> str | None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    import ppo_lightning.algo.advantages  # noqa: F401  (the estimators register: validate checks ppo.advantage)
     import ppo_lightning.config  # noqa: F401  (the schemas)
     from ppo_lightning.config import validate
     from ppo_lightning.config.errors import ConfigError
@@ -404,15 +354,13 @@ def loadavg() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="small")
+    ap = cli.parser(__doc__)
+    cli.add_workload(ap, default="small")
     ap.add_argument("--iterations", type=int, default=3, help="PPO iterations per run")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
-    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
+    cli.add_model_dir(ap)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     args = ap.parse_args()
-
-    from workloads import WORKLOADS, build_models, make_prompts
 
     w = WORKLOADS[args.workload]
     variants = args.variants.split(",")
@@ -439,7 +387,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model_root = Path(args.model_dir) if args.model_dir else tmp / "models"
+        model_root = Path(absolute(args.model_dir)) if args.model_dir else tmp / "models"  # train.py runs from ROOT
         policy_dir, reward_dir = build_models(w, model_root)  # once, for every run
         prompts = tmp / "prompts.txt"
         prompts.write_text("\n".join(make_prompts(w)) + "\n")

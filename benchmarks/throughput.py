@@ -1,8 +1,8 @@
 """PPO throughput of ppo_lightning on a named workload: one JSON line on stdout.
 
-    python benchmarks/throughput.py --workload tiny
-    python benchmarks/throughput.py --workload small --compare-generate
-    python benchmarks/throughput.py --workload medium   # GPT-2 small's shape, ~2 min on 2 cores
+    python -m benchmarks.throughput --workload tiny
+    python -m benchmarks.throughput --workload small --compare-generate
+    python -m benchmarks.throughput --workload medium   # GPT-2 small's shape, ~2 min on 2 cores
 
 The run is the real thing: ``train.py``'s config composed by Hydra, the reward-model path
 (``reward=model`` on a random GPT-2 sequence classifier), a Lightning Trainer, ``max_steps``
@@ -11,15 +11,15 @@ PPO iterations. Reported: ``episodes_per_s`` and ``generated_tokens_per_s`` over
 timers, and peak RSS.
 
 ``--trainer grpo`` runs ppo_lightning's GRPO on the same workload instead (what
-``compare_trl.py --trainer grpo`` sets beside TRL's ``GRPOTrainer``): ``--prompts`` P prompts x
+``benchmarks.compare_trl --trainer grpo`` sets beside TRL's ``GRPOTrainer``): ``--prompts`` P prompts x
 ``--generations`` G completions per iteration (default 8 x 4), ``ppo.advantage=grpo``, the k3
 KL in the loss (``ppo.kl_in=loss``), one pass over one minibatch of all P x G rows, and a
-function reward (``benchmarks/grpo_workload.py``) instead of the reward model, for the workload's
+function reward (``benchmarks/lib/grpo_workload.py``) instead of the reward model, for the workload's
 ``iterations`` (``--iterations``). ``episodes_per_s`` is then completions/s (also reported as
 ``completions_per_s``)::
 
-    python benchmarks/throughput.py --workload tiny --trainer grpo
-    python benchmarks/throughput.py --workload medium --trainer grpo --prompts 8 --generations 4
+    python -m benchmarks.throughput --workload tiny --trainer grpo
+    python -m benchmarks.throughput --workload medium --trainer grpo --prompts 8 --generations 4
 
 ``--backend hf|vllm`` picks the generation backend (``generation=<backend>``; default hf).
 A backend whose ``conf/generation/<backend>.yaml`` does not exist, or that cannot be built here,
@@ -33,280 +33,26 @@ this process, so machine noise hits both).
 
 from __future__ import annotations
 
-import argparse
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
+
 import json
-import os
-import resource
-import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import lightning as L
 import torch
-from workloads import WORKLOADS, Workload, build_models, make_prompts, tokenizer_overrides
 
-
-class PerfTotals(L.Callback):
-    """Sums the module's per-iteration rollout / update timers; checks that every rollout ran to
-    ``response_tokens`` (when given), the fixed length the workload's numbers assume."""
-
-    def __init__(self, response_tokens: int | None = None):
-        self.response_tokens = response_tokens
-        self.rollout_s = 0.0
-        self.update_s = 0.0
-        self.iterations = 0
-        self.per_iteration: list[dict[str, float]] = []  # every metric of each iteration
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        m = pl_module.last_metrics
-        if self.response_tokens is not None and m["rollout/response_length"] != self.response_tokens:
-            raise RuntimeError(
-                f"a rollout stopped early: mean response length "
-                f"{m['rollout/response_length']}, expected {self.response_tokens}"
-            )
-        self.rollout_s += float(m["perf/time_rollout_s"])
-        self.update_s += float(m["perf/time_update_s"])
-        self.iterations += 1
-        self.per_iteration.append(dict(m))
-
-
-def compose(
-    w: Workload,
-    policy_dir: Path,
-    reward_dir: Path,
-    prompts_file: Path,
-    out_dir: Path,
-    extra: tuple[str, ...] = (),
-    reward: Sequence[str] | None = None,
-):
-    """``train.py``'s config for the workload's PPO run; ``extra`` overrides come last (a key
-    given again replaces the earlier value); ``reward``: the reward's overrides instead of the
-    workload's reward model (``reward=model`` on ``reward_dir``)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import ppo_lightning.config  # noqa: F401
-
-    if reward is None:
-        reward = ("reward=model", f"reward.name_or_path={reward_dir}", f"reward.batch_size={w.rollout_batch}")
-    overrides = [
-        f"model.name_or_path={policy_dir}",
-        "model.build_tiny=null",
-        *reward,
-        "data=file",
-        f"data.path={prompts_file}",
-        f"data.batch_size={w.rollout_batch}",
-        f"data.max_prompt_length={w.prompt_tokens}",
-        f"ppo.minibatch_size={w.minibatch_size}",
-        f"ppo.ppo_epochs={w.ppo_epochs}",
-        f"sampling.max_new_tokens={w.response_tokens}",
-        "sampling.stop_at_eos=false",
-        f"trainer.max_steps={w.iterations}",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
-        "trainer.enable_checkpointing=false",
-        "logger=none",
-        "callbacks=none",
-        "export_dir=null",
-        "reward.normalize=false",  # TRL scores raw (PPOTrainer and GRPOTrainer): the same work on both sides
-        f"paths.output_dir={out_dir}",
-        f"paths.cache_dir={out_dir}",
-        *tokenizer_overrides(w, policy_dir),
-        *extra,
-    ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return hydra_compose("train", overrides=overrides)
-
-
-def grpo_overrides(prompts: int, generations: int) -> list[str]:
-    """The overrides that turn the workload's PPO run into the GRPO run TRL's ``GRPOTrainer`` is
-    set beside (``trl_grpo_baseline.py``): P prompts x G completions, group-normalised scores,
-    the k3 KL in the loss, GRPO's loss aggregation (each response's token mean, then the mean over
-    responses: TRL's ``loss_type="grpo"``), one pass over one minibatch of every row."""
-    from grpo_workload import ADAM_EPS, BETA, LR
-
-    return [
-        "ppo.advantage=grpo",
-        f"ppo.num_generations={generations}",
-        "ppo.kl_in=loss",
-        "ppo.kl_estimator=k3",
-        f"ppo.kl_coef={BETA}",
-        "ppo.loss_agg=seq_mean_token_mean",
-        f"data.batch_size={prompts}",
-        f"ppo.minibatch_size={prompts * generations}",
-        "ppo.ppo_epochs=1",
-        f"optimizer.lr={LR}",
-        f"optimizer.eps={ADAM_EPS}",
-        "optimizer.scheduler=constant",
-    ]
-
-
-def grpo_reward() -> list[str]:
-    """The function reward both sides call (``grpo_workload.char_fraction_reward``)."""
-    from grpo_workload import REWARD_FN
-
-    return ["reward=function", f"reward.fn={REWARD_FN}"]
-
-
-def backend_available(backend: str) -> None:
-    """Stop with "generation=<backend> not available" when the config group has no such option."""
-    if not (ROOT / "conf" / "generation" / f"{backend}.yaml").is_file():
-        sys.exit(f"generation={backend} not available: no conf/generation/{backend}.yaml")
-
-
-def run_ppo(
-    w: Workload,
-    model_root: Path,
-    out_dir: Path,
-    trainer_kind: str = "ppo",
-    prompts: int | None = None,
-    generations: int | None = None,
-    iterations: int | None = None,
-    backend: str = "hf",
-    callbacks: Sequence[L.Callback] = (),
-) -> dict:
-    """One timed ``trainer.fit`` of the workload: PPO (``trainer_kind="ppo"``, the workload's
-    shape) or GRPO (``"grpo"``, ``prompts`` x ``generations`` completions per iteration).
-    ``callbacks`` join the Trainer's after the timers (``profile_iteration.py`` profiles one
-    iteration with one)."""
-    from ppo_lightning.jobs.factory import build
-
-    iterations = iterations or w.iterations
-    policy_dir, reward_dir = build_models(w, model_root)
-    prompts_file = out_dir / "prompts.txt"
-    prompts_file.write_text("\n".join(make_prompts(w)) + "\n")
-    extra = [] if iterations == w.iterations else [f"trainer.max_steps={iterations}"]  # compose sets the workload's
-    reward, rows = None, w.rollout_batch
-    if trainer_kind == "grpo":
-        extra += grpo_overrides(prompts, generations)
-        reward, rows = grpo_reward(), prompts * generations
-    if backend != "hf":
-        backend_available(backend)
-        extra.append(f"generation={backend}")
-    try:
-        cfg = compose(w, policy_dir, reward_dir, prompts_file, out_dir, extra=tuple(extra), reward=reward)
-        module, datamodule, trainer = build(cfg)
-    except Exception as e:
-        if backend == "hf":
-            raise
-        sys.exit(f"generation={backend} not available: {type(e).__name__}: {e}")
-    totals = PerfTotals(w.response_tokens)
-    trainer.callbacks.append(totals)
-    trainer.callbacks.extend(callbacks)
-    t0 = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
-    total = time.perf_counter() - t0
-    assert totals.iterations == iterations, (totals.iterations, iterations)
-    episodes = iterations * rows
-    assert module.episode == episodes, (module.episode, episodes)
-    result = {
-        "episodes": episodes,
-        "episodes_per_s": episodes / total,
-        "generated_tokens_per_s": episodes * w.response_tokens / total,
-        "rollout_s": totals.rollout_s,
-        "update_s": totals.update_s,
-        "total_s": total,
-    }
-    if trainer_kind == "grpo":
-        result = {
-            "trainer": "grpo",
-            "backend": backend,
-            "prompts": prompts,
-            "generations": generations,
-            "iterations": iterations,
-            "completions_per_s": episodes / total,
-            **result,
-        }
-    elif backend != "hf":
-        result["backend"] = backend
-    return result
-
-
-def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = "cpu", bf16: bool = False) -> dict:
-    """Our sampler vs bare HF ``generate`` on one rollout batch, alternated ``repeats`` times, on
-    ``device``; ``bf16``: both under bf16 autocast (the rollout's numerics in ``bf16-mixed``)."""
-    import contextlib
-
-    from ppo_lightning.models.policy import load_causal_lm, load_tokenizer
-    from ppo_lightning.generation.hf import generate
-
-    dev = torch.device(device)
-    policy_dir, _ = build_models(w, model_root)
-    tok = load_tokenizer(str(policy_dir))
-    lm = load_causal_lm(str(policy_dir), tok).eval().to(dev)
-    enc = tok(make_prompts(w)[: w.rollout_batch], return_tensors="pt", padding=True).to(dev)
-    n_tokens = w.rollout_batch * w.response_tokens
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def numerics():
-        return torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
-    def ours():
-        with numerics():
-            resp, _ = generate(
-                lm,
-                enc.input_ids,
-                enc.attention_mask,
-                max_new_tokens=w.response_tokens,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-                stop_at_eos=False,
-                generator=g,
-            )
-        assert resp.shape[1] == w.response_tokens
-
-    def hf():
-        with torch.no_grad(), numerics():
-            out = lm.generate(
-                input_ids=enc.input_ids,
-                attention_mask=enc.attention_mask,
-                do_sample=True,
-                use_cache=True,
-                max_new_tokens=w.response_tokens,
-                min_new_tokens=w.response_tokens,
-                top_k=0,
-                top_p=1.0,
-                temperature=1.0,
-                pad_token_id=tok.pad_token_id,
-            )
-        assert out.shape[1] == enc.input_ids.shape[1] + w.response_tokens
-
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    times = {"ours": [], "hf": []}
-    for _ in range(2):  # warm-up: the first calls pay for kernel selection and allocation
-        ours(), hf()
-    for _ in range(repeats):
-        for name, fn in (("ours", ours), ("hf", hf)):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-    ours_tps = n_tokens / statistics.median(times["ours"])
-    hf_tps = n_tokens / statistics.median(times["hf"])
-    return {
-        "generate_tokens_per_s_ours": ours_tps,
-        "generate_tokens_per_s_hf": hf_tps,
-        "generate_ratio_ours_over_hf": ours_tps / hf_tps,
-    }
+from benchmarks.lib import cli
+from benchmarks.lib.grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
+from benchmarks.lib.measure import peak_rss_mb
+from benchmarks.lib.ours import backend_available, compare_generate, run_ppo
+from benchmarks.lib.workloads import WORKLOADS
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
-    ap.add_argument("--model-dir", help="where to save / reuse the workload's models (default: temp)")
-    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    ap = cli.parser(__doc__)
+    cli.add_workload(ap)
+    cli.add_model_dir(ap)
+    cli.add_threads(ap)
     ap.add_argument(
         "--compare-generate",
         action="store_true",
@@ -323,10 +69,7 @@ def main() -> None:
         ap.error("--prompts and --generations need --trainer grpo (PPO takes the workload's shape)")
     if args.backend != "hf":
         backend_available(args.backend)
-    from grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.set_threads(args.threads)
     w = WORKLOADS[args.workload]
     with tempfile.TemporaryDirectory() as tmp:
         model_root = Path(args.model_dir) if args.model_dir else Path(tmp) / "models"
@@ -345,7 +88,7 @@ def main() -> None:
         result = {"impl": "ppo_lightning", "workload": w.name, **run}
         if args.compare_generate:
             result.update(compare_generate(w, model_root, args.repeats))
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = peak_rss_mb()
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result), flush=True)
 

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.lib.workloads import WORKLOADS, build_tokenizer, make_prompts
 
-from workloads import WORKLOADS, build_tokenizer, make_prompts
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_medium_tokenizer_has_gpt2s_vocabulary_and_prompts_are_exact(tmp_path):
@@ -46,7 +45,8 @@ def test_gpu_check_smoke_on_cpu():
     p = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "-m",
+            "benchmarks.gpu_check",
             "--device",
             "cpu",
             "--workload",
@@ -56,6 +56,7 @@ def test_gpu_check_smoke_on_cpu():
             "--repeats",
             "1",
         ],
+        cwd=ROOT,
         check=False,
         capture_output=True,
         text=True,
@@ -84,10 +85,12 @@ def test_gpu_check_smoke_on_cpu():
 
 
 def test_sharding_benchmark_counts_each_tensor_once():
-    """``benchmarks/sharding.py``'s per-rank bytes: parameters, a tied weight once, AdamW's state.
-    (A DTensor's local part needs a process group: the benchmark's own runs check that, 0.5x.)"""
+    """``benchmarks.sharding``'s per-rank bytes (``benchmarks.lib.measure``): parameters, a tied
+    weight once, AdamW's state. (A DTensor's local part needs a process group: the benchmark's own
+    runs check that, 0.5x.)"""
     import torch
-    from sharding import optimizer_tensors, tensor_bytes
+
+    from benchmarks.lib.measure import optimizer_tensors, tensor_bytes
 
     lin = torch.nn.Linear(3, 4)
     assert tensor_bytes(lin.parameters()) == (3 * 4 + 4) * 4
@@ -105,10 +108,9 @@ def test_sharding_benchmark_counts_each_tensor_once():
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce_pp"])
 def test_compare_estimators_configures_each_estimator_on_the_same_episodes(tmp_path, cache_dir, estimator):
-    """``benchmarks/compare_estimators.py``'s overrides compose and validate on both recipes'
+    """``benchmarks.compare_estimators``'s overrides compose and validate on both recipes'
     jobs, and every estimator gets the recipe's 32 episodes per iteration."""
-    from compare_estimators import RECIPES, estimator_overrides
-
+    from benchmarks.compare_estimators import RECIPES, estimator_overrides
     from ppo_lightning.config import validate
     from tests.conftest import compose_cfg
 
@@ -117,3 +119,66 @@ def test_compare_estimators_configures_each_estimator_on_the_same_episodes(tmp_p
         validate(cfg)
         assert cfg.ppo.advantage == estimator
         assert cfg.data.batch_size * cfg.ppo.num_generations == batch == 32
+
+
+def test_scripts_are_thin_clis_over_the_library():
+    """No benchmark script imports another script (what they share is in ``benchmarks.lib``) and
+    none edits ``sys.path``: they run as modules from the repository root."""
+    import ast
+
+    bench = ROOT / "benchmarks"
+    scripts = {p.stem for p in bench.glob("*.py")} - {"__init__"}
+    assert {"throughput", "trl_baseline", "memory"} <= scripts
+    for path in [*bench.glob("*.py"), *(bench / "lib").glob("*.py")]:
+        text = path.read_text()
+        assert "sys.path" not in text, path
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                assert parts[0] not in scripts, (path, name)  # the old sys.path imports
+                assert not (parts[0] == "benchmarks" and parts[1:2] and parts[1] in scripts), (path, name)
+
+
+def test_alternate_runs_the_sides_in_turn_and_ratios_pair_by_pair():
+    from benchmarks.lib.runner import alternate, ratios
+
+    calls = []
+
+    def side(name, value):
+        return lambda r: calls.append((name, r)) or value * (r + 1)
+
+    out = alternate({"a": side("a", 2.0), "b": side("b", 1.0)}, 3, abba=True)
+    assert calls == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    assert out == {"a": [2.0, 4.0, 6.0], "b": [1.0, 2.0, 3.0]}
+    assert ratios(out["a"], out["b"]) == [2.0, 2.0, 2.0]
+    assert ratios([{"x": 3.0}], [{"x": 1.5}], "x") == [2.0]
+    refused = alternate(
+        {"ok": lambda r: {"r": r}, "no": lambda r: {"skipped": "why"}}, 3, done=lambda x: "skipped" in x
+    )
+    assert refused == {"ok": [{"r": 0}, {"r": 1}, {"r": 2}], "no": [{"skipped": "why"}]}
+
+
+def test_trl_sides_share_one_cpu_fp32_configuration(tmp_path, monkeypatch):
+    """``trl_ppo`` and ``trl_grpo`` configure TRL through one builder: fp32 on CPU, nothing saved
+    or reported; a trainer cannot set those keys its own way."""
+    pytest.importorskip("trl")
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # importing trl_side sets ACCELERATE_USE_CPU
+    from trl import GRPOConfig
+
+    from benchmarks.lib.trl_side import CPU_FP32, cpu_fp32_config
+
+    config = cpu_fp32_config(GRPOConfig, tmp_path / "out", per_device_train_batch_size=8, num_generations=4)
+    assert config.output_dir == str(tmp_path / "out") and config.per_device_train_batch_size == 8
+    assert config.use_cpu and not config.bf16 and not config.fp16 and not config.gradient_checkpointing
+    assert config.save_strategy == "no" and config.report_to == [] and config.seed == 0
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_fp32_config(GRPOConfig, tmp_path / "out", bf16=True)
+    for side in ("trl_ppo", "trl_grpo"):
+        assert "cpu_fp32_config(" in (ROOT / "benchmarks" / "lib" / f"{side}.py").read_text()
+    assert set(CPU_FP32) >= {"use_cpu", "bf16", "fp16", "gradient_checkpointing"}

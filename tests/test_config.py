@@ -317,3 +317,13 @@ def test_the_trainer_groups_describe_hardware_only(tmp_path, cache_dir):
     for name in sorted(p.stem for p in (CONF / "trainer").glob("*.yaml")):
         assert "max_steps" not in yaml.safe_load((CONF / "trainer" / f"{name}.yaml").read_text()), name
         assert compose_cfg([f"trainer={name}"], tmp_path, cache_dir, experiment=None).trainer.max_steps == 100
+
+
+def test_compose_config_outside_a_hydra_app_finds_the_config_tree():
+    """``jobs.factory.compose_config`` outside ``train.py`` (a benchmark, a task's build) composes
+    ``conf/train.yaml`` from the repository's config tree."""
+    from ppo_lightning.jobs.factory import CONF_DIR, compose_config
+
+    assert CONF_DIR == CONF and (CONF_DIR / "train.yaml").is_file()
+    cfg = compose_config(["experiment=tiny_char", "ppo.clip=0.15"])
+    assert cfg.ppo.clip == 0.15

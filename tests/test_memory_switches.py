@@ -1,6 +1,6 @@
 """Memory switches keep the update unchanged: gradient checkpointing recomputes the decoder blocks
 in the backward pass (really: the blocks run twice) and gives the same gradients and the same run.
-What it saves: ``python benchmarks/memory.py``."""
+What it saves: ``python -m benchmarks.memory``."""
 
 from __future__ import annotations
 

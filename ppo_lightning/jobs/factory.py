@@ -47,7 +47,7 @@ from ppo_lightning.models.tiny import ensure_tiny_model
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the repository's config tree
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's config tree (ppo_lightning/jobs/ -> root)
 
 
 # ----------------------------------------------------------------------------- configs

@@ -1,9 +1,9 @@
-"""What both sides of the GRPO comparison (``compare_trl.py --trainer grpo``) share: the GRPO
-shape on top of a workload of ``workloads.py``, its hyperparameters, and the reward function.
+"""What both sides of the GRPO comparison (``benchmarks.compare_trl --trainer grpo``) share: the GRPO
+shape on top of a workload of ``workloads``, its hyperparameters, and the reward function.
 
-Kept free of heavy imports: ``throughput.py`` (ppo_lightning's venv) and ``trl_grpo_baseline.py``
-(the TRL venv, another trl version) both import it, and ppo_lightning imports the reward by its
-dotted path (``reward.fn=benchmarks.grpo_workload.char_fraction_reward``).
+Kept free of heavy imports: ``ours`` (ppo_lightning's venv) and ``trl_grpo`` (the TRL venv,
+another trl version) both import it, and ppo_lightning imports the reward by its dotted path
+(``reward.fn=benchmarks.lib.grpo_workload.char_fraction_reward``).
 
 One GRPO iteration on either side: ``prompts`` prompts of the workload's prompt set, each sampled
 ``generations`` times (``prompts x generations`` completions, every one exactly the workload's
@@ -20,7 +20,7 @@ DEFAULT_GENERATIONS = 4  # G: completions per prompt
 BETA = 0.04  # the KL coefficient (TRL's beta, our ppo.kl_coef), k3 estimator in the loss on both sides
 LR = 1.0e-5  # constant learning rate, AdamW, on both sides
 ADAM_EPS = 1.0e-5  # ppo_lightning's OptimizerConfig default (TRL's Trainer default 1e-8 is overridden)
-REWARD_FN = "benchmarks.grpo_workload.char_fraction_reward"  # the reward.fn of our side
+REWARD_FN = "benchmarks.lib.grpo_workload.char_fraction_reward"  # the reward.fn of our side
 
 
 def char_fraction_reward(prompts, completions, **kwargs) -> list[float]:
