@@ -14,6 +14,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import ppo_lightning.algo.advantages  # noqa: E402,F401  the estimators register (config.choices.ESTIMATORS)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one core per worker, as the subprocesses have
+    import torch
+
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 

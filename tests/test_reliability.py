@@ -28,6 +28,16 @@ SWITCHES = {
     "ddp_cpu": ["trainer=ddp_cpu"],
     "fsdp_cpu": ["trainer=fsdp_cpu"],
     "lora_fsdp_cpu": ["model.lora.r=4", "trainer=fsdp_cpu"],
+    # the state a resume must carry besides the weights: the LR schedule's step and the adaptive
+    # KL controller's beta (a target the run's KL misses, so beta moves every iteration)
+    "cosine_adaptive_kl": [
+        "optimizer.scheduler=cosine",
+        "optimizer.warmup_steps=2",
+        "optimizer.min_lr_ratio=0.1",
+        "ppo.adaptive_kl=true",
+        "ppo.kl_target=0.01",
+        "ppo.kl_horizon=100",
+    ],
     # multi-turn: two-turn episodes (the environment answers the first turn), and tool calling
     # under DDP (the tools' JSON schemas in the prompt; a parser that reads a call, a malformed
     # call or a failing call into the random policy's turns)
@@ -82,13 +92,18 @@ def assert_resume_replays(switch: str, last, run_dir, expected: dict, first_step
 
 
 @pytest.mark.slow  # runs in subprocesses, one of them killed
-@pytest.mark.parametrize("switch", ["full", "lora", "ddp_cpu", "fsdp_cpu", "env_echo", "env_tools_ddp_cpu"])
+@pytest.mark.parametrize(
+    "switch", ["full", "lora", "ddp_cpu", "fsdp_cpu", "env_echo", "env_tools_ddp_cpu", "cosine_adaptive_kl"]
+)
 def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_factory, cache_dir, switch):
     """With LoRA the checkpoint holds only the adapters, the value head and their optimizer state;
     the frozen base is rebuilt from its source. With two processes every rank is killed, and the
     checkpoint holds every rank's sampling stream (FSDP: the gathered full state, restored after
     the strategy's setup). The trajectory is the same in each case."""
     expected = uninterrupted(switch, tmp_path_factory, cache_dir)
+    if switch == "cosine_adaptive_kl":  # lr and beta move every iteration, so the replay checks them
+        lrs, betas = ([expected[k][key] for k in sorted(expected)] for key in ("lr", "objective/kl_coef"))
+        assert len(set(lrs)) == len(lrs) and len(set(betas)) == len(betas), (lrs, betas)
     if switch.startswith("env_"):  # the episodes had several turns (and, with tools, called them)
         assert all(row["env/turns_mean"] > 1 for row in expected.values())
         assert switch == "env_echo" or sum(row["env/tool_calls_mean"] for row in expected.values()) > 0
