@@ -38,10 +38,20 @@ def wall_clock(key: str) -> bool:
 
 
 def run_rows(name: str, tmp_path: Path, cache_dir: Path) -> list[dict[str, float]]:
-    """The metrics rows of run ``name`` (``experiment=tiny_char``, 3 iterations), wall clock left out."""
+    """The metrics rows of run ``name`` (``experiment=tiny_char``, 3 iterations), wall clock left
+    out. On one thread: the sums inside a matrix product are split by thread count, and a few
+    roundings apart a clip decision (``val/clipfrac_avg``) can flip; one thread gives the same
+    floats on any number of cores (and under ``pytest -n``)."""
+    import torch
+
     from ppo_lightning.jobs.run import train
 
-    train(compose_cfg([*SHORT, *RUNS[name]], tmp_path, cache_dir))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(compose_cfg([*SHORT, *RUNS[name]], tmp_path, cache_dir))
+    finally:
+        torch.set_num_threads(threads)
     return [{k: v for k, v in row.items() if not wall_clock(k)} for row in read_metrics(tmp_path / "metrics.csv")]
 
 
