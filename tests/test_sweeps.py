@@ -14,7 +14,10 @@ from tests.helpers import run_train
 pytestmark = pytest.mark.slow  # Hydra sweeps in subprocesses
 
 # Two PPO iterations on the tiny model; metrics.csv only (no W&B run, no checkpoints, no export).
+# experiment=tiny_char: the default job would build the reviews task's models first (minutes), or
+# find them built by whichever test ran before.
 TINY_RUN = [
+    "experiment=tiny_char",
     "trainer.max_steps=2",
     "sampling.max_new_tokens=8",
     "data.batch_size=8",
@@ -45,7 +48,6 @@ def test_optuna_search_runs_trials_and_writes_the_best(cache_dir, tmp_path):
     p = run_train(
         [
             "hparams_search=ppo_optuna",
-            "experiment=tiny_char",
             "hydra.sweeper.n_trials=2",
             *TINY_RUN,
             f"hydra.sweep.dir={tmp_path}",
@@ -78,7 +80,6 @@ def test_optuna_search_goes_on_after_a_failed_trial(cache_dir, tmp_path):
     p = run_train(
         [
             "hparams_search=ppo_optuna",
-            "experiment=tiny_char",
             "hydra.sweeper.n_trials=4",
             "hydra.sweeper.sampler.seed=1234",
             "ppo.clip=choice(0.2,-1)",
