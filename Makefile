@@ -20,6 +20,10 @@ STAMP := $(VENV)/.ppo_lightning-installed
 TORCH ?= torch==2.13.0
 EXTRAS ?= dev,optuna,lora,data,math
 ARGS ?=
+# pytest processes, one core each (tests/conftest.py sets one torch thread per worker); a test file
+# stays on one worker (--dist loadfile: a file's tests share its runs). 0 runs in this process.
+PYTEST_WORKERS ?= 2
+PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 # Offline: nothing in the default job or the tests needs the hub.
 ENV := HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -44,7 +48,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(ENV) $(PY) -m pytest -q $(ARGS)
+	$(ENV) $(PY) $(PYTEST) $(ARGS)
 	$(ENV) $(VLLM_PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
 
 test-vllm: $(VLLM_STAMP)
