@@ -46,13 +46,7 @@ class CrashAtStep(L.Callback):
 def test_optuna_search_runs_trials_and_writes_the_best(cache_dir, tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason='needs pip install -e ".[optuna]"')
     p = run_train(
-        [
-            "hparams_search=ppo_optuna",
-            "hydra.sweeper.n_trials=2",
-            *TINY_RUN,
-            f"hydra.sweep.dir={tmp_path}",
-        ],
-        cache_dir,
+        ["hparams_search=ppo_optuna", "hydra.sweeper.n_trials=2", *TINY_RUN, f"hydra.sweep.dir={tmp_path}"], cache_dir
     )
     assert p.returncode == 0, p.stderr[-3000:]
 
