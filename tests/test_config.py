@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 
 import pytest
 import yaml
@@ -55,7 +56,7 @@ def test_the_default_job_is_the_reviews_task(tmp_path, cache_dir):
     cfg = compose(tmp_path, cache_dir)
     assert cfg.recipe == "reviews"
     assert (cfg.ppo.kl_coef, cfg.sampling.max_new_tokens, cfg.optimizer.lr) == (0.2, 20, 5.0e-5)
-    root = recipe_root(cache_dir, "reviews")
+    root = recipe_root(cache_dir, "reviews", 42)
     assert cfg.model.name_or_path == str(root / "sft") and cfg.data.path == str(root / "prompts_train.txt")
     assert cfg.reward.name_or_path == str(root / "reward_model") and cfg.reward.normalize
 
@@ -86,7 +87,7 @@ def test_the_headline_command_runs_gpt2_on_the_reviews_task(tmp_path, cache_dir)
     cfg = compose(tmp_path, cache_dir, "model=gpt2", "ppo.clip=0.2")
     assert (cfg.model.name_or_path, cfg.ppo.clip, cfg.optimizer.lr) == ("gpt2", 0.2, 1.0e-5)
     assert (cfg.recipe, cfg.reward.kind, cfg.ppo.kl_coef, cfg.sampling.max_new_tokens) == ("reviews", "model", 0.2, 20)
-    assert cfg.data.path == str(recipe_root(cache_dir, "reviews") / "prompts_train.txt")
+    assert cfg.data.path == str(recipe_root(cache_dir, "reviews", 42) / "prompts_train.txt")
 
 
 def test_a_preset_needs_both_its_reward_and_its_prompts(tmp_path, cache_dir):
@@ -327,3 +328,31 @@ def test_compose_config_outside_a_hydra_app_finds_the_config_tree():
     assert CONF_DIR == CONF and (CONF_DIR / "train.yaml").is_file()
     cfg = compose_config(["experiment=tiny_char", "ppo.clip=0.15"])
     assert cfg.ppo.clip == 0.15
+
+
+def test_the_tasks_are_their_folders_and_each_build_is_keyed_by_its_code_and_seed(tmp_path):
+    """``choices.RECIPES`` lists the task folders; ``recipe_root`` keys a build by the task's
+    sources and the seed, so an edited copy or another seed never reuses a build."""
+    import shutil
+
+    from ppo_lightning.config import choices, ConfigError, task_dir
+
+    assert choices.RECIPES == ("arithmetic", "calculator_tool", "math_chat", "reviews")
+    assert recipe_root("/c", "arithmetic", 42) == recipe_root("/c", "arithmetic", 42)
+    assert recipe_root("/c", "arithmetic", 42) != recipe_root("/c", "arithmetic", 43)
+    assert recipe_root("/c", "arithmetic", 42).name.startswith("arithmetic-")
+
+    shutil.copytree(task_dir("arithmetic"), tmp_path / "my_tasks" / "countdown")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        copy = recipe_root("/c", "my_tasks.countdown", 42)
+        assert copy.name.startswith("countdown-") and copy.name[-12:] == recipe_root("/c", "arithmetic", 42).name[-12:]
+        data = tmp_path / "my_tasks" / "countdown" / "data.py"
+        data.write_text(data.read_text() + "\n# edited\n")
+        assert recipe_root("/c", "my_tasks.countdown", 42) != copy
+        with pytest.raises(ConfigError, match=r"recipe='my_tasks.nothing': no my_tasks/nothing/task.py"):
+            task_dir("my_tasks.nothing")
+    finally:
+        sys.path.remove(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"recipe='arithmetc': choose one of \['arithmetic'"):
+        task_dir("arithmetc")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 
 import pytest
 
@@ -131,12 +133,46 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
     assert (tmp_path / "run" / "metrics.csv").exists()
 
 
-def test_arithmetic_recipe_raises_accuracy(tmp_path, cache_dir):
+def test_a_copy_of_the_arithmetic_task_runs_under_its_new_name_and_raises_accuracy(tmp_path, cache_dir):
+    """docs/usage.md, "A task of your own", done as a user does it: ``tasks/arithmetic/`` copied
+    into a package of their own (``my_tasks/countdown``) and its experiment file beside it, with
+    ``arithmetic`` replaced by the new module path; nothing in ppo_lightning is edited. The copy
+    builds under its own name and raises the accuracy as the original does."""
+    import shutil
+
+    from tests.helpers import ROOT
+
+    package = tmp_path / "src" / "my_tasks"
+    shutil.copytree(
+        ROOT / "ppo_lightning" / "tasks" / "arithmetic",
+        package / "countdown",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    (package / "__init__.py").write_text("")
+    experiment = (ROOT / "conf" / "experiment" / "arithmetic.yaml").read_text()
+    experiment = experiment.replace("ppo_lightning.tasks.arithmetic", "my_tasks.countdown")
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "countdown.yaml").write_text(
+        experiment.replace("arithmetic", "my_tasks.countdown")
+    )
     p = run_train(
-        ["experiment=arithmetic", *QUIET, "logger=csv", "trainer.max_steps=60", f"hydra.run.dir={tmp_path / 'run'}"],
+        [
+            "experiment=countdown",
+            f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+            *QUIET,
+            "logger=csv",
+            "trainer.max_steps=60",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
         cache_dir,
+        env_extra={"PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), os.environ.get("PYTHONPATH", "")])},
     )
     assert p.returncode == 0, p.stderr[-4000:]
+    assert "my_tasks.countdown: held-out prompts, before and after PPO" in p.stdout
+    built = [d.name for d in (tmp_path / "cache").iterdir()]
+    assert len(built) == 1 and re.fullmatch(r"countdown-[0-9a-f]{12}", built[0]), built
+    assert (tmp_path / "cache" / built[0] / "DONE").is_file()
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert result["after"]["accuracy"] > result["before"]["accuracy"] + 0.05
 

@@ -251,7 +251,7 @@ def test_sigterm_from_outside_stops_a_long_run_within_seconds(tmp_path, cache_di
 @pytest.mark.slow
 def test_sigterm_during_the_recipe_build_leaves_no_temporary_directory(tmp_path):
     """The measured failure: SIGTERM while the default job builds its recipe left
-    ``reviews-v3.tmp-*`` in the cache. Now the build's ``finally`` removes it, and the job exits
+    ``reviews-<key>.tmp-*`` in the cache. Now the build's ``finally`` removes it, and the job exits
     143 within seconds, saying that no checkpoint was written."""
     import signal
     import subprocess
@@ -291,18 +291,22 @@ def test_sigterm_outside_training_raises_where_the_program_is_and_cleans_up(tmp_
     import signal
     import time
 
+    from omegaconf import OmegaConf
+
+    from ppo_lightning.jobs.task import prepare
     from ppo_lightning.parallel.preemption import Preempted, handle_sigterm
-    from ppo_lightning.tasks.common import build_cached
 
-    def build(tmp):
-        (tmp / "half_written.bin").write_bytes(b"0" * 1024)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(30)  # a long build step, interrupted
+    class Interrupted:  # a task whose build a SIGTERM stops
+        def build(self, cfg, tmp):
+            (tmp / "half_written.bin").write_bytes(b"0" * 1024)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # a long build step, interrupted
 
+    cfg = OmegaConf.create({"paths": {"cache_dir": str(tmp_path)}, "recipe": "arithmetic", "seed": 0})
     before = signal.getsignal(signal.SIGTERM)
     started = time.monotonic()
     with handle_sigterm(), pytest.raises(Preempted):
-        build_cached(tmp_path / "recipe", build)
+        prepare(Interrupted(), cfg)
     assert time.monotonic() - started < 10
     assert list(tmp_path.iterdir()) == []  # neither the temporary directory nor a half cache
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is the job's only

@@ -25,6 +25,7 @@ from ppo_lightning.config.data import DataConfig
 from ppo_lightning.config.env import EnvConfig, ToolsConfig
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.config.eval import EvalConfig
+from ppo_lightning.config.recipes import recipe_root, task_dir, task_module
 from ppo_lightning.config.model import LoRAConfig, ModelConfig, RefConfig, TinyModelConfig
 from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import PPOConfig
@@ -72,6 +73,8 @@ __all__ = [
     "is_placeholder",
     "param",
     "recipe_root",
+    "task_dir",
+    "task_module",
     "register_configs",
     "validate",
 ]
@@ -94,19 +97,12 @@ def register_configs() -> None:
         # ${ppo_asset:toy_prompts.txt} -> a data file shipped inside the package
         OmegaConf.register_new_resolver("ppo_asset", lambda name: str(ASSETS / name))
     if not OmegaConf.has_resolver("recipe_dir"):
-        # ${recipe_dir:reviews} -> where recipe=reviews builds its models and prompts
+        # ${recipe_dir:reviews} -> where recipe=reviews builds its models and prompts (this seed's)
         OmegaConf.register_new_resolver("recipe_dir", _recipe_dir)
 
 
-def recipe_root(cache_dir: str | Path, name: str) -> Path:
-    """Where task ``name`` (``recipe=<name>``) builds its models and prompts."""
-    if name not in choices.RECIPES:
-        raise ConfigError(f"recipe={name!r}: choose one of {list(choices.RECIPES)} or null")
-    return Path(cache_dir) / choices.RECIPES[name]
-
-
 def _recipe_dir(name: str, *, _root_) -> str:
-    return str(recipe_root(_root_.paths.cache_dir, name))
+    return str(recipe_root(_root_.paths.cache_dir, name, _root_.seed))
 
 
 register_configs()

@@ -12,6 +12,7 @@ with what the config must know of it, from the module that implements them
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Iterator
 import dataclasses
 
@@ -107,15 +108,10 @@ REWARD_INPUTS = ("auto", "tokens", "text")  # reward.input: see RewardModel.use_
 PROMPT_TRUNCATION = ("left", "error")  # data.truncation: keep a long prompt's last tokens, or refuse it
 SFT_TRUNCATION = ("truncate", "drop", "error")  # task.truncation of task=sft (stages/sft.py)
 
-RECIPES = {
-    "reviews": "reviews-v3",
-    "arithmetic": "arithmetic-v2",
-    "math_chat": "math_chat-v1",
-    "calculator_tool": "calculator_tool-v1",
-}
-"""``recipe``: a task's name -> its cache directory under ``paths.cache_dir``, the one place each
-is named (configs reach it as ``${recipe_dir:<name>}``; the code of task ``<name>`` is
-``ppo_lightning/tasks/<name>/``). Bump the version when a task's data or models change, so no run
-reuses an old build."""
+TASKS_DIR = Path(__file__).parents[1] / "tasks"
+"""The package's tasks, one folder each (``ppo_lightning/tasks/<name>/task.py``)."""
+RECIPES = tuple(sorted(p.parent.name for p in TASKS_DIR.glob("*/task.py")))
+"""``recipe``: the package's tasks, found by their folders (a copied folder is a new choice;
+``recipe=my_pkg.my_task`` names one outside the package). Where each builds: ``config/recipes.py``."""
 
 ENV_ERROR_MODES = ("count", "raise")  # env.on_error: an environment whose step raises (envs/episodes.py)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from ppo_lightning.config import choices
 from ppo_lightning.config.data import DataConfig
 from ppo_lightning.config.eval import EvalConfig
 from ppo_lightning.config.model import ModelConfig, RefConfig
@@ -13,7 +12,6 @@ from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import PPOConfig
 from ppo_lightning.config.reward import RewardConfig
 from ppo_lightning.config.sampling import SamplingConfig
-from ppo_lightning.config.schema import param
 from ppo_lightning.config.trainer import TrainerConfig
 
 
@@ -97,11 +95,14 @@ class TrainConfig:
     """PPO: where rank 0 writes the trained policy as a Hugging Face directory (safetensors,
     tokenizer, generation config, plus ``value_head.safetensors``); null skips it.
     ``task=export``: the target, required."""
-    recipe: Optional[str] = param(None, choices=choices.RECIPES)
-    """The recipe this job runs (set by its preset, ``conf/experiment/preset``): before PPO it
-    builds its models and prompts once (cached under ``${recipe_dir:<name>}``, atomically), after
-    PPO rank 0 prints a before/after table of the run's first and last evaluation (``eval.*``,
-    which its preset sets) and writes ``eval.json``. Null: none."""
+    recipe: Optional[str] = None
+    """The task this job runs: a folder of ``ppo_lightning/tasks`` (one of
+    ``choices.RECIPES``) or a package of your own holding a ``task.py`` (``my_pkg.my_task``, a copy
+    of ``tasks/arithmetic``). Set by its experiment (``conf/experiment/<name>.yaml``). Before PPO
+    it builds its models and prompts once (cached under ``${recipe_dir:<name>}``, keyed by the
+    task's code and the seed, atomically); after PPO rank 0 prints a before/after table of the
+    run's first and last evaluation (``eval.*``, which its experiment sets) and writes
+    ``eval.json``. Null: none."""
     optimized_metric: str = "objective/scores"
     """Metric whose last logged value ``train.py`` returns to Hydra sweepers (docs/metrics.md); an
     unknown name or a non-finite value returns None."""

@@ -21,6 +21,7 @@ from ppo_lightning.config.eval import EvalConfig
 from ppo_lightning.config.model import LoRAConfig, ModelConfig, RefConfig, TinyModelConfig
 from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import PPOConfig
+from ppo_lightning.config.recipes import task_dir
 from ppo_lightning.config.reward import RewardConfig, RewardTermConfig, TERM_NAME
 from ppo_lightning.config.root import TrainConfig
 from ppo_lightning.config.task import DEFAULT_MAX_LENGTH, SFTConfig
@@ -394,12 +395,18 @@ def check_sweep_launch(cfg) -> None:
     )
 
 
+def _check_recipe(cfg) -> None:
+    if cfg.recipe is not None:
+        task_dir(cfg.recipe)  # a task folder of the package, or a package of yours with a task.py
+
+
 def _largest_divisor(n: int, at_most: int) -> int:
     return max(k for k in range(1, max(1, min(n, at_most)) + 1) if n % k == 0)
 
 
 RULES = (
     _check_fields,
+    _check_recipe,
     _check_pass_term,
     _warn_ignored,
     _check_minibatch,

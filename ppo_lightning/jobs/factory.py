@@ -150,10 +150,10 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
 
 def _built_by_hint(path: str, cfg: DictConfig) -> str:
     for name in RECIPES:
-        if _under(path, recipe_root(cfg.paths.cache_dir, name)):
+        if _under(path, recipe_root(cfg.paths.cache_dir, name, cfg.seed)):
             return (
                 f" It is built by recipe={name}, which this job does not run: add recipe={name} "
-                "(the preset that uses it sets it: conf/experiment/preset), or point the key at your "
+                "(the experiment that uses it sets it: conf/experiment), or point the key at your "
                 "own file or model."
             )
     return ""

@@ -22,7 +22,7 @@ from ppo_lightning.jobs.factory import build, build_module, build_trainer, check
 from ppo_lightning.train.loggers import finish_wandb
 from ppo_lightning.models.policy import save_policy
 from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted, handle_sigterm
-from ppo_lightning.jobs.task import load_task
+from ppo_lightning.jobs.task import built_root, load_task, prepare
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     the job's recipe, if it names one, builds what is missing, then the run is built and fit.
     """
     recipe = load_task(cfg.recipe) if cfg.recipe else None
-    check_inputs(cfg, built_by_recipe=recipe.root(cfg) if recipe is not None else None)
+    check_inputs(cfg, built_by_recipe=built_root(cfg) if recipe is not None else None)
     if recipe is not None:
-        recipe.prepare(cfg)  # first run builds its policy, reward model and prompts (cached)
+        prepare(recipe, cfg)  # first run builds its policy, reward model and prompts (cached)
     module, datamodule, trainer = build(cfg)
     try:
         fit(trainer, module, datamodule, cfg.ckpt_path)

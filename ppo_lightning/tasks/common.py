@@ -1,32 +1,16 @@
-"""What recipes share: building a small policy / reward model from generated data (cached), and
-the before/after table of the run's own evaluations."""
+"""What tasks share: building a small policy / reward model from generated data, and the
+before/after table of the run's own evaluations."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
-from typing import Callable
-
 import lightning as L
 
-from ppo_lightning.models.tiny import atomic_build, save_random_model
+from ppo_lightning.models.tiny import save_random_model
 
 log = logging.getLogger(__name__)
-
-
-def build_cached(root: Path, build: Callable[[Path], None]) -> Path:
-    """Run ``build(tmp)`` into a temporary sibling of ``root`` and rename it into place, once
-    (``tiny.atomic_build``, finished when it holds ``DONE``).
-
-    A killed build leaves no half-made cache: the next run starts it again.
-    """
-
-    def build_and_mark(tmp: Path) -> None:
-        build(tmp)
-        (tmp / "DONE").write_text("ok\n")
-
-    return atomic_build(root, build_and_mark, done="DONE", replace_unfinished=True)
 
 
 def save_base_model(

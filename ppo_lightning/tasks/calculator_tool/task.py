@@ -5,11 +5,11 @@ in its head, with the safe calculator (``ppo_lightning.envs.calculator``) as a t
 (``env=tools``). The SFT warm start learns from transcripts of both ways of answering, mostly the
 wrong one: 30% call the calculator and copy its result, 70% state the answer at once. So greedy
 decoding starts by answering in its head, and is almost never right. GRPO with a correctness
-reward on the final answer (``examples.calculator.final_answer``) then has to find, from its own
+reward on the final answer (``data.final_answer``) then has to find, from its own
 sampled episodes, that calling the tool pays; the tool's result is in each episode's sequence but
 never in its loss.
 
-Built once under ``recipe_root(paths.cache_dir, "calculator_tool")``::
+Built once under ``${recipe_dir:calculator_tool}``::
 
     tokenizer/  base/  sft/  problems.jsonl  DONE
 
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from ppo_lightning.tasks.calculator_tool import data as calculator
-from ppo_lightning.config import recipe_root
-from ppo_lightning.tasks.common import build_cached, eval_report, fit_stage, save_base_model
+from ppo_lightning.tasks.common import eval_report, fit_stage, save_base_model
+
+from . import data as calculator
 
 log = logging.getLogger(__name__)
 
@@ -54,47 +54,37 @@ WITHOUT_TOOL = "accuracy without the tool (greedy)"
 turn, with no calculator to call."""
 
 
-def root(cfg) -> Path:
-    return recipe_root(cfg.paths.cache_dir, "calculator_tool")
+def build(cfg, tmp: Path) -> None:
+    """The tokenizer, the problems and the SFT policy, into ``tmp``."""
+    from ppo_lightning.envs import ToolEnvironment
 
-
-def prepare(cfg) -> Path:
-    def build(tmp: Path) -> None:
-        from ppo_lightning.envs import ToolEnvironment
-
-        log.info(
-            "calculator_tool recipe, first run: building the tokenizer, problems and SFT policy under %s", root(cfg)
-        )
-        rng = random.Random(cfg.seed)
-        tokenizer = calculator.build_tokenizer(calculator.tokenizer_corpus(rng))
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
-        problems = calculator.prompt_records(rng, N_PROBLEMS)
-        with (tmp / "problems.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in problems)
-        tools = ToolEnvironment(tools=[calculator_path()]).tools
-        exclude = {r["prompt"][0]["content"][len("What is ") : -1] for r in problems}
-        records = calculator.sft_records(rng, SFT_PROBLEMS, tokenizer, tools, tool_share=0.3, exclude=exclude)
-        log.info(
-            "[1/1] SFT policy on %d turns of %d problems (30%% of first turns call the tool)",
-            len(records),
-            SFT_PROBLEMS,
-        )
-        sft = fit_stage(
-            "sft",
-            tmp / "base",
-            tmp / "sft",
-            records,
-            steps=SFT_STEPS,
-            batch_size=32,
-            lr=3e-3,
-            max_length=BASE["n_positions"],
-            seed=cfg.seed,
-            extra={"max_prompt_length": 64},
-        )
-        log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
-
-    return build_cached(root(cfg), build)
+    log.info("calculator_tool recipe, first run: building the tokenizer, problems and SFT policy under %s", tmp)
+    rng = random.Random(cfg.seed)
+    tokenizer = calculator.build_tokenizer(calculator.tokenizer_corpus(rng))
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
+    problems = calculator.prompt_records(rng, N_PROBLEMS)
+    with (tmp / "problems.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in problems)
+    tools = ToolEnvironment(tools=[calculator_path()]).tools
+    exclude = {r["prompt"][0]["content"][len("What is ") : -1] for r in problems}
+    records = calculator.sft_records(rng, SFT_PROBLEMS, tokenizer, tools, tool_share=0.3, exclude=exclude)
+    log.info(
+        "[1/1] SFT policy on %d turns of %d problems (30%% of first turns call the tool)", len(records), SFT_PROBLEMS
+    )
+    sft = fit_stage(
+        "sft",
+        tmp / "base",
+        tmp / "sft",
+        records,
+        steps=SFT_STEPS,
+        batch_size=32,
+        lr=3e-3,
+        max_length=BASE["n_positions"],
+        seed=cfg.seed,
+        extra={"max_prompt_length": 64},
+    )
+    log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
 
 
 def calculator_path() -> str:

@@ -11,7 +11,7 @@ after two steps, and 20% of all answers leave out the tags. It therefore answers
 problems wrongly, greedily too, and often without tags when sampling. RL has to find, from the
 rewards alone, that finishing the last step is right and that the tags pay.
 
-Built once under ``recipe_root(paths.cache_dir, "math_chat")``::
+Built once under ``${recipe_dir:math_chat}``::
 
     tokenizer/  base/  sft/  problems.jsonl  DONE
 
@@ -26,9 +26,9 @@ import logging
 import random
 from pathlib import Path
 
-from ppo_lightning.tasks.math_chat import data as math_word
-from ppo_lightning.config import recipe_root
-from ppo_lightning.tasks.common import build_cached, eval_report, fit_stage, save_base_model
+from ppo_lightning.tasks.common import eval_report, fit_stage, save_base_model
+
+from . import data as math_word
 
 log = logging.getLogger(__name__)
 
@@ -49,39 +49,31 @@ ROWS = {
 CURVE = {"accuracy": "eval/rewards/correct/mean@1", "format": "eval/rewards/format/mean@1"}
 
 
-def root(cfg) -> Path:
-    return recipe_root(cfg.paths.cache_dir, "math_chat")
-
-
-def prepare(cfg) -> Path:
-    def build(tmp: Path) -> None:
-        log.info("math_chat recipe, first run: building the tokenizer, problems and SFT policy under %s", root(cfg))
-        rng = random.Random(cfg.seed)
-        tokenizer = math_word.build_tokenizer()
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
-        problems = math_word.prompt_records(rng, N_PROBLEMS)
-        with (tmp / "problems.jsonl").open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in problems)
-        log.info(
-            "[1/1] SFT policy on %d worked answers (flawed: see ppo_lightning/tasks/math_chat/task.py)", SFT_EXAMPLES
-        )
-        questions = {r["prompt"][-1]["content"] for r in problems}
-        sft = fit_stage(
-            "sft",
-            tmp / "base",
-            tmp / "sft",
-            math_word.sft_corpus(rng, SFT_EXAMPLES, exclude=questions),
-            steps=SFT_STEPS,
-            batch_size=64,
-            lr=3e-3,
-            max_length=BASE["n_positions"],
-            seed=cfg.seed,
-            extra={"max_prompt_length": 64},
-        )
-        log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
-
-    return build_cached(root(cfg), build)
+def build(cfg, tmp: Path) -> None:
+    """The tokenizer, the problems and the SFT policy, into ``tmp``."""
+    log.info("math_chat recipe, first run: building the tokenizer, problems and SFT policy under %s", tmp)
+    rng = random.Random(cfg.seed)
+    tokenizer = math_word.build_tokenizer()
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
+    problems = math_word.prompt_records(rng, N_PROBLEMS)
+    with (tmp / "problems.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in problems)
+    log.info("[1/1] SFT policy on %d worked answers (flawed: see ppo_lightning/tasks/math_chat/task.py)", SFT_EXAMPLES)
+    questions = {r["prompt"][-1]["content"] for r in problems}
+    sft = fit_stage(
+        "sft",
+        tmp / "base",
+        tmp / "sft",
+        math_word.sft_corpus(rng, SFT_EXAMPLES, exclude=questions),
+        steps=SFT_STEPS,
+        batch_size=64,
+        lr=3e-3,
+        max_length=BASE["n_positions"],
+        seed=cfg.seed,
+        extra={"max_prompt_length": 64},
+    )
+    log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
 
 
 def evaluate(cfg, module, out_dir: Path | None) -> str:

@@ -8,7 +8,7 @@ hardened by ``RED_TEAM_ROUNDS`` rounds of online preference collection (``red_te
 then raises the reward model's score; the ground-truth sentiment and the grammar check tell
 whether the gain is real or reward hacking.
 
-Built once under ``recipe_root(paths.cache_dir, "reviews")`` (about two minutes on 2 CPU cores)::
+Built once under ``${recipe_dir:reviews}`` (about two minutes on 2 CPU cores)::
 
     tokenizer/  sft/  reward_model/  prompts_train.txt  prompts_eval.txt  DONE
 """
@@ -21,9 +21,9 @@ import random
 import shutil
 from pathlib import Path
 
-from ppo_lightning.config import recipe_root
-from ppo_lightning.tasks.common import build_cached, eval_report, fit_stage, save_base_model
-from ppo_lightning.tasks.reviews import data as reviews
+from ppo_lightning.tasks.common import eval_report, fit_stage, save_base_model
+
+from . import data as reviews
 
 log = logging.getLogger(__name__)
 
@@ -31,95 +31,106 @@ BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=64)
 RED_TEAM_ROUNDS = 2  # rounds of online preference collection after the first reward model
 
 
-def root(cfg) -> Path:
-    return recipe_root(cfg.paths.cache_dir, "reviews")
+def build(cfg, tmp: Path) -> None:
+    """The tokenizer, the prompt files, the SFT policy and the red-teamed reward model, into ``tmp``."""
+    log.info(
+        "reviews recipe, first run: building the tokenizer, data, SFT policy and reward model under %s "
+        "(cached for later runs)",
+        tmp,
+    )
+    rng = random.Random(cfg.seed)
+    tokenizer = reviews.build_tokenizer()
+    tokenizer.save_pretrained(tmp / "tokenizer")
+    save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
+    (tmp / "prompts_train.txt").write_text("\n".join(reviews.prompts(rng, 2000)) + "\n")
+    (tmp / "prompts_eval.txt").write_text("\n".join(reviews.prompts(rng, 512)) + "\n")
+    build_sft(tmp, rng, cfg.seed)
+    pairs = build_reward_model(tmp, rng, cfg.seed)
+    current = red_team(tmp, tmp / "reward_model_r1", pairs, rng, cfg.seed)
+    os.replace(current, tmp / "reward_model")
 
 
-def prepare(cfg) -> Path:
-    """Build (first run) or reuse the tokenizer, SFT policy, reward model and prompt files."""
+def build_sft(tmp: Path, rng: random.Random, seed: int) -> None:
+    """[1/3] The SFT policy (``tmp/sft``) on generated reviews of mixed sentiment."""
+    log.info("[1/3] SFT policy on 6000 generated reviews of mixed sentiment")
+    sft = fit_stage(
+        "sft",
+        tmp / "base",
+        tmp / "sft",
+        reviews.sft_corpus(rng, 6000),
+        steps=600,
+        batch_size=64,
+        lr=3e-3,
+        max_length=32,
+        seed=seed,
+        extra={"max_prompt_length": 8},
+    )
+    log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
 
-    def build(tmp: Path) -> None:
+
+def build_reward_model(tmp: Path, rng: random.Random, seed: int) -> list[dict]:
+    """[2/3] The first reward model (``tmp/reward_model_r1``) on generated preference pairs and
+    pairs against the SFT policy's own broken text; returns the pairs."""
+    pairs = reviews.preference_pairs(rng, 5000, ill_formed_fraction=0.3)
+    pairs += drift_pairs(tmp / "sft", rng, 6000, temperature=2.0)
+    rng.shuffle(pairs)
+    log.info(
+        "[2/3] reward model on %d generated preference pairs (%d against the SFT policy's own broken text)",
+        len(pairs),
+        len(pairs) - 5000,
+    )
+    rm = fit_stage(
+        "reward_model",
+        tmp / "base",
+        tmp / "reward_model_r1",
+        pairs,
+        steps=1000,
+        batch_size=32,
+        lr=1e-3,
+        max_length=32,
+        seed=seed,
+    )
+    log.info("reward model, round 1: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
+    return pairs
+
+
+def red_team(tmp: Path, current: Path, pairs: list[dict], rng: random.Random, seed: int) -> Path:
+    """[3/3] ``RED_TEAM_ROUNDS`` rounds: a short PPO run against the current reward model, whose
+    broken outputs become new pairs, and the reward model trained further on them. Returns the
+    last round's reward model (the earlier ones are removed)."""
+    for r in range(2, RED_TEAM_ROUNDS + 2):
         log.info(
-            "reviews recipe, first run: building the tokenizer, data, SFT policy and reward "
-            "model under %s (cached for later runs)",
-            root(cfg),
+            "[3/3] red team %d/%d: a short PPO run against the reward model; its broken outputs become new pairs",
+            r - 1,
+            RED_TEAM_ROUNDS,
         )
-        rng = random.Random(cfg.seed)
-        tokenizer = reviews.build_tokenizer()
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
-        (tmp / "prompts_train.txt").write_text("\n".join(reviews.prompts(rng, 2000)) + "\n")
-        (tmp / "prompts_eval.txt").write_text("\n".join(reviews.prompts(rng, 512)) + "\n")
-        log.info("[1/3] SFT policy on 6000 generated reviews of mixed sentiment")
-        sft = fit_stage(
-            "sft",
-            tmp / "base",
-            tmp / "sft",
-            reviews.sft_corpus(rng, 6000),
-            steps=600,
-            batch_size=64,
-            lr=3e-3,
-            max_length=32,
-            seed=cfg.seed,
-            extra={"max_prompt_length": 8},
-        )
-        log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
-        pairs = reviews.preference_pairs(rng, 5000, ill_formed_fraction=0.3)
-        pairs += drift_pairs(tmp / "sft", rng, 6000, temperature=2.0)
-        rng.shuffle(pairs)
-        log.info(
-            "[2/3] reward model on %d generated preference pairs (%d against the SFT policy's own broken text)",
-            len(pairs),
-            len(pairs) - 5000,
-        )
+        found = red_team_pairs(tmp, current, rng, seed=seed + r)
+        if len(found) < 20:  # nothing left worth another round
+            break
+        # the new pairs plus twice as many old ones, so a round does not forget the last
+        mixed = found + rng.sample(pairs, min(len(pairs), 2 * len(found)))
+        pairs += found
+        rng.shuffle(mixed)
         rm = fit_stage(
             "reward_model",
-            tmp / "base",
-            tmp / "reward_model_r1",
-            pairs,
-            steps=1000,
+            current,
+            tmp / f"reward_model_r{r}",
+            mixed,
+            steps=300,
             batch_size=32,
-            lr=1e-3,
+            lr=3e-4,
             max_length=32,
-            seed=cfg.seed,
+            seed=seed,
         )
-        log.info("reward model, round 1: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
-        current = tmp / "reward_model_r1"
-        for r in range(2, RED_TEAM_ROUNDS + 2):
-            log.info(
-                "[3/3] red team %d/%d: a short PPO run against the reward model; its broken outputs become new pairs",
-                r - 1,
-                RED_TEAM_ROUNDS,
-            )
-            found = red_team_pairs(tmp, current, rng, seed=cfg.seed + r)
-            if len(found) < 20:  # nothing left worth another round
-                break
-            # the new pairs plus twice as many old ones, so a round does not forget the last
-            mixed = found + rng.sample(pairs, min(len(pairs), 2 * len(found)))
-            pairs += found
-            rng.shuffle(mixed)
-            rm = fit_stage(
-                "reward_model",
-                current,
-                tmp / f"reward_model_r{r}",
-                mixed,
-                steps=300,
-                batch_size=32,
-                lr=3e-4,
-                max_length=32,
-                seed=cfg.seed,
-            )
-            shutil.rmtree(current)
-            current = tmp / f"reward_model_r{r}"
-            log.info(
-                "reward model, round %d (%d new pairs): val/accuracy %.3f",
-                r,
-                len(found),
-                rm.get("val/accuracy", float("nan")),
-            )
-        os.replace(current, tmp / "reward_model")
-
-    return build_cached(root(cfg), build)
+        shutil.rmtree(current)
+        current = tmp / f"reward_model_r{r}"
+        log.info(
+            "reward model, round %d (%d new pairs): val/accuracy %.3f",
+            r,
+            len(found),
+            rm.get("val/accuracy", float("nan")),
+        )
+    return current
 
 
 def drift_pairs(sft_dir: Path, rng: random.Random, n_prompts: int, temperature: float = 1.5) -> list[dict]:
@@ -228,7 +239,7 @@ ROWS = {
     "KL to reference (nats)": "eval/kl",
 }
 """The before/after table: labels and the run's own ``eval/*`` metrics (``eval.metrics`` holds the
-ground truths; experiment/preset/reviews-reviews)."""
+ground truths; conf/experiment/preset/reviews-reviews.yaml)."""
 
 
 def evaluate(cfg, module, out_dir: Path | None) -> str:
