@@ -23,6 +23,30 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """Each test leaves the process as it found it: the environment (``PL_GLOBAL_SEED`` from
+    ``seed_everything``, ``RANK``/``LOCAL_RANK`` from a vLLM engine, anything a test sets), the
+    root logger's handlers and level (an in-process Hydra app adds its own), and the flaky test
+    reward's call counter. So a test passes alone, in any order, and on any pytest worker."""
+    import logging
+
+    from tests import helpers
+
+    environ = dict(os.environ)
+    root = logging.getLogger()
+    handlers, level = set(root.handlers), root.level
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    for h in root.handlers[:]:  # pytest's own capture handlers come and go by themselves
+        if h not in handlers and not type(h).__module__.startswith("_pytest"):
+            root.removeHandler(h)
+            h.close()
+    root.setLevel(level)
+    helpers._CALLS["n"] = 0
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """Where ``model=tiny`` builds its model once per test session."""
