@@ -40,24 +40,15 @@ def test_hub_model_offline_fails_fast_with_a_fix(cache_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "override, key", [("ppo.clip=abc", "ppo.clip"), ("ppo.clpi=0.1", "clpi"), ("trainer=nope", "trainer")]
-)
-def test_bad_overrides_fail_at_composition(cache_dir, override, key):
-    p = run_train([override, "--cfg", "job"], cache_dir)
-    assert p.returncode == 1
-    assert key in p.stderr
-
-
-@pytest.mark.parametrize(
     "override, message",
     [
-        ("ppo.clip=0", "ppo.clip=0.0: must be > 0"),
-        ("ppo.lam=1.5", "ppo.lam=1.5: must be in [0, 1]"),
-        ("ppo.minibatch_size=5", "ppo.minibatch_size=5: must divide data.batch_size=16"),
-        ("reward.fn=no_such_pkg.fn", "reward.fn='no_such_pkg.fn': cannot import module 'no_such_pkg'"),
+        ("ppo.clpi=0.1", "Could not override 'ppo.clpi'"),  # Hydra's, at composition
+        ("ppo.minibatch_size=5", "ppo.minibatch_size=5: must divide data.batch_size=16"),  # ours, before models load
     ],
 )
-def test_bad_values_fail_before_loading_models(cache_dir, tmp_path, override, message):
+def test_bad_input_exits_1_with_one_message_and_no_traceback(cache_dir, tmp_path, override, message):
+    """The interpreter's view of what ``test_bad_input.py`` checks in-process, case by case: the
+    exit status and the stderr a user sees, for one error of each kind."""
     p = run_train(["experiment=tiny_char", override, f"hydra.run.dir={tmp_path}"], cache_dir)
     assert p.returncode == 1, p.stderr[-2000:]
     assert message in p.stderr
