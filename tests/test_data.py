@@ -121,21 +121,24 @@ def test_one_reader_keeps_every_field_in_order_from_each_source(tmp_path, monkey
     (tmp_path / "r.jsonl").write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
     (tmp_path / "r.json").write_text(json.dumps(rows, indent=1))
     (tmp_path / "r.txt").write_text("a\n\n b é \nc\n")
-    calls = fake_datasets(monkeypatch, rows)
+    hub = tmp_path / "org_x"  # a dataset repository as the hub gives it: a data file a split
+    hub.mkdir()
+    (hub / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     jsonl = list(read_records("data", path=tmp_path / "r.jsonl"))
     assert [w for w, _ in jsonl] == [f"data.path='{tmp_path / 'r.jsonl'}' line {i}" for i in (1, 3, 4)]
     assert [r for _, r in jsonl] == rows
     assert [r for _, r in read_records("task", path=str(tmp_path / "r.json"))] == rows
-    hf = list(read_records("task", hf_dataset="org/x", hf_split="test"))
-    assert [r for _, r in hf] == rows and hf[2][0] == "task.hf_dataset='org/x' row 2"
-    assert calls == [("org/x", "test")]
+    hf = list(read_records("task", hf_dataset=str(hub), hf_split="test"))  # the real datasets library, offline
+    # a dataset's rows share one schema: a field a row lacks comes back as None
+    columns = {k: None for r in rows for k in r}
+    assert [r for _, r in hf] == [{**columns, **r} for r in rows] and hf[2][0] == f"task.hf_dataset='{hub}' row 2"
     txt = list(read_records("data", path=tmp_path / "r.txt"))
     assert [r for _, r in txt] == [{"prompt": "a"}, {"prompt": " b é "}, {"prompt": "c"}]
     assert txt[1][0].endswith("line 3")
     assert [r for _, r in read_records("data", path=tmp_path / "r.txt", text_field="q")][0] == {"q": "a"}
     # PPO's prompts through it: the .json file, the dataset's column (values as strings)
     assert read_prompts(tmp_path / "r.json") == ["a", "b é", "c"]
-    fake_datasets(monkeypatch, [{"text": "alpha", "n": 1}, {"text": 5, "n": 2}])
+    fake_datasets(monkeypatch, [{"text": "alpha", "n": 1}, {"text": 5, "n": 2}])  # mixed types: only a fake has them
     assert _hf_prompts("text") == ["alpha", "5"]
     with pytest.raises(
         ConfigError,

@@ -15,16 +15,16 @@ pytestmark = pytest.mark.slow  # two processes
 _RUNS: dict[tuple[str, ...], dict] = {}
 
 
-def ddp_run(tmp_path_factory, cache_dir, name: str, extra: list[str]) -> dict:
-    """``trainer=ddp_cpu`` for a few iterations; the ranks' final policy weights must be identical
-    (returned once, with the run's metrics rows). Each distinct run is made once per module and
-    shared by the tests that read it."""
+def shared_ddp_run(tmp_path_factory, cache_dir, name: str, extra: list[str]) -> dict:
+    """``ddp_run``, each distinct run made once per module and shared by the tests that read it."""
     if tuple(extra) not in _RUNS:
-        _RUNS[tuple(extra)] = _ddp_run(tmp_path_factory.mktemp(name), cache_dir, name, extra)
+        _RUNS[tuple(extra)] = ddp_run(tmp_path_factory.mktemp(name), cache_dir, name, extra)
     return _RUNS[tuple(extra)]
 
 
-def _ddp_run(tmp_path, cache_dir, name: str, extra: list[str]) -> dict:
+def ddp_run(tmp_path, cache_dir, name: str, extra: list[str]) -> dict:
+    """``trainer=ddp_cpu`` for a few iterations, in ``tmp_path/run_<name>``; the ranks' final
+    policy weights must be identical (returned once, with the run's metrics rows)."""
     weights = tmp_path / name
     p = run_train(
         [
@@ -49,7 +49,7 @@ def _ddp_run(tmp_path, cache_dir, name: str, extra: list[str]) -> dict:
 
 
 def test_ddp_cpu_two_ranks_end_with_identical_weights(cache_dir, tmp_path_factory):
-    run = ddp_run(tmp_path_factory, cache_dir, "whole", ["trainer.max_steps=2"])
+    run = shared_ddp_run(tmp_path_factory, cache_dir, "whole", ["trainer.max_steps=2"])
     # the weights moved, so the ranks agree on an update, not just on the initialisation
     from transformers import AutoModelForCausalLM
 
@@ -64,8 +64,10 @@ def test_ddp_micro_batches_all_reduce_once_and_give_the_same_update(cache_dir, t
     """Micro-batches under DDP: the non-last micro-batches accumulate without an all-reduce
     (``no_sync``), the last one all-reduces the accumulated gradient. Ranks end identical, and equal
     the unsplit DDP run's weights within fp32 tolerance."""
-    whole = ddp_run(tmp_path_factory, cache_dir, "whole", ["trainer.max_steps=2"])["weights"]
-    micro = ddp_run(tmp_path_factory, cache_dir, "micro", ["trainer.max_steps=2", "ppo.micro_batch_size=2"])["weights"]
+    whole = shared_ddp_run(tmp_path_factory, cache_dir, "whole", ["trainer.max_steps=2"])["weights"]
+    micro = shared_ddp_run(tmp_path_factory, cache_dir, "micro", ["trainer.max_steps=2", "ppo.micro_batch_size=2"])[
+        "weights"
+    ]
     for k in whole:
         torch.testing.assert_close(micro[k], whole[k], rtol=1e-5, atol=1e-6, msg=k)
 
@@ -73,7 +75,7 @@ def test_ddp_micro_batches_all_reduce_once_and_give_the_same_update(cache_dir, t
 def test_ddp_lora_ranks_train_identical_adapters(cache_dir, tmp_path_factory):
     """LoRA under DDP: only the adapters and the value head are in the gradient all-reduce, the
     ranks end with identical adapters that moved, and the frozen base is untouched."""
-    run = ddp_run(tmp_path_factory, cache_dir, "lora", ["trainer.max_steps=2", "model.lora.r=4"])
+    run = shared_ddp_run(tmp_path_factory, cache_dir, "lora", ["trainer.max_steps=2", "model.lora.r=4"])
     w = run["weights"]
     from transformers import AutoModelForCausalLM
 
@@ -91,10 +93,10 @@ def test_ddp_global_token_mean_keeps_ranks_identical_and_changes_the_update(cach
     (``tests/test_loss_options.py`` checks the gradient against one process's global mean.)"""
     from transformers import AutoModelForCausalLM
 
-    local = ddp_run(tmp_path_factory, cache_dir, "whole", ["trainer.max_steps=2"])["weights"]
-    pooled = ddp_run(tmp_path_factory, cache_dir, "global", ["trainer.max_steps=2", "ppo.loss_agg=token_mean_global"])[
-        "weights"
-    ]
+    local = shared_ddp_run(tmp_path_factory, cache_dir, "whole", ["trainer.max_steps=2"])["weights"]
+    pooled = shared_ddp_run(
+        tmp_path_factory, cache_dir, "global", ["trainer.max_steps=2", "ppo.loss_agg=token_mean_global"]
+    )["weights"]
     init = AutoModelForCausalLM.from_pretrained(cache_dir / "tiny-gpt2-l2-h2-d64").state_dict()
     key = "transformer.h.0.attn.c_attn.weight"
     update_local, update_pooled = local["lm." + key] - init[key], pooled["lm." + key] - init[key]

@@ -68,6 +68,8 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
     assert set(states["fsdp"]) == set(states["ddp"]) and "policy.lm.transformer.wte.weight" in states["fsdp"]
     assert "policy.lm.lm_head.weight" not in states["fsdp"]
     assert ckpts["fsdp"].stat().st_size == pytest.approx(ckpts["ddp"].stat().st_size, rel=0.01)
+    for k, v in states["ddp"].items():  # and the same values: the gathered state is DDP's
+        torch.testing.assert_close(states["fsdp"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
     # the rollout kept sharded (weights all-gathered for every token): the same run
     per_token = tmp_path / "run_fsdp_per_token"
