@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ppo_lightning.algo.kl import approx_kl, kl_estimator_for, kl_penalty
 
 from ppo_lightning.algo.losses import (
-    aggregate,
+    Aggregation,
     clip_fractions,
     global_token_count,
     ppo_policy_loss,
@@ -253,18 +253,9 @@ class PPO:
         c, mask = self.cfg, part.response_mask
         entropies, new_values, new_logp = forward
         low, high = c.clip_low or c.clip, c.clip_high or c.clip
+        agg = Aggregation(c.loss_agg, n_tokens, seq_count, self.sampling.max_new_tokens)
         pg_loss, pg_clipfrac = ppo_policy_loss(
-            new_logp,
-            part.logprobs,
-            part.advantages,
-            mask,
-            low,
-            n_tokens,
-            clip_high=high,
-            dual_clip=c.dual_clip,
-            agg=c.loss_agg,
-            seq_count=seq_count,
-            norm_length=self.sampling.max_new_tokens,
+            new_logp, part.logprobs, part.advantages, mask, low, agg, clip_high=high, dual_clip=c.dual_clip
         )
         with torch.no_grad():
             clip_lo, clip_hi = clip_fractions(new_logp, part.logprobs, part.advantages, mask, low, high, n_tokens)
@@ -284,14 +275,7 @@ class PPO:
         else:
             loss = pg_loss - c.ent_coef * entropy
         if c.kl_in == "loss":  # GRPO: beta * KL(policy, reference), masked before the estimator
-            kl_loss = aggregate(
-                kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask),
-                mask,
-                c.loss_agg,
-                n_tokens,
-                seq_count,
-                self.sampling.max_new_tokens,
-            )
+            kl_loss = agg(kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask), mask)
             loss = loss + self.kl_ctl.value * kl_loss
             stats["loss/kl_avg"] = kl_loss.detach()
         return loss, stats, new_logp
