@@ -41,8 +41,11 @@ from ppo_lightning.models.policy import PolicyWithValueHead
 from ppo_lightning.rewards import pop_reward_logs
 from ppo_lightning.algo.rollout import (
     PolicyOutput,
+    Prompts,
     Rollout,
+    Sampler,
     Samples,
+    Scorer,
     finish_rollout,
     forward_logprobs,
     sample_and_score,
@@ -99,22 +102,18 @@ class PPO:
             prompts, columns = _repeat(prompts, c.num_generations), _repeat(columns, c.num_generations)
         with self.runtime.rollout_context(self.policy, self.ref_lm):
             samples = sample_and_score(
-                sampler=self.sampler,
-                params=self.sampling,
-                ref_lm=self.ref_lm,
-                reward_fn=self.reward_fn,
-                tokenizer=self.tokenizer,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                missing_eos_penalty=c.missing_eos_penalty,
+                Prompts(input_ids, attention_mask, prompts, columns),
+                Sampler(self.sampler, self.sampling, self.generator, self.episodes),
+                Scorer(
+                    self.reward_fn,
+                    self.tokenizer,
+                    self.reward_norm,
+                    c.missing_eos_penalty,
+                    c.mask_truncated_completions,
+                ),
+                self.ref_lm,
                 forward_chunk_size=c.rollout_forward_batch_size,
                 head_chunk=c.lm_head_chunk_size,
-                reward_norm=self.reward_norm,
-                generator=self.generator,
-                prompts=prompts,
-                columns=columns,
-                mask_truncated=c.mask_truncated_completions,
-                episodes=self.episodes,
             )
             reward_logs = pop_reward_logs(self.reward_fn)  # log_metric calls of the reward functions
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)

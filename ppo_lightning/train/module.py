@@ -34,7 +34,7 @@ from ppo_lightning.parallel.lightning_compat import count_iteration
 from ppo_lightning.train.optim import configure_optimizers
 from ppo_lightning.models.policy import PolicyWithValueHead
 from ppo_lightning.rewards import fit_normalization, normalized, pop_reward_logs
-from ppo_lightning.algo.rollout import Rollout, reference_scores
+from ppo_lightning.algo.rollout import Rollout, Sampler, reference_scores
 from ppo_lightning.parallel.sharding import FSDP2Strategy, initialize_root, shard_module
 from ppo_lightning.models.weights import is_sharded, tied_aliases
 
@@ -167,15 +167,13 @@ class PPOModule(L.LightningModule):
                 f"and leaves none for some; set it to at least {2 * world}"
             )
         with rt.rollout_context(self.ref_lm):
+            generator = rt.new_generator(self.seed + 7919, stride=1)
             raw = reference_scores(
-                self.ref_sampler,
+                Sampler(self.ref_sampler, self.sampling, generator, self.algo.episodes),
                 self.reward_fn,
                 self.tokenizer,
-                self.sampling,
                 self.trainer.datamodule.normalization_batches(need),
-                rt.new_generator(self.seed + 7919, stride=1),
                 self.device,
-                episodes=self.algo.episodes,
             )
         gain, bias = fit_normalization(
             raw, rt.reduce_sum if world > 1 else None, source=getattr(self.reward_fn, "name", "the reward")
