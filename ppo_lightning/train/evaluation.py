@@ -247,33 +247,69 @@ def due(eval_cfg, datamodule, step: int | None) -> bool:
     return (step == 0 and eval_cfg.before_training) or (bool(every) and step > 0 and step % every == 0)
 
 
-def evaluate_module(module, samples: list | None = None) -> dict[str, float]:
-    """``evaluate`` for a ``PPOModule`` as it is now: its backend and sampling (greedy, or at
-    ``eval.temperature``), a generator of its own (the same eval samples for the same weights;
-    the training stream untouched); rank 0's first samples go to a W&B logger as a table, and
-    to ``samples`` when given."""
+class Evaluation:
+    """Evaluation during training, for a ``PPOModule``: the ``eval.*`` node (``cfg``, a
+    ``config.EvalConfig``; None: never), the ``eval.metrics`` scorers (name -> scorer, measured on
+    eval samples only), and every evaluation of this process in order (``history``: the recipes'
+    before/after tables). It evaluates only when the data has eval prompts."""
+
+    def __init__(self, cfg=None, metrics: dict | None = None):
+        self.cfg, self.metrics = cfg, metrics or {}
+        self.history: list[EvalPoint] = []
+
+    def due(self, datamodule, step: int | None) -> bool:
+        """Whether to evaluate before iteration ``step`` (None: after the last one; ``due``)."""
+        return due(self.cfg, datamodule, step)
+
+    def __call__(self, module) -> dict[str, float]:
+        """The ``eval/*`` metrics of the module's policy as it is now, also kept with rank 0's first
+        samples in ``history``."""
+        samples: list = []
+        m = self.run(module, samples)
+        self.history.append(EvalPoint(module.global_step, m, samples))
+        return m
+
+    def run(self, module, samples: list | None = None) -> dict[str, float]:
+        """``evaluate`` for a ``PPOModule`` as it is now: its backend and sampling (greedy, or at
+        ``eval.temperature``), a generator of its own (the same eval samples for the same weights;
+        the training stream untouched); rank 0's first samples go to a W&B logger as a table, and
+        to ``samples`` when given."""
+        e, dm = self.cfg, module.trainer.datamodule
+        samples = [] if samples is None else samples
+        greedy = e.temperature == 0
+        params = module.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
+        sampler = Sampler(
+            module.sampler, params, module.runtime.new_generator(module.seed + 104_729, stride=1), module.algo.episodes
+        )
+        spec = EvalSpec(
+            e.num_samples,
+            e.pass_threshold,
+            e.pass_term,
+            tuple(dm.eval_sources()),
+            self.metrics,
+            head_chunk=module.ppo_cfg.lm_head_chunk_size,
+        )
+        scorer = Scorer(module.reward_fn, module.tokenizer)
+        metrics = evaluate(
+            dm.eval_batches(),
+            sampler,
+            scorer,
+            module.policy,
+            module.ref_lm,
+            spec,
+            module.runtime,
+            module.device,
+            samples,
+        )
+        pop_reward_logs(module.reward_fn)  # log_metric calls of eval scoring are not the training rollout's
+        _log_sample_table(module, samples)
+        return metrics
+
+
+def _log_sample_table(module, samples: list) -> None:
+    """Rank 0's first eval samples as the W&B table ``eval_samples``, at the module's step."""
     from lightning.pytorch.loggers import WandbLogger
 
-    e, dm = module.eval_cfg, module.trainer.datamodule
-    samples = [] if samples is None else samples
-    greedy = e.temperature == 0
-    params = module.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
-    sampler = Sampler(
-        module.sampler, params, module.runtime.new_generator(module.seed + 104_729, stride=1), module.algo.episodes
-    )
-    spec = EvalSpec(
-        e.num_samples,
-        e.pass_threshold,
-        e.pass_term,
-        tuple(dm.eval_sources()),
-        module.eval_metrics,
-        head_chunk=module.ppo_cfg.lm_head_chunk_size,
-    )
-    scorer = Scorer(module.reward_fn, module.tokenizer)
-    metrics = evaluate(
-        dm.eval_batches(), sampler, scorer, module.policy, module.ref_lm, spec, module.runtime, module.device, samples
-    )
-    pop_reward_logs(module.reward_fn)  # log_metric calls of eval scoring are not the training rollout's
     for lg in module.loggers:
         if isinstance(lg, WandbLogger) and samples:
             lg.log_table(
@@ -282,4 +318,3 @@ def evaluate_module(module, samples: list | None = None) -> dict[str, float]:
                 data=[[module.global_step, *row] for row in samples],
                 step=module.global_step,
             )
-    return metrics
