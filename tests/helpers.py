@@ -188,19 +188,14 @@ def make_rollout(
     """
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.algo.rollout import finish_rollout, forward_logprobs, sample_and_score
+    from ppo_lightning.algo.rollout import Prompts, Sampler, Scorer, finish_rollout, forward_logprobs, sample_and_score
 
     s = sample_and_score(
-        sampler=HFBackend(policy.lm, tokenizer),
-        params=SamplingParams(**gen),
-        ref_lm=ref_lm,
-        reward_fn=reward_fn,
-        tokenizer=tokenizer,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        missing_eos_penalty=missing_eos_penalty,
+        Prompts(input_ids, attention_mask),
+        Sampler(HFBackend(policy.lm, tokenizer), SamplingParams(**gen), generator),
+        Scorer(reward_fn, tokenizer, missing_eos_penalty=missing_eos_penalty),
+        ref_lm,
         forward_chunk_size=forward_chunk_size,
-        generator=generator,
     )
     logprobs, values = forward_logprobs(
         policy,

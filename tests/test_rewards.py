@@ -376,7 +376,7 @@ def test_sample_and_score_applies_the_normalisation_and_keeps_the_raw_scores(tin
     from ppo_lightning.rewards.rules import char_fraction
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.algo.rollout import sample_and_score
+    from ppo_lightning.algo.rollout import Prompts, Sampler, Scorer, sample_and_score
 
     tok = load_tokenizer(str(tiny_lm_dir))
     lm = load_causal_lm(str(tiny_lm_dir), tok)
@@ -385,15 +385,10 @@ def test_sample_and_score_applies_the_normalisation_and_keeps_the_raw_scores(tin
     out = {}
     for norm in ((1.0, 0.0), (4.0, -0.5)):
         out[norm] = sample_and_score(
-            sampler=HFBackend(PolicyWithValueHead(lm).lm, tok),
-            params=params,
-            ref_lm=make_reference(lm),
-            reward_fn=char_fraction,
-            tokenizer=tok,
-            input_ids=enc.input_ids,
-            attention_mask=enc.attention_mask,
-            reward_norm=norm,
-            generator=torch.Generator().manual_seed(0),
+            Prompts(enc.input_ids, enc.attention_mask),
+            Sampler(HFBackend(PolicyWithValueHead(lm).lm, tok), params, torch.Generator().manual_seed(0)),
+            Scorer(char_fraction, tok, norm),
+            make_reference(lm),
         )
     plain, scaled = out[(1.0, 0.0)], out[(4.0, -0.5)]
     assert torch.equal(plain.scores, plain.raw_scores) and torch.equal(scaled.raw_scores, plain.raw_scores)

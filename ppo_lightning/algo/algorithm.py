@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ppo_lightning.algo.kl import approx_kl, kl_estimator_for, kl_penalty
 
 from ppo_lightning.algo.losses import (
-    aggregate,
+    Aggregation,
     clip_fractions,
     global_token_count,
     ppo_policy_loss,
@@ -41,8 +41,11 @@ from ppo_lightning.models.policy import PolicyWithValueHead
 from ppo_lightning.rewards import pop_reward_logs
 from ppo_lightning.algo.rollout import (
     PolicyOutput,
+    Prompts,
     Rollout,
+    Sampler,
     Samples,
+    Scorer,
     finish_rollout,
     forward_logprobs,
     sample_and_score,
@@ -99,22 +102,18 @@ class PPO:
             prompts, columns = _repeat(prompts, c.num_generations), _repeat(columns, c.num_generations)
         with self.runtime.rollout_context(self.policy, self.ref_lm):
             samples = sample_and_score(
-                sampler=self.sampler,
-                params=self.sampling,
-                ref_lm=self.ref_lm,
-                reward_fn=self.reward_fn,
-                tokenizer=self.tokenizer,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                missing_eos_penalty=c.missing_eos_penalty,
+                Prompts(input_ids, attention_mask, prompts, columns),
+                Sampler(self.sampler, self.sampling, self.generator, self.episodes),
+                Scorer(
+                    self.reward_fn,
+                    self.tokenizer,
+                    self.reward_norm,
+                    c.missing_eos_penalty,
+                    c.mask_truncated_completions,
+                ),
+                self.ref_lm,
                 forward_chunk_size=c.rollout_forward_batch_size,
                 head_chunk=c.lm_head_chunk_size,
-                reward_norm=self.reward_norm,
-                generator=self.generator,
-                prompts=prompts,
-                columns=columns,
-                mask_truncated=c.mask_truncated_completions,
-                episodes=self.episodes,
             )
             reward_logs = pop_reward_logs(self.reward_fn)  # log_metric calls of the reward functions
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)
@@ -253,18 +252,9 @@ class PPO:
         c, mask = self.cfg, part.response_mask
         entropies, new_values, new_logp = forward
         low, high = c.clip_low or c.clip, c.clip_high or c.clip
+        agg = Aggregation(c.loss_agg, n_tokens, seq_count, self.sampling.max_new_tokens)
         pg_loss, pg_clipfrac = ppo_policy_loss(
-            new_logp,
-            part.logprobs,
-            part.advantages,
-            mask,
-            low,
-            n_tokens,
-            clip_high=high,
-            dual_clip=c.dual_clip,
-            agg=c.loss_agg,
-            seq_count=seq_count,
-            norm_length=self.sampling.max_new_tokens,
+            new_logp, part.logprobs, part.advantages, mask, low, agg, clip_high=high, dual_clip=c.dual_clip
         )
         with torch.no_grad():
             clip_lo, clip_hi = clip_fractions(new_logp, part.logprobs, part.advantages, mask, low, high, n_tokens)
@@ -284,14 +274,7 @@ class PPO:
         else:
             loss = pg_loss - c.ent_coef * entropy
         if c.kl_in == "loss":  # GRPO: beta * KL(policy, reference), masked before the estimator
-            kl_loss = aggregate(
-                kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask),
-                mask,
-                c.loss_agg,
-                n_tokens,
-                seq_count,
-                self.sampling.max_new_tokens,
-            )
+            kl_loss = agg(kl_penalty(new_logp, part.ref_logprobs, self.kl_estimator, mask), mask)
             loss = loss + self.kl_ctl.value * kl_loss
             stats["loss/kl_avg"] = kl_loss.detach()
         return loss, stats, new_logp

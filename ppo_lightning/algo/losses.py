@@ -15,6 +15,8 @@ masked positions only. Names follow the math and the tutorial. Sources:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -94,25 +96,39 @@ def aggregate(
     return per_seq.sum() / (n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class Aggregation:
+    """How a minibatch's per-token losses become one number: ``aggregate``'s ``mode``
+    (``ppo.loss_agg``) with the counts a micro-batch's share divides by (``token_count``: the
+    minibatch's tokens, ``seq_count``: its responses) and ``norm_length`` (Dr. GRPO's constant).
+    Every loss of one update is reduced alike, so the options travel as one object; called on
+    ``(x, mask)`` it is ``aggregate``."""
+
+    mode: str = "token_mean"
+    token_count: Tensor | None = None
+    seq_count: Tensor | int | None = None
+    norm_length: int | None = None
+
+    def __call__(self, x: Tensor, mask: Tensor) -> Tensor:
+        return aggregate(x, mask, self.mode, self.token_count, self.seq_count, self.norm_length)
+
+
 def ppo_policy_loss(
     new_logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
     clip: float,
-    token_count: Tensor | None = None,
+    agg: Aggregation = Aggregation(),
     *,
     clip_high: float | None = None,
     dual_clip: float | None = None,
-    agg: str = "token_mean",
-    seq_count: Tensor | int | None = None,
-    norm_length: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clipped surrogate objective (as a loss to minimise) and the fraction of clipped tokens.
 
     ``pg_loss = max(-A * ratio, -A * clip(ratio, 1 - clip, 1 + clip_high))`` per token
     (``clip_high`` defaults to ``clip``; a larger one is DAPO's "clip-higher", Yu et al. 2025,
-    which lets unlikely tokens gain probability faster), then ``aggregate``d (``agg``).
+    which lets unlikely tokens gain probability faster), then reduced by ``agg`` (an ``Aggregation``).
     ``dual_clip = c > 1`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
     RL"): for negative advantages the loss is also capped at ``-c * A``, so a ratio far above 1
     on a bad token cannot produce an unbounded update. ``clip_frac`` (a token mean) counts
@@ -126,8 +142,8 @@ def ppo_policy_loss(
     per_token = torch.maximum(pg_loss1, pg_loss2)
     if dual_clip is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
-    loss = aggregate(per_token, mask, agg, token_count, seq_count, norm_length)
-    clip_frac = token_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask, token_count)
+    loss = agg(per_token, mask)
+    clip_frac = token_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask, agg.token_count)
     return loss, clip_frac
 
 

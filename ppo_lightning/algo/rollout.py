@@ -296,34 +296,138 @@ def score_episodes(
     return total, applies, terms
 
 
+# ----------------------------------------------------------------------------- sampling
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """A batch of left-padded prompts: ``input_ids`` and ``attention_mask`` ``[B, P]``, and each
+    row's prompt as written (``texts``) with its record's ``columns``, None when the data has none
+    (what a reward function and an environment read)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    texts: list | None = None
+    columns: list[dict] | None = None
+
+    @classmethod
+    def of(cls, batch: dict, device=None) -> "Prompts":
+        """The prompts of a DataLoader batch (its tensors moved to ``device``, when given)."""
+        ids, am = batch["input_ids"], batch["attention_mask"]
+        if device is not None:
+            ids, am = ids.to(device), am.to(device)
+        return cls(ids, am, batch.get("prompts"), batch.get("columns"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """How responses are drawn, as one object: the generation ``backend`` with its ``params``,
+    from ``generator``'s stream; with ``episodes`` (an ``envs.EpisodeRunner``, ``env``) each prompt
+    record is played as a multi-turn episode through them instead."""
+
+    backend: GenerationBackend
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    episodes: EpisodeRunner | None = None
+
+    @property
+    def error_reward(self) -> float:
+        """The score of an episode whose environment raised (``env.error_reward``)."""
+        return 0.0 if self.episodes is None else self.episodes.cfg.error_reward
+
+
+@dataclasses.dataclass
+class Sampled(_Sequences):
+    """Responses as sampled, before any scoring or forward: the prompt and response of each row in
+    ``query_responses [B, T]``, what the model attends to (``attention_mask [B, T]``) and the
+    policy's own tokens (``response_mask [B, R]``); with episodes, the episodes as ``played``."""
+
+    query_responses: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+    context_length: int
+    played: "EpisodeBatch | None" = None
+
+
+def sample(prompts: Prompts, sampler: Sampler) -> Sampled:
+    """One response per prompt row through ``sampler`` (or, with episodes, one episode per row)."""
+    if sampler.episodes is None:
+        ids, am = prompts.input_ids, prompts.attention_mask
+        responses, response_mask = sampler.backend.generate(ids, am, sampler.params, sampler.generator)
+        query_responses = torch.cat([ids, responses], dim=1)  # [B, T]
+        full_mask = torch.cat([am, response_mask.to(am.dtype)], dim=1)
+        return Sampled(query_responses, full_mask, response_mask, ids.shape[1])
+    played = sampler.episodes.run(
+        prompts.texts, prompts.columns, sampler.backend, sampler.params, sampler.generator, prompts.input_ids.device
+    )
+    return Sampled(played.query_responses, played.attention_mask, played.loss_mask, played.context_length, played)
+
+
+def score_sampled(
+    reward_fn: Callable, tokenizer, s: Sampled, prompts: Prompts, error_reward: float = 0.0
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """``score_terms`` of sampled responses, or ``score_episodes`` of played episodes (an episode
+    whose environment raised scores ``error_reward``)."""
+    if s.played is not None:
+        return score_episodes(reward_fn, tokenizer, s.played, error_reward)
+    ids, am = prompts.input_ids, prompts.attention_mask
+    return score_terms(reward_fn, tokenizer, ids, am, s.responses, s.response_mask, prompts.texts, prompts.columns)
+
+
+def sample_returns(
+    prompts: Prompts, sampler: Sampler, reward_fn: Callable, tokenizer
+) -> tuple[Sampled, Tensor, Tensor, dict[str, Tensor]]:
+    """``(samples, return [B], applies [B], {term: raw [B]})`` of fresh samples: each row's raw
+    score, with episodes plus its turn rewards (the episode's return), as evaluation and reward
+    normalisation measure them."""
+    s = sample(prompts, sampler)
+    raw, applies, terms = score_sampled(reward_fn, tokenizer, s, prompts, sampler.error_reward)
+    if s.played is not None:
+        raw = raw + s.played.turn_rewards.sum(1)
+    return s, raw, applies, terms
+
+
 @torch.no_grad()
-def reference_scores(
-    ref_sampler: GenerationBackend,
-    reward_fn: Callable,
-    tokenizer,
-    params: SamplingParams,
-    batches,
-    generator: torch.Generator,
-    device,
-    episodes: EpisodeRunner | None = None,
-) -> Tensor:
-    """The raw scores of the reference's responses to ``batches`` of prompts, sampled and scored
-    as the rollouts are (what reward normalisation is fitted on); with ``episodes``, of the
-    reference's episodes, each its score plus its turn rewards (the episode's return)."""
+def reference_scores(sampler: Sampler, reward_fn: Callable, tokenizer, batches, device) -> Tensor:
+    """The raw scores of the reference's responses to ``batches`` of prompts, sampled (through the
+    reference's ``sampler``) and scored as the rollouts are (what reward normalisation is fitted
+    on); with episodes, of the reference's episodes, each its score plus its turn rewards (the
+    episode's return). NaN where no reward applies."""
     raw = []
     for batch in batches:
-        ids, am = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        if episodes is not None:
-            played = episodes.run(batch["prompts"], batch["columns"], ref_sampler, params, generator, device)
-            total, applies, _ = score_episodes(reward_fn, tokenizer, played, episodes.cfg.error_reward)
-            total = total + played.turn_rewards.sum(1)
-            raw.append(torch.where(applies, total, torch.full_like(total, float("nan"))))
-            continue
-        resp, mask = ref_sampler.generate(ids, am, params, generator)
-        raw.append(
-            score_responses(reward_fn, tokenizer, ids, am, resp, mask, batch.get("prompts"), batch.get("columns"))
-        )
+        _, total, applies, _ = sample_returns(Prompts.of(batch, device), sampler, reward_fn, tokenizer)
+        raw.append(torch.where(applies, total, torch.full_like(total, float("nan"))))
     return torch.cat(raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    """How a response's raw reward becomes its training score, as one object: ``reward_fn``
+    judges the texts ``tokenizer`` decodes; ``norm = (gain, bias)`` maps the raw score to
+    ``gain * raw + bias`` ([N+] reward normalisation, fitted by ``rewards.fit_normalization``;
+    None leaves it raw; turn rewards are scaled by the gain); ``missing_eos_penalty`` is taken
+    from responses that never stopped ([N+]); ``mask_truncated`` takes those out of every loss
+    (DAPO's overlong filtering)."""
+
+    reward_fn: Callable
+    tokenizer: object
+    norm: Normalization | None = None
+    missing_eos_penalty: float | None = None
+    mask_truncated: bool = False
+
+    @property
+    def gain(self) -> float:
+        return (self.norm or (1.0, 0.0))[0]
+
+    def scores(self, raw_scores: Tensor, contains_eos: Tensor, stop_at_eos: bool) -> Tensor:
+        """The training score of each row: normalised, then the missing-EOS penalty."""
+        scores = normalized(raw_scores, self.norm)
+        if self.missing_eos_penalty is not None and stop_at_eos:
+            scores = torch.where(contains_eos, scores, scores - self.missing_eos_penalty)  # [N+] detail
+        return scores
+
+    def kept(self, scored: Tensor, contains_eos: Tensor, stop_at_eos: bool) -> Tensor:
+        """``[B]`` bool: the rows that stay in every loss. Out: responses no reward applies to (raw
+        score 0, as TRL), and with ``mask_truncated`` those cut at ``max_new_tokens``."""
+        return scored & contains_eos if self.mask_truncated and stop_at_eos else scored
 
 
 # ----------------------------------------------------------------------------- the whole step
@@ -353,75 +457,56 @@ class Samples(_Sequences):
 
 @torch.no_grad()
 def sample_and_score(
-    *,
-    sampler: GenerationBackend,
-    params: SamplingParams,
+    prompts: Prompts,
+    sampler: Sampler,
+    scorer: Scorer,
     ref_lm,
-    reward_fn: Callable,
-    tokenizer,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    missing_eos_penalty: float | None = None,
+    *,
     forward_chunk_size: int | None = None,
     head_chunk: int | None = None,
-    reward_norm: Normalization | None = None,
-    generator: torch.Generator | None = None,
-    prompts: list | None = None,
-    columns: list[dict] | None = None,
-    mask_truncated: bool = False,
-    episodes: EpisodeRunner | None = None,
 ) -> Samples:
-    """Sample responses to left-padded prompts through ``sampler`` (the policy's backend) as
-    ``params`` say; reference logprobs and reward scores for them. With ``episodes`` (an
-    ``env``), each prompt record is played out as a multi-turn episode instead
-    (``envs.EpisodeRunner``, from ``prompts`` and ``columns``): the response holds every turn, the
-    environment's tokens attended to but out of ``response_mask``.
-
-    ``reward_norm = (gain, bias)``: the score is ``gain * raw + bias`` ([N+] reward
-    normalisation, fitted by ``rewards.fit_normalization``; None leaves it raw); turn rewards are
-    scaled by the gain.
-    """
-    turn_rewards = played = None
-    if episodes is None:
-        P = input_ids.shape[1]
-        responses, response_mask = sampler.generate(input_ids, attention_mask, params, generator)
-        query_responses = torch.cat([input_ids, responses], dim=1)  # [B, T]
-        full_mask = torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1)
-        raw_scores, scored, term_scores = score_terms(
-            reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, prompts, columns
-        )
-        contains_eos = stopped_rows(responses, response_mask, params, tokenizer)
-    else:
-        played = episodes.run(prompts, columns, sampler, params, generator, input_ids.device)
-        P, query_responses, full_mask = played.context_length, played.query_responses, played.attention_mask
-        response_mask, contains_eos = played.loss_mask, played.stopped
-        raw_scores, scored, term_scores = score_episodes(reward_fn, tokenizer, played, episodes.cfg.error_reward)
-        turn_rewards = played.turn_rewards * (reward_norm or (1.0, 0.0))[0]
-    position_ids = position_ids_from_mask(full_mask)
-    ref_logprobs, _ = forward_logprobs(
-        None, ref_lm, query_responses, full_mask, position_ids, P, params.temperature, forward_chunk_size, head_chunk
+    """Sample responses to left-padded ``prompts`` through ``sampler`` (the policy's backend, as
+    its params say); reference logprobs (in row chunks of ``forward_chunk_size``, the LM head in
+    chunks of ``head_chunk``) and ``scorer``'s scores for them. With episodes (an ``env``), each
+    prompt record is played out as a multi-turn episode instead (``envs.EpisodeRunner``, from the
+    prompts as written and their columns): the response holds every turn, the environment's
+    tokens attended to but out of ``response_mask``."""
+    s = sample(prompts, sampler)
+    raw_scores, scored, term_scores = score_sampled(
+        scorer.reward_fn, scorer.tokenizer, s, prompts, sampler.error_reward
     )
-    scores = normalized(raw_scores, reward_norm)
-    if missing_eos_penalty is not None and params.stop_at_eos:
-        scores = torch.where(contains_eos, scores, scores - missing_eos_penalty)  # [N+] detail
-    # out of every loss: responses no reward applies to (raw score 0, as TRL), and with
-    # mask_truncated those cut at max_new_tokens (DAPO's overlong filtering)
-    keep = scored & contains_eos if mask_truncated and params.stop_at_eos else scored
-    if not keep.all():
-        response_mask = response_mask * keep[:, None]
+    params, played = sampler.params, s.played
+    if played is None:
+        contains_eos = stopped_rows(s.responses, s.response_mask, params, scorer.tokenizer)
+    else:
+        contains_eos = played.stopped
+    P, position_ids = s.context_length, position_ids_from_mask(s.attention_mask)
+    ref_logprobs, _ = forward_logprobs(
+        None,
+        ref_lm,
+        s.query_responses,
+        s.attention_mask,
+        position_ids,
+        P,
+        params.temperature,
+        forward_chunk_size,
+        head_chunk,
+    )
+    keep = scorer.kept(scored, contains_eos, params.stop_at_eos)
+    response_mask = s.response_mask if keep.all() else s.response_mask * keep[:, None]
     return Samples(
-        query_responses=query_responses,
-        attention_mask=full_mask,
+        query_responses=s.query_responses,
+        attention_mask=s.attention_mask,
         position_ids=position_ids,
         response_mask=response_mask,
         ref_logprobs=ref_logprobs,
-        scores=scores,
+        scores=scorer.scores(raw_scores, contains_eos, params.stop_at_eos),
         raw_scores=raw_scores,
         contains_eos=contains_eos,
         context_length=P,
         term_scores=term_scores,
         scored=scored,
-        turn_rewards=None if turn_rewards is None else turn_rewards * response_mask,
+        turn_rewards=None if played is None else played.turn_rewards * scorer.gain * response_mask,
         episodes=played,
     )
 

@@ -82,41 +82,62 @@ def read_records(
         return
     if not path.is_file():
         raise ConfigError(f"{source}: no such file or directory")
+    suffix = _suffix(path, suffixes, source)
+    if suffix == ".parquet":
+        yield from _parquet_rows(path, source, key_prefix)
+    elif suffix == ".txt":
+        yield from _txt_rows(path, source, text_field)
+    elif suffix == ".jsonl":
+        yield from _jsonl_rows(path, source)
+    else:
+        yield from _json_rows(path, source)
+
+
+def _suffix(path: Path, suffixes: Sequence[str], source: str) -> str:
+    """The file's format by extension (none: ``.txt``), refused unless one of ``suffixes``."""
     suffix = ".txt" if path.suffix == "" else path.suffix
     if suffix not in suffixes:
         formats = [RECORD_FILES[s] for s in suffixes]
         listed = formats[0] if len(formats) == 1 else f"{', '.join(formats[:-1])} or {formats[-1]}"
         raise ConfigError(f"{source}: unsupported extension {path.suffix!r}; use {listed}")
-    if suffix == ".parquet":
-        yield from _parquet_rows(path, source, key_prefix)
-    elif suffix == ".txt":
-        lines = path.read_text(encoding="utf-8").split("\n")
-        for lineno, line in enumerate(lines, start=1):
-            if line.strip():
-                yield f"{source} line {lineno}", {text_field: line.rstrip("\r")}
-    elif suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{source} line {lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-                yield where, _object(obj, where)
-    else:
-        try:
-            objs = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"{source} line {e.lineno}: not valid JSON ({e.msg}); a .json file must hold one list of objects"
-            ) from None
-        if not isinstance(objs, list):
-            raise ConfigError(f"{source}: expected a JSON list of objects, got a {type(objs).__name__}")
-        for i, obj in enumerate(objs):
-            where = f"{source} record {i}"
+    return suffix
+
+
+def _txt_rows(path: Path, source: str, text_field: str) -> Iterator[tuple[str, dict]]:
+    """One record ``{text_field: line}`` per non-empty line, split on ``"\\n"`` only."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    for lineno, line in enumerate(lines, start=1):
+        if line.strip():
+            yield f"{source} line {lineno}", {text_field: line.rstrip("\r")}
+
+
+def _jsonl_rows(path: Path, source: str) -> Iterator[tuple[str, dict]]:
+    """One JSON object a line, blank lines skipped."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{source} line {lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             yield where, _object(obj, where)
+
+
+def _json_rows(path: Path, source: str) -> Iterator[tuple[str, dict]]:
+    """The objects of one JSON list."""
+    try:
+        objs = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{source} line {e.lineno}: not valid JSON ({e.msg}); a .json file must hold one list of objects"
+        ) from None
+    if not isinstance(objs, list):
+        raise ConfigError(f"{source}: expected a JSON list of objects, got a {type(objs).__name__}")
+    for i, obj in enumerate(objs):
+        where = f"{source} record {i}"
+        yield where, _object(obj, where)
 
 
 def _object(obj, where: str) -> dict:

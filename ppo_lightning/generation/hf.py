@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -165,55 +166,68 @@ def generate(
     way (greedy decoding gives the same tokens, a test), but the random stream is drawn in a
     different order, so a seeded run samples different tokens with a different chunk size.
 
-    The loop runs under ``inference_mode`` (~10% faster per step than ``no_grad``); its outputs
-    are cloned into ordinary tensors, since the training step feeds them back through autograd.
-    A sharded LM (FSDP2) samples under ``no_grad``: its all-gather buffers, allocated on the
-    first forward, are written in place again by every later one, in or out of the loop.
+    The loop runs as ``_sampling_mode`` says; its outputs become ordinary tensors (``_joined``),
+    since the training step feeds them back through autograd.
     """
     params = params or SamplingParams(**sampling)
     B = input_ids.shape[0]
     chunk_size = params.chunk_size or B
-    was_training = lm.training  # a checkpointing policy stays in train mode, where Hugging Face
-    lm.eval()  # turns the KV cache off: sample in eval mode (dropout is 0 anyway)
-    try:
-        with torch.no_grad() if is_sharded(lm) else torch.inference_mode():
-            parts = [
-                _sample_loop(
-                    lm,
-                    input_ids[s : s + chunk_size],
-                    attention_mask[s : s + chunk_size],
-                    params.rows(slice(s, s + chunk_size)),
-                    eos_token_id,
-                    pad_token_id,
-                    generator,
-                    fast_decode,
-                    tokenizer,
-                )
-                for s in range(0, B, chunk_size)
-            ]
-    finally:
-        lm.train(was_training)
+    with _sampling_mode(lm):
+        parts = [
+            _sample_loop(
+                lm,
+                input_ids[s : s + chunk_size],
+                attention_mask[s : s + chunk_size],
+                params.rows(slice(s, s + chunk_size)),
+                eos_token_id,
+                pad_token_id,
+                generator,
+                fast_decode,
+                tokenizer,
+            )
+            for s in range(0, B, chunk_size)
+        ]
+    return _joined(parts, pad_token_id)
+
+
+def _joined(parts: list[tuple[Tensor, Tensor]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """The chunks' ``(responses, response_mask)`` as one batch, each padded to the longest, in
+    ordinary tensors (a lone chunk's cloned out of ``inference_mode``; ``torch.cat`` makes new ones)."""
     if len(parts) == 1:
         responses, response_mask = parts[0]
         return responses.clone(), response_mask.clone()
     R = max(r.shape[1] for r, _ in parts)
     responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad_token_id) for r, _ in parts])
     response_mask = torch.cat([F.pad(m, (0, R - m.shape[1]), value=0.0) for _, m in parts])
-    return responses, response_mask  # torch.cat made ordinary tensors
+    return responses, response_mask
 
 
-def _sample_loop(
-    lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast_decode, tokenizer
-):
-    max_new_tokens, stop_at_eos = params.max_new_tokens, params.stop_at_eos
-    stops = StopChecker(eos_token_id, params.stop_token_ids, params.stop_strings, tokenizer) if stop_at_eos else None
+@contextmanager
+def _sampling_mode(lm):
+    """Eval mode for the loop (a checkpointing policy stays in train mode, where Hugging Face turns
+    the KV cache off; dropout is 0 anyway), the LM's own mode restored after, under
+    ``inference_mode`` (~10% faster per step than ``no_grad``). A sharded LM (FSDP2) samples
+    under ``no_grad``: its all-gather buffers, allocated on the first forward, are written in
+    place again by every later one, in or out of the loop."""
+    was_training = lm.training
+    lm.eval()
+    try:
+        with torch.no_grad() if is_sharded(lm) else torch.inference_mode():
+            yield
+    finally:
+        lm.train(was_training)
+
+
+def _prefill(lm, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, fast_decode: bool):
+    """The prompt's forward into a fresh KV cache: ``(logits [B, V] of the first response token,
+    next_pos [B, 1], step)``, where ``step(token, t, next_pos)`` feeds token ``t`` and gives the
+    next logits (through the lean ``fast_decode`` step where the model has one)."""
     from transformers import DynamicCache
 
     B, P = input_ids.shape
-    device = input_ids.device
     cache_kw = _cache_kwarg(lm)
     cache = DynamicCache(config=lm.config)
-    full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=device)
+    full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device)
     full_mask[:, :P] = attention_mask
     position_ids = position_ids_from_mask(attention_mask)
     next_pos = position_ids[:, -1:] + 1  # [B, 1]
@@ -226,8 +240,31 @@ def _sample_loop(
         **{cache_kw: cache},
         **keep,
     )
-    logits = out.logits[:, -1, :]
     decoder = decoder_for(lm, cache, attention_mask, max_new_tokens) if fast_decode else None
+
+    def step(token: Tensor, t: int, next_pos: Tensor) -> Tensor:
+        if decoder is not None:
+            return decoder.step(token, next_pos[:, 0])
+        return lm(
+            input_ids=token[:, None],
+            attention_mask=full_mask[:, : P + t + 1],
+            position_ids=next_pos,
+            use_cache=True,
+            **{cache_kw: cache},
+        ).logits[:, -1, :]
+
+    return out.logits[:, -1, :], next_pos, step
+
+
+def _sample_loop(
+    lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast_decode, tokenizer
+):
+    """One chunk of rows: the prefill, then a token a step until every row has stopped (with
+    ``stop_at_eos``) or ``max_new_tokens``; ``(responses [B, n], response_mask [B, n])``."""
+    max_new_tokens, stop_at_eos = params.max_new_tokens, params.stop_at_eos
+    stops = StopChecker(eos_token_id, params.stop_token_ids, params.stop_strings, tokenizer) if stop_at_eos else None
+    B, device = input_ids.shape[0], input_ids.device
+    logits, next_pos, step = _prefill(lm, input_ids, attention_mask, max_new_tokens, fast_decode)
     responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     stopped_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # each row's first stop
@@ -254,16 +291,7 @@ def _sample_loop(
                 break
         if t + 1 == max_new_tokens:
             break
-        if decoder is not None:
-            logits = decoder.step(token, next_pos[:, 0])
-        else:
-            logits = lm(
-                input_ids=token[:, None],
-                attention_mask=full_mask[:, : P + t + 1],
-                position_ids=next_pos,
-                use_cache=True,
-                **{cache_kw: cache},
-            ).logits[:, -1, :]
+        logits = step(token, t, next_pos)
         next_pos = next_pos + 1 if limits is None else next_pos + (~finished).long()[:, None]
     responses = responses[:, :n]
     if stop_at_eos:  # 1 up to and including the first stop

@@ -266,10 +266,22 @@ class VLLMBackend:
         """``(responses [B, R], response_mask [B, R])`` for left-padded ``prompt_ids [B, P]``, as
         the ``hf`` backend returns them; the engine's logprobs of the sampled tokens are left in
         ``sampled_logprobs``."""
-        from vllm import SamplingParams as EngineParams
-
         llm = self._engine()
         B, device = prompt_ids.shape[0], prompt_ids.device
+        engine_params = self._engine_params(params, B, generator)
+        mask = attention_mask.bool().cpu()
+        requests = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(prompt_ids.cpu(), mask)]
+        with _no_autocast():  # the engine runs in this thread: keep the rollout's autocast out of it
+            outputs = llm.generate(requests, engine_params, use_tqdm=False)
+        responses, response_mask, sampled = _padded(outputs, B, self.pad_token_id)
+        self.sampled_logprobs = (sampled * response_mask).to(device)
+        return responses.to(device), response_mask.to(device)
+
+    def _engine_params(self, params: SamplingParams, B: int, generator: torch.Generator | None) -> list:
+        """One vLLM ``SamplingParams`` per row: ``params`` in the engine's terms, each row with its
+        own seed drawn from ``generator`` (none when greedy) and its own token limit."""
+        from vllm import SamplingParams as EngineParams
+
         stop_strings = list(params.stop_strings) if params.stop_at_eos else []
         # vLLM applies min-p before top-k and top-p, Hugging Face after them. With top-k the order
         # does not matter: min-p keeps the tokens above min_p x the top probability, and top-k keeps
@@ -299,26 +311,26 @@ class VLLMBackend:
         else:
             seeds = torch.randint(2**31 - 1, (B,), generator=generator, device=generator.device if generator else None)
             seeds = seeds.tolist()
-        mask = attention_mask.bool().cpu()
-        requests = [{"prompt_token_ids": row[m].tolist()} for row, m in zip(prompt_ids.cpu(), mask)]
         limits = params.row_max_new_tokens or [params.max_new_tokens] * B  # each row's own, an episode's room
-        engine_params = [EngineParams(seed=s, **{**common, "max_tokens": int(m)}) for s, m in zip(seeds, limits)]
-        with _no_autocast():  # the engine runs in this thread: keep the rollout's autocast out of it
-            outputs = llm.generate(requests, engine_params, use_tqdm=False)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        logps = [[lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)] for toks, o in zip(tokens, outputs)]
-        R = max(1, max(len(t) for t in tokens))
-        responses = torch.full((B, R), self.pad_token_id, dtype=torch.long)
-        sampled = torch.zeros(B, R)
-        for i, (t, lp) in enumerate(zip(tokens, logps)):
-            responses[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            sampled[i, : len(lp)] = torch.tensor(lp)
-        # the engine stopped each row at its first stop (kept): every returned token is the response's
-        response_mask = torch.zeros(B, R)
-        for i, t in enumerate(tokens):
-            response_mask[i, : len(t)] = 1.0
-        self.sampled_logprobs = (sampled * response_mask).to(device)
-        return responses.to(device), response_mask.to(device)
+        return [EngineParams(seed=s, **{**common, "max_tokens": int(m)}) for s, m in zip(seeds, limits)]
+
+
+def _padded(outputs, B: int, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The engine's outputs as ``(responses, response_mask, sampled logprobs)`` ``[B, R]``, padded
+    to the longest. The engine stopped each row at its first stop (kept): every returned token is
+    the response's."""
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logps = [[lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)] for toks, o in zip(tokens, outputs)]
+    R = max(1, max(len(t) for t in tokens))
+    responses = torch.full((B, R), pad_token_id, dtype=torch.long)
+    sampled = torch.zeros(B, R)
+    for i, (t, lp) in enumerate(zip(tokens, logps)):
+        responses[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        sampled[i, : len(lp)] = torch.tensor(lp)
+    response_mask = torch.zeros(B, R)
+    for i, t in enumerate(tokens):
+        response_mask[i, : len(t)] = 1.0
+    return responses, response_mask, sampled
 
 
 def _no_autocast() -> contextlib.ExitStack:

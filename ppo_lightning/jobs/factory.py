@@ -25,7 +25,9 @@ from ppo_lightning.data.records import read_prompts, record_formats
 from ppo_lightning.envs import build_runner, check_env, check_env_reward
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation import SamplingParams
-from ppo_lightning.train.module import PPOModule
+from ppo_lightning.train.evaluation import Evaluation
+from ppo_lightning.train.module import Generation, PPOModule
+from ppo_lightning.train.normalization import NormalizedReward
 from ppo_lightning.models.lora import DisabledAdapters, apply_lora
 from ppo_lightning.models.policy import (
     PolicyWithValueHead,
@@ -81,13 +83,23 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
     def pending(path) -> bool:
         return built_by_recipe is not None and bool(path) and _under(path, built_by_recipe)
 
-    d, m, r = cfg.data, cfg.model, cfg.reward
+    _check_prompt_files(cfg, pending, recipe_builds=built_by_recipe is not None)
+    if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
+    _check_code(cfg)
+    _check_model_sources(cfg, pending)
+
+
+def _check_prompt_files(cfg: DictConfig, pending, recipe_builds: bool) -> None:
+    """``data.path`` (or ``data.hf_dataset``) and ``eval.path``: given, existing, holding prompts
+    that parse; unless ``pending`` (a recipe builds them next)."""
+    d = cfg.data
     if d.path is None and d.hf_dataset is None:
         raise ConfigError(
             "data.path and data.hf_dataset are both null: set data.path=prompts.txt "
             "(one prompt a line) or .jsonl, or data.hf_dataset=<name>"
         )
-    if d.path is not None and built_by_recipe is not None and not pending(d.path):
+    if d.path is not None and recipe_builds and not pending(d.path):
         log.warning(
             "data.path=%s is not recipe=%s's prompts: this job keeps that task's data group and "
             "preset (prompt limit, KL coefficient, response length); for your own prompts with the "
@@ -109,8 +121,12 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
                 + _built_by_hint(cfg.eval.path, cfg)
             )
         read_prompts(cfg.eval.path, d.prompt_field, key_prefix="eval")  # as data.path's: fails here
-    if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
+
+
+def _check_code(cfg: DictConfig) -> None:
+    """The code the config names imports and builds: reward functions, eval metrics, the
+    generation backend, the environment (and its ``get_reward`` when it is the reward)."""
+    r = cfg.reward
     if not needs_model(r):
         build_reward(r)  # imports reward.fn (or every term's)
     build_eval_metrics(cfg.eval.metrics)  # imports each eval.metrics function
@@ -119,6 +135,12 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
         check_env(cfg.env)  # the environment class imports and builds, its tools have schemas
     if r.kind == "environment" and not r.terms:
         check_env_reward(cfg.get("env"))  # the environment scores its episodes (get_reward)
+
+
+def _check_model_sources(cfg: DictConfig, pending) -> None:
+    """Model, tokenizer, reference and reward-model paths exist or are reachable hub ids (not the
+    tiny model this run builds, nor what ``pending`` says a recipe builds); the value head file."""
+    m, r = cfg.model, cfg.reward
     sources = [
         (
             "model.name_or_path",
@@ -168,7 +190,9 @@ def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
 
 
 def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
-    """The ``PPOModule`` (policy with value head, frozen reference, reward) and the prompts."""
+    """The ``PPOModule`` (policy with value head, frozen reference, reward) and the prompts. The
+    parts are built in a fixed order from one seed (LoRA's adapters and some heads draw from the
+    global RNG): prompts, policy and reference, reward, then the module."""
     check_inputs(cfg)
     # first: building the tiny model seeds the global RNG itself, and what follows must not
     # depend on whether this run built it (LoRA's adapter init draws from that RNG)
@@ -180,6 +204,34 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
     # multi-turn: the chat template checked (prefix-preserving, renders tools) before any model loads
     episodes = build_runner(cfg.env, cfg.data, tokenizer, tokenizer_path) if cfg.get("env") else None
+    datamodule, eval_metrics = build_prompts(cfg, tokenizer, episodes)
+    policy, ref_lm = build_policy(cfg, tokenizer, episodes)
+    reward = build_normalized_reward(cfg, reward_fn, tokenizer, episodes, policy)
+
+    # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
+    ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
+    module = PPOModule(
+        policy,
+        ref_lm,
+        reward,
+        tokenizer,
+        ppo_cfg,
+        optim_cfg,
+        seed=cfg.seed,
+        evaluation=Evaluation(OmegaConf.to_object(cfg.eval), eval_metrics),
+        generation=Generation(
+            build_backend(cfg.get("generation")),
+            SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
+            episodes,
+        ),
+        rollout_dir=str(Path(cfg.paths.output_dir) / "rollouts") if cfg.ppo.rollout_dump else None,
+    )
+    return module, datamodule
+
+
+def build_prompts(cfg: DictConfig, tokenizer, episodes) -> tuple[PromptDataModule, dict]:
+    """The prompts, read, rendered and tokenised, and the ``eval.metrics`` scorers; every record
+    has the columns each reward function and eval metric asks for."""
     tools = episodes.probe_tools() if episodes is not None else None
     datamodule = PromptDataModule(
         cfg.data, tokenizer, seed=cfg.seed, eval_cfg=cfg.eval, chat=episodes is not None, tools=tools
@@ -190,7 +242,12 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     eval_metrics = build_eval_metrics(cfg.eval.metrics)
     for fn in eval_metrics.values():
         check_reward_columns(fn, datamodule.eval_records)
+    return datamodule, eval_metrics
 
+
+def build_policy(cfg: DictConfig, tokenizer, episodes) -> tuple[PolicyWithValueHead, torch.nn.Module]:
+    """The policy (the LM, with LoRA adapters when ``model.lora.r`` > 0, and a value head when the
+    estimator has a critic) and its frozen reference (the LoRA policy with its adapters disabled)."""
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
     ctx = context_length(lm.config)
     response = "env.max_total_tokens" if episodes is not None else "sampling.max_new_tokens"
@@ -214,38 +271,27 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
         load_value_head(policy, cfg.model.value_head_path)
     if cfg.model.gradient_checkpointing:  # the policy only: the frozen reference never backprops
         policy.enable_gradient_checkpointing()
+    return policy, ref_lm
+
+
+def build_normalized_reward(
+    cfg: DictConfig, reward_fn, tokenizer, episodes, policy: PolicyWithValueHead
+) -> NormalizedReward:
+    """The run's reward (``reward_fn``, or the reward model built now, after the policy; with a
+    TRL environment's ``get_reward``, one term more) with its normalisation: fitted when the run
+    starts, else the configured gain and bias. ``model.value_head_init=reward_model`` copies the
+    reward model's head into ``policy``'s value head, on the raw scale when a fit will rescale it."""
     if needs_model(cfg.reward):
         reward_fn = build_reward(cfg.reward)
         reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
     owner = episodes.reward_owner() if episodes is not None else None
     if owner is not None:  # a TRL environment's get_reward(): one more term, named after its class
         reward_fn = with_environment_reward(reward_fn, owner)
-    # reward normalisation: fitted when the run starts, else the configured gain and bias
     reward_norm = None if cfg.reward.normalize else (cfg.reward.gain, cfg.reward.bias)
-    if cfg.model.value_head_init == "reward_model":  # on the raw scale when a fit will rescale it
+    from_reward = cfg.model.value_head_init == "reward_model"
+    if from_reward:  # on the raw scale when a fit will rescale it
         init_value_head_from(policy, reward_fn, *(reward_norm or (1.0, 0.0)))
-
-    # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
-    ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
-    module = PPOModule(
-        policy,
-        ref_lm,
-        reward_fn,
-        tokenizer,
-        ppo_cfg,
-        optim_cfg,
-        seed=cfg.seed,
-        eval_cfg=OmegaConf.to_object(cfg.eval),
-        eval_metrics=eval_metrics,
-        sampling=SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
-        reward_norm=reward_norm,
-        normalize_reward_samples=cfg.reward.normalize_samples,
-        value_head_from_reward=cfg.model.value_head_init == "reward_model",
-        backend=build_backend(cfg.get("generation")),
-        episodes=episodes,
-        rollout_dir=str(Path(cfg.paths.output_dir) / "rollouts") if cfg.ppo.rollout_dump else None,
-    )
-    return module, datamodule
+    return NormalizedReward(reward_fn, reward_norm, cfg.reward.normalize_samples, from_reward)
 
 
 def build_backend(node: DictConfig | None):

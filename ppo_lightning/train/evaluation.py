@@ -20,6 +20,7 @@ its columns reach the reward), and reduces sums over ranks once. Metrics (``docs
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from typing import NamedTuple
@@ -27,11 +28,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.models.policy import position_ids_from_mask
 from ppo_lightning.envs.template import conversation_text
 from ppo_lightning.rewards import pop_reward_logs
-from ppo_lightning.algo.rollout import decode_prompts_and_responses, forward_logprobs, score_episodes, score_terms
+from ppo_lightning.algo.rollout import (
+    Prompts,
+    Sampled,
+    Sampler,
+    Scorer,
+    decode_prompts_and_responses,
+    forward_logprobs,
+    sample_returns,
+    score_sampled,
+)
 
 
 class EvalPoint(NamedTuple):
@@ -61,127 +70,168 @@ def pass_ks(n: int) -> list[int]:
     return ks if ks[-1] == n else [*ks, n]
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """What one evaluation measures, as one object (the ``eval.*`` node with the run's data and
+    numerics): ``num_samples`` responses per prompt (``n``), a pass when the score (or
+    ``pass_term``'s) reaches ``pass_threshold``; per ``data_source`` too with ``sources`` (every eval
+    record's, the same list on every rank); ``metrics`` (``eval.metrics``: name -> scorer) scored on
+    the same samples apart from the reward; up to ``max_samples`` sample rows kept; the LM head in
+    chunks of ``head_chunk`` (``ppo.lm_head_chunk_size``)."""
+
+    num_samples: int
+    pass_threshold: float
+    pass_term: str | None = None
+    sources: tuple[str, ...] = ()
+    metrics: dict = dataclasses.field(default_factory=dict)
+    max_samples: int = 8
+    head_chunk: int | None = None
+
+    @property
+    def ks(self) -> list[int]:
+        return pass_ks(self.num_samples)
+
+
 @torch.no_grad()
 def evaluate(
-    batches,
-    *,
-    sampler: GenerationBackend,
-    params: SamplingParams,
-    generator: torch.Generator,
-    policy,
-    ref_lm,
-    reward_fn,
-    tokenizer,
-    runtime,
-    num_samples: int,
-    pass_threshold: float,
-    pass_term: str | None,
-    device,
-    sources: list[str] = (),
-    metrics: dict | None = None,
-    samples: list | None = None,
-    max_samples: int = 8,
-    head_chunk: int | None = None,
-    episodes=None,
+    batches, sampler: Sampler, scorer: Scorer, policy, ref_lm, spec: EvalSpec, runtime, device, samples=None
 ) -> dict[str, float]:
     """The ``eval/*`` metrics over every rank's ``batches`` (``(batch, weight [B])`` pairs: a row of
-    weight 0 pads a rank's share, and counts nowhere); with ``sources`` (every eval record's
-    ``data_source``, the same list on every rank) per source as well. ``samples``, when given,
-    receives up to ``max_samples`` of this rank's ``(prompt, response, reward)`` rows. ``metrics``
-    (``eval.metrics``: name -> scorer) are scored on the same samples, apart from the reward.
-    With ``episodes`` (an ``envs.EpisodeRunner``) each prompt is played as a multi-turn episode,
-    scored on its outcome (its score plus its turn rewards), its length the policy's tokens, and
-    ``eval/env/turns_mean`` and ``eval/env/tool_calls_mean`` are logged too."""
-    n, ks = num_samples, pass_ks(num_samples)
+    weight 0 pads a rank's share, and counts nowhere): each batch sampled through ``sampler``,
+    scored by ``scorer``'s raw reward (and ``spec.metrics``), its KL to ``ref_lm`` measured, and
+    the sums reduced over ranks once. ``samples``, when given, receives up to ``spec.max_samples``
+    of this rank's ``(prompt, response, reward)`` rows. With episodes (``sampler.episodes``) each
+    prompt is played as a multi-turn episode, scored on its outcome (its score plus its turn
+    rewards), its length the policy's tokens, and ``eval/env/turns_mean`` and
+    ``eval/env/tool_calls_mean`` are logged too."""
     sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
     with runtime.rollout_context(policy, ref_lm):
         for batch, weight in batches:
-            ids = batch["input_ids"].to(device).repeat_interleave(n, dim=0)
-            am = batch["attention_mask"].to(device).repeat_interleave(n, dim=0)
-            prompts = [p for p in batch["prompts"] for _ in range(n)]
-            columns = [c for c in batch["columns"] for _ in range(n)]
+            prompts = _each_n_times(batch, spec.num_samples, device)
+            s, raw, _, terms = sample_returns(prompts, sampler, scorer.reward_fn, scorer.tokenizer)
+            kl = _kl_to_reference(policy, ref_lm, s, sampler.params.temperature, spec)
+            per_row = {**_per_row(s, raw, terms, kl), **_metric_scores(spec, scorer.tokenizer, s, prompts, sampler)}
             w = weight.to(device, torch.float64)
-            if episodes is None:
-                resp, mask = sampler.generate(ids, am, params, generator)
-                raw, _, terms = score_terms(reward_fn, tokenizer, ids, am, resp, mask, prompts, columns)
-                P = ids.shape[1]
-                seq = torch.cat([ids, resp], dim=1)
-                full = torch.cat([am, mask.to(am.dtype)], dim=1)
-                extra = {}
-            else:  # multi-turn: each eval prompt played as an episode; its outcome is its return
-                played = episodes.run(prompts, columns, sampler, params, generator, device)
-                raw, _, terms = score_episodes(reward_fn, tokenizer, played, episodes.cfg.error_reward)
-                raw = raw + played.turn_rewards.sum(1)
-                P, seq, full, mask = (
-                    played.context_length,
-                    played.query_responses,
-                    played.attention_mask,
-                    played.loss_mask,
-                )
-                extra = {
-                    "env/turns_mean": torch.tensor([e.turns for e in played.episodes], dtype=torch.float64),
-                    "env/tool_calls_mean": torch.tensor(
-                        [e.counts["tool_calls"] for e in played.episodes], dtype=torch.float64
-                    ),
-                }
-            pos = position_ids_from_mask(full)
-            logp, _ = forward_logprobs(policy, None, seq, full, pos, P, params.temperature, head_chunk=head_chunk)
-            ref, _ = forward_logprobs(None, ref_lm, seq, full, pos, P, params.temperature, head_chunk=head_chunk)
-            per_row = {
-                "reward": raw.double(),
-                "length": mask.sum(1).double(),
-                "kl": ((logp - ref) * mask).sum(1).double(),
-                **{f"term/{name}": t.double().nan_to_num(0.0) for name, t in terms.items()},
-                **{f"extra/{k}": v.to(device) for k, v in extra.items()},
-            }
-            for name, fn in (metrics or {}).items():
-                if episodes is None:
-                    score, _, _ = score_terms(fn, tokenizer, ids, am, resp, mask, prompts, columns)
-                else:
-                    score, _, _ = score_episodes(fn, tokenizer, played, episodes.cfg.error_reward)
-                per_row[f"metric/{name}"] = score.double()
-            if samples is not None and len(samples) < max_samples:
-                real = w.repeat_interleave(n) > 0
-                if episodes is None:
-                    prompt_texts, texts = decode_prompts_and_responses(tokenizer, ids, resp, mask)
-                else:  # the whole conversation, each message under its role
-                    prompt_texts = [conversation_text(e.prompt_messages) for e in played.episodes]
-                    texts = [conversation_text(e.completion) for e in played.episodes]
-                rows_here = [(p, r, float(x)) for p, r, x, ok in zip(prompt_texts, texts, raw.tolist(), real) if ok]
-                samples.extend(rows_here[: max_samples - len(samples)])
-            judged = terms[pass_term] if pass_term else raw
-            passed = (judged >= pass_threshold).view(-1, n).sum(1).tolist()  # per prompt
-            per_prompt = {
-                f"pass@{k}": torch.tensor([pass_at_k(n, int(c), k) for c in passed], dtype=torch.float64, device=device)
-                for k in ks
-            }
-            groups = [("", w)]
-            for src in sources:  # the prompts of each source, by weight
-                in_src = [str(col.get("data_source")) == src for col in batch["columns"]]
-                groups.append((f"{src}/", w * torch.tensor(in_src, dtype=torch.float64, device=device)))
-            for prefix, gw in groups:
-                rows = gw.repeat_interleave(n)
-                sums[f"{prefix}rows"] += rows.sum()
-                sums[f"{prefix}prompts"] += gw.sum()
-                for key, x in per_row.items():
-                    sums[f"{prefix}{key}"] += (rows * x).sum()
-                for key, x in per_prompt.items():
-                    sums[f"{prefix}{key}"] += (gw * x).sum()
-    names = sorted(sums)
+            if samples is not None and len(samples) < spec.max_samples:
+                real = w.repeat_interleave(spec.num_samples) > 0
+                _keep_samples(samples, spec.max_samples, scorer.tokenizer, s, raw, real)
+            judged = terms[spec.pass_term] if spec.pass_term else raw
+            groups = _groups(batch, w, spec.sources, device)
+            _add(sums, per_row, _pass_at_ks(judged, spec, device), groups, spec.num_samples)
+    return _means(sums, runtime, spec)
+
+
+def _each_n_times(batch: dict, n: int, device) -> Prompts:
+    """The batch's prompts on ``device``, each ``n`` times in a row."""
+    return Prompts(
+        batch["input_ids"].to(device).repeat_interleave(n, dim=0),
+        batch["attention_mask"].to(device).repeat_interleave(n, dim=0),
+        [p for p in batch["prompts"] for _ in range(n)],
+        [c for c in batch["columns"] for _ in range(n)],
+    )
+
+
+def _kl_to_reference(policy, ref_lm, s: Sampled, temperature: float, spec: EvalSpec) -> Tensor:
+    """``[B, R]`` k1 = logp - ref of the sampled tokens (at the sampling temperature)."""
+    seq, full, P = s.query_responses, s.attention_mask, s.context_length
+    pos = position_ids_from_mask(full)
+    logp, _ = forward_logprobs(policy, None, seq, full, pos, P, temperature, head_chunk=spec.head_chunk)
+    ref, _ = forward_logprobs(None, ref_lm, seq, full, pos, P, temperature, head_chunk=spec.head_chunk)
+    return logp - ref
+
+
+def _per_row(s: Sampled, raw: Tensor, terms: dict[str, Tensor], kl: Tensor) -> dict[str, Tensor]:
+    """Each row's measures ``[B]`` float64: reward, length, KL (summed over the response), each
+    term's raw score, and with episodes their turns and tool calls."""
+    mask, device = s.response_mask, raw.device
+    extra = {}
+    if s.played is not None:
+        extra = {
+            "env/turns_mean": torch.tensor([e.turns for e in s.played.episodes], dtype=torch.float64),
+            "env/tool_calls_mean": torch.tensor(
+                [e.counts["tool_calls"] for e in s.played.episodes], dtype=torch.float64
+            ),
+        }
+    return {
+        "reward": raw.double(),
+        "length": mask.sum(1).double(),
+        "kl": (kl * mask).sum(1).double(),
+        **{f"term/{name}": t.double().nan_to_num(0.0) for name, t in terms.items()},
+        **{f"extra/{k}": v.to(device) for k, v in extra.items()},
+    }
+
+
+def _metric_scores(spec: EvalSpec, tokenizer, s: Sampled, prompts: Prompts, sampler: Sampler) -> dict[str, Tensor]:
+    """Each ``eval.metrics`` scorer's score ``[B]`` of the same samples (not part of the reward)."""
+    return {
+        f"metric/{name}": score_sampled(fn, tokenizer, s, prompts, sampler.error_reward)[0].double()
+        for name, fn in spec.metrics.items()
+    }
+
+
+def _keep_samples(samples: list, max_samples: int, tokenizer, s: Sampled, raw: Tensor, real: Tensor) -> None:
+    """Append the real rows' ``(prompt, response, reward)`` to ``samples``, up to ``max_samples``;
+    with episodes the whole conversation, each message under its role."""
+    if s.played is None:
+        prompt_texts, texts = decode_prompts_and_responses(
+            tokenizer, s.query_responses[:, : s.context_length], s.responses, s.response_mask
+        )
+    else:
+        prompt_texts = [conversation_text(e.prompt_messages) for e in s.played.episodes]
+        texts = [conversation_text(e.completion) for e in s.played.episodes]
+    rows_here = [(p, r, float(x)) for p, r, x, ok in zip(prompt_texts, texts, raw.tolist(), real) if ok]
+    samples.extend(rows_here[: max_samples - len(samples)])
+
+
+def _pass_at_ks(judged: Tensor, spec: EvalSpec, device) -> dict[str, Tensor]:
+    """Each prompt's ``pass@k`` ``[B / n]`` from its ``n`` consecutive rows' scores."""
+    n = spec.num_samples
+    passed = (judged >= spec.pass_threshold).view(-1, n).sum(1).tolist()  # per prompt
+    return {
+        f"pass@{k}": torch.tensor([pass_at_k(n, int(c), k) for c in passed], dtype=torch.float64, device=device)
+        for k in spec.ks
+    }
+
+
+def _groups(batch: dict, w: Tensor, sources, device) -> list[tuple[str, Tensor]]:
+    """``(prefix, prompt weights)``: every prompt, then the prompts of each source, by weight."""
+    groups = [("", w)]
+    for src in sources:
+        in_src = [str(col.get("data_source")) == src for col in batch["columns"]]
+        groups.append((f"{src}/", w * torch.tensor(in_src, dtype=torch.float64, device=device)))
+    return groups
+
+
+def _add(sums: dict, per_row: dict, per_prompt: dict, groups: list, n: int) -> None:
+    """Add one batch's weighted sums (rows weigh their prompt's weight) to ``sums``."""
+    for prefix, gw in groups:
+        rows = gw.repeat_interleave(n)
+        sums[f"{prefix}rows"] += rows.sum()
+        sums[f"{prefix}prompts"] += gw.sum()
+        for key, x in per_row.items():
+            sums[f"{prefix}{key}"] += (rows * x).sum()
+        for key, x in per_prompt.items():
+            sums[f"{prefix}{key}"] += (gw * x).sum()
+
+
+def _means(sums: dict[str, Tensor], runtime, spec: EvalSpec) -> dict[str, float]:
+    """The ``eval/*`` metrics: the sums reduced over ranks (one collective), over rows or prompts."""
+    n, names = spec.num_samples, sorted(sums)
     total = dict(zip(names, runtime.reduce_sum(torch.stack([sums[k] for k in names])).tolist()))
     out = {}
-    for prefix in ["", *(f"{src}/" for src in sources)]:
+    for prefix in ["", *(f"{src}/" for src in spec.sources)]:
         rows, prompts = max(total[f"{prefix}rows"], 1.0), max(total[f"{prefix}prompts"], 1.0)
         out[f"eval/{prefix}reward/mean@{n}"] = total[f"{prefix}reward"] / rows
         out[f"eval/{prefix}response_length"] = total[f"{prefix}length"] / rows
         out[f"eval/{prefix}kl"] = total[f"{prefix}kl"] / rows
-        for name in (k[len(f"{prefix}term/") :] for k in names if k.startswith(f"{prefix}term/")):
-            out[f"eval/{prefix}rewards/{name}/mean@{n}"] = total[f"{prefix}term/{name}"] / rows
-        for name in (k[len(f"{prefix}metric/") :] for k in names if k.startswith(f"{prefix}metric/")):
-            out[f"eval/{prefix}metrics/{name}/mean@{n}"] = total[f"{prefix}metric/{name}"] / rows
-        for name in (k[len(f"{prefix}extra/") :] for k in names if k.startswith(f"{prefix}extra/")):
-            out[f"eval/{prefix}{name}"] = total[f"{prefix}extra/{name}"] / rows
-        for k in ks:
+        for kind, label, suffix in (
+            ("term", "rewards/", f"/mean@{n}"),
+            ("metric", "metrics/", f"/mean@{n}"),
+            ("extra", "", ""),
+        ):
+            for name in (k[len(f"{prefix}{kind}/") :] for k in names if k.startswith(f"{prefix}{kind}/")):
+                out[f"eval/{prefix}{label}{name}{suffix}"] = total[f"{prefix}{kind}/{name}"] / rows
+        for k in spec.ks:
             out[f"eval/{prefix}pass@{k}"] = total[f"{prefix}pass@{k}"] / prompts
     return out
 
@@ -197,38 +247,69 @@ def due(eval_cfg, datamodule, step: int | None) -> bool:
     return (step == 0 and eval_cfg.before_training) or (bool(every) and step > 0 and step % every == 0)
 
 
-def evaluate_module(module, samples: list | None = None) -> dict[str, float]:
-    """``evaluate`` for a ``PPOModule`` as it is now: its backend and sampling (greedy, or at
-    ``eval.temperature``), a generator of its own (the same eval samples for the same weights;
-    the training stream untouched); rank 0's first samples go to a W&B logger as a table, and
-    to ``samples`` when given."""
+class Evaluation:
+    """Evaluation during training, for a ``PPOModule``: the ``eval.*`` node (``cfg``, a
+    ``config.EvalConfig``; None: never), the ``eval.metrics`` scorers (name -> scorer, measured on
+    eval samples only), and every evaluation of this process in order (``history``: the recipes'
+    before/after tables). It evaluates only when the data has eval prompts."""
+
+    def __init__(self, cfg=None, metrics: dict | None = None):
+        self.cfg, self.metrics = cfg, metrics or {}
+        self.history: list[EvalPoint] = []
+
+    def due(self, datamodule, step: int | None) -> bool:
+        """Whether to evaluate before iteration ``step`` (None: after the last one; ``due``)."""
+        return due(self.cfg, datamodule, step)
+
+    def __call__(self, module) -> dict[str, float]:
+        """The ``eval/*`` metrics of the module's policy as it is now, also kept with rank 0's first
+        samples in ``history``."""
+        samples: list = []
+        m = self.run(module, samples)
+        self.history.append(EvalPoint(module.global_step, m, samples))
+        return m
+
+    def run(self, module, samples: list | None = None) -> dict[str, float]:
+        """``evaluate`` for a ``PPOModule`` as it is now: its backend and sampling (greedy, or at
+        ``eval.temperature``), a generator of its own (the same eval samples for the same weights;
+        the training stream untouched); rank 0's first samples go to a W&B logger as a table, and
+        to ``samples`` when given."""
+        e, dm = self.cfg, module.trainer.datamodule
+        samples = [] if samples is None else samples
+        greedy = e.temperature == 0
+        params = module.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
+        sampler = Sampler(
+            module.sampler, params, module.runtime.new_generator(module.seed + 104_729, stride=1), module.algo.episodes
+        )
+        spec = EvalSpec(
+            e.num_samples,
+            e.pass_threshold,
+            e.pass_term,
+            tuple(dm.eval_sources()),
+            self.metrics,
+            head_chunk=module.ppo_cfg.lm_head_chunk_size,
+        )
+        scorer = Scorer(module.reward_fn, module.tokenizer)
+        metrics = evaluate(
+            dm.eval_batches(),
+            sampler,
+            scorer,
+            module.policy,
+            module.ref_lm,
+            spec,
+            module.runtime,
+            module.device,
+            samples,
+        )
+        pop_reward_logs(module.reward_fn)  # log_metric calls of eval scoring are not the training rollout's
+        _log_sample_table(module, samples)
+        return metrics
+
+
+def _log_sample_table(module, samples: list) -> None:
+    """Rank 0's first eval samples as the W&B table ``eval_samples``, at the module's step."""
     from lightning.pytorch.loggers import WandbLogger
 
-    e, dm = module.eval_cfg, module.trainer.datamodule
-    samples = [] if samples is None else samples
-    greedy = e.temperature == 0
-    params = module.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
-    metrics = evaluate(
-        dm.eval_batches(),
-        sampler=module.sampler,
-        params=params,
-        generator=module.runtime.new_generator(module.seed + 104_729, stride=1),
-        policy=module.policy,
-        ref_lm=module.ref_lm,
-        reward_fn=module.reward_fn,
-        tokenizer=module.tokenizer,
-        runtime=module.runtime,
-        num_samples=e.num_samples,
-        pass_threshold=e.pass_threshold,
-        pass_term=e.pass_term,
-        device=module.device,
-        sources=dm.eval_sources(),
-        metrics=module.eval_metrics,
-        samples=samples,
-        head_chunk=module.ppo_cfg.lm_head_chunk_size,
-        episodes=module.algo.episodes,
-    )
-    pop_reward_logs(module.reward_fn)  # log_metric calls of eval scoring are not the training rollout's
     for lg in module.loggers:
         if isinstance(lg, WandbLogger) and samples:
             lg.log_table(
@@ -237,4 +318,3 @@ def evaluate_module(module, samples: list | None = None) -> dict[str, float]:
                 data=[[module.global_step, *row] for row in samples],
                 step=module.global_step,
             )
-    return metrics

@@ -14,6 +14,7 @@ checkpoint intervals and logger steps all speak in iterations.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -21,20 +22,19 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from ppo_lightning.train import evaluation
-from ppo_lightning.train import metrics
-from ppo_lightning.train.evaluation import EvalPoint
+from ppo_lightning.train import metrics, normalization
+from ppo_lightning.train.evaluation import EvalPoint, Evaluation
+from ppo_lightning.train.normalization import NormalizedReward
 from ppo_lightning.algo.algorithm import PPO
 from ppo_lightning.config import OptimizerConfig, PPOConfig
 from ppo_lightning.parallel.distributed import Runtime
 from ppo_lightning.train.dumps import episode_rows, write_rollout
-from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation import BackendFactory, SamplingParams, default_backend
 from ppo_lightning.parallel.lightning_compat import count_iteration
 from ppo_lightning.train.optim import configure_optimizers
 from ppo_lightning.models.policy import PolicyWithValueHead
-from ppo_lightning.rewards import fit_normalization, normalized, pop_reward_logs
-from ppo_lightning.algo.rollout import Rollout, reference_scores
+from ppo_lightning.rewards import normalized
+from ppo_lightning.algo.rollout import Rollout
 from ppo_lightning.parallel.sharding import FSDP2Strategy, initialize_root, shard_module
 from ppo_lightning.models.weights import is_sharded, tied_aliases
 
@@ -45,73 +45,85 @@ class NonFiniteError(RuntimeError):
     """Too many PPO iterations in a row produced non-finite rewards, losses or gradients."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """How a ``PPOModule`` samples, as one object: ``backend``, the generation backend's factory
+    (the ``generation`` config group; None: ``hf``), called once for the policy and once for the
+    reference; ``sampling``, how every caller samples (the ``sampling.*`` node; None:
+    ``SamplingParams``' defaults, 32 new tokens); ``episodes``, an ``envs.EpisodeRunner`` (``env``):
+    every rollout, reference sample and evaluation plays multi-turn episodes (None: single-turn)."""
+
+    backend: BackendFactory | None = None
+    sampling: SamplingParams | None = None
+    episodes: object = None
+
+
 class PPOModule(L.LightningModule):
     """PPO on a causal LM with a value head, against a frozen reference and a reward scorer.
 
-    ``policy``: trained; ``ref_lm``: the frozen reference (KL anchor); ``reward_fn``: ``(prompts,
-    responses) -> raw scores``; ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` / ``OptimizerConfig``.
-    ``sampling``: how every caller samples (the ``sampling.*`` node; null: ``SamplingParams``'
-    defaults, 32 new tokens). ``backend``: the
-    generation backend's factory (the ``generation`` config group; ``hf`` by default), called
-    once for the policy (``sampler``) and once for the reference (``ref_sampler``; the ``hf``
-    backend when the policy's is an engine with weights of its own).
-    ``reward_norm``: the ``(gain, bias)`` every raw score goes through, or None to fit it on
-    ``normalize_reward_samples`` reference samples when the run starts. ``value_head_from_reward``:
-    the value head was copied from the reward model's raw head, so the fit maps it too.
-    ``episodes``: an ``envs.EpisodeRunner`` (``env``): every rollout, reference sample and
-    evaluation plays multi-turn episodes; None: single-turn. ``rollout_dir``: where
-    ``ppo.rollout_dump`` writes each iteration's episodes.
+    ``policy``: trained; ``ref_lm``: the frozen reference (KL anchor); ``reward``: the scorer
+    ``(prompts, responses) -> raw scores`` with its normalisation (``normalization.NormalizedReward``:
+    a fixed ``(gain, bias)``, or fitted on reference samples when the run starts);
+    ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` / ``OptimizerConfig``. ``generation``: the backend,
+    the sampling parameters and the episodes (``Generation``); the backend's factory makes the
+    policy's ``sampler`` and the reference's ``ref_sampler`` (the ``hf`` backend when the policy's
+    is an engine with weights of its own). ``evaluation``: ``evaluation.Evaluation`` (``eval.*``;
+    None: never). ``rollout_dir``: where ``ppo.rollout_dump`` writes each iteration's episodes.
     """
 
     def __init__(
         self,
         policy: PolicyWithValueHead,
         ref_lm: nn.Module,
-        reward_fn,
+        reward: NormalizedReward,
         tokenizer,
         ppo_cfg: PPOConfig,
         optim_cfg: OptimizerConfig,
         seed: int = 0,
-        reward_norm: tuple[float, float] | None = (1.0, 0.0),
-        normalize_reward_samples: int = 256,
-        value_head_from_reward: bool = False,
-        backend: BackendFactory | None = None,
-        sampling: SamplingParams | None = None,
-        eval_cfg=None,
-        eval_metrics: dict | None = None,
-        episodes=None,
+        generation: Generation = Generation(),
+        evaluation: Evaluation | None = None,
         rollout_dir: str | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # frozen weights are not checkpointed (see checkpointed)
-        self.policy, self.ref_lm, self.reward_fn = policy, ref_lm, reward_fn  # submodules, when modules
+        self.policy, self.ref_lm, self.reward_fn = policy, ref_lm, reward.fn  # submodules, when modules
         self.tokenizer, self.ppo_cfg, self.optim_cfg, self.seed = tokenizer, ppo_cfg, optim_cfg, seed
-        self.sampling = sampling or SamplingParams(max_new_tokens=32)
-        make = backend or default_backend()
+        self.sampling = generation.sampling or SamplingParams(max_new_tokens=32)
+        make = generation.backend or default_backend()
         self.sampler = make(policy.lm, tokenizer)
         # an engine with weights of its own holds the policy's: the reference samples live (hf)
         live = self.sampler.samples_live_module
         self.ref_sampler = (make if live else default_backend())(ref_lm, tokenizer)
         self.runtime = Runtime(self)
         self.algo = PPO(
-            policy, ref_lm, reward_fn, tokenizer, ppo_cfg, self.sampling, self.sampler, self.runtime, episodes
+            policy,
+            ref_lm,
+            reward.fn,
+            tokenizer,
+            ppo_cfg,
+            self.sampling,
+            self.sampler,
+            self.runtime,
+            generation.episodes,
         )
         self.rollout_dir = rollout_dir  # ppo.rollout_dump's directory (the run's rollouts/)
-        self.algo.reward_norm = reward_norm
-        self.normalize_reward_samples = normalize_reward_samples
-        self.value_head_from_reward = value_head_from_reward
+        self.algo.reward_norm = reward.norm
+        self.reward_normalization = reward  # what normalization.fit reads
         self.episode = 0  # episodes (sampled responses) so far, summed over ranks
         self.skipped_updates = 0  # updates skipped for a non-finite loss or gradient
         self.nonfinite_streak = 0  # consecutive iterations with a skip
-        self.eval_cfg = eval_cfg  # eval.* (config.EvalConfig); evaluates only when the data has eval prompts
-        self.eval_metrics = eval_metrics or {}  # eval.metrics: name -> scorer, measured on eval samples only
+        self.evaluation = evaluation or Evaluation()  # evaluates only when the data has eval prompts
         self._eval_due: dict[str, float] = {}  # this iteration's, from on_train_batch_start to training_step
-        self.eval_history: list[EvalPoint] = []  # every evaluation of this process, in order (the recipes' tables)
         self.rollout: Rollout | None = None  # this iteration's, from on_train_batch_start to training_step
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
         self._callback_metrics: tuple[str, ...] = ()  # set in on_fit_start
         self._unsaved_policy_keys: frozenset[str] | None = None  # see checkpointed
+
+    @property
+    def eval_history(self) -> list[EvalPoint]:
+        """Every evaluation of this process, in order (the recipes' tables)."""
+        return self.evaluation.history
 
     @property
     def reward_norm(self) -> tuple[float, float] | None:
@@ -149,43 +161,12 @@ class PPOModule(L.LightningModule):
             # (here, not in on_fit_start: sharded strategies restore checkpoints after on_fit_start)
             self._fit_reward_normalization()
         if self._evaluates_at(self.global_step):  # the policy before this iteration's update
-            self._eval_due = self.evaluate()
+            self._eval_due = self.evaluation(self)
         self.rollout = self.algo.collect(batch)
 
-    @torch.no_grad()
     def _fit_reward_normalization(self) -> None:
-        """Fix ``reward_norm`` from the raw scores of reference samples on this rank's share of
-        ``normalize_reward_samples`` of the run's prompts ([N+]; ``rewards.fit_normalization``),
-        sampled in the rollouts' numerics with a generator of their own (the training stream does
-        not move). A value head copied from the reward model's raw head is mapped onto the new
-        scale too."""
-        world, rt = self.trainer.world_size, self.runtime
-        need = self.normalize_reward_samples // max(1, world)
-        if need < 1:  # config.validate refuses it when the process count is known before launch
-            raise ConfigError(
-                f"reward.normalize_samples={self.normalize_reward_samples} is split over {world} ranks "
-                f"and leaves none for some; set it to at least {2 * world}"
-            )
-        with rt.rollout_context(self.ref_lm):
-            raw = reference_scores(
-                self.ref_sampler,
-                self.reward_fn,
-                self.tokenizer,
-                self.sampling,
-                self.trainer.datamodule.normalization_batches(need),
-                rt.new_generator(self.seed + 7919, stride=1),
-                self.device,
-                episodes=self.algo.episodes,
-            )
-        gain, bias = fit_normalization(
-            raw, rt.reduce_sum if world > 1 else None, source=getattr(self.reward_fn, "name", "the reward")
-        )
-        pop_reward_logs(self.reward_fn)  # log_metric calls of the fit are no iteration's
-        self.algo.reward_norm = (gain, bias)
-        if self.value_head_from_reward:
-            self.policy.v_head.weight.mul_(gain)
-            self.policy.v_head.bias.mul_(gain).add_(bias)
-        log.info("reward normalisation from %d reference samples: gain %.4g, bias %.4g", len(raw), gain, bias)
+        """Fix ``reward_norm`` from reference samples (``normalization.fit``)."""
+        normalization.fit(self)
 
     # ------------------------------------------------------------------------- part 2: learn
     def training_step(self, batch: dict, batch_idx: int) -> None:
@@ -244,7 +225,7 @@ class PPOModule(L.LightningModule):
 
     def on_train_end(self) -> None:
         if self.global_step >= self.trainer.max_steps and self._evaluates_at(None):  # a run stopped early: none
-            m = self.evaluate()
+            m = self.evaluation(self)
             for lg in self.loggers:
                 lg.log_metrics(m, step=self.global_step)
                 lg.save()
@@ -254,15 +235,7 @@ class PPOModule(L.LightningModule):
         self.sampler.close()
 
     def _evaluates_at(self, step: int | None) -> bool:
-        return evaluation.due(self.eval_cfg, self.trainer.datamodule, step)
-
-    def evaluate(self) -> dict[str, float]:
-        """The ``eval/*`` metrics of the policy as it is now (``evaluation.evaluate_module``), also
-        kept with rank 0's first samples in ``eval_history``."""
-        samples: list = []
-        m = evaluation.evaluate_module(self, samples)
-        self.eval_history.append(EvalPoint(self.global_step, m, samples))
-        return m
+        return self.evaluation.due(self.trainer.datamodule, step)
 
     # ------------------------------------------------------------------------- checkpoints
     def checkpointed(self, key: str) -> bool:
