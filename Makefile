@@ -22,9 +22,10 @@ EXTRAS ?= dev,optuna,lora,data,math
 ARGS ?=
 # pytest processes, one core each (tests/conftest.py sets one torch thread per worker); a test file
 # stays on one worker (--dist loadfile: a file's tests share its runs), the longest files first
-# (tests/conftest.py: LONGEST_FIRST, in collection order). 0 runs in this process.
+# (tests/conftest.py: LONGEST_FIRST, in collection order); the 15 slowest tests are listed at the end
+# (where CI time goes). 0 runs in this process.
 PYTEST_WORKERS ?= 2
-PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # Offline: nothing in the default job or the tests needs the hub.
 ENV := HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
