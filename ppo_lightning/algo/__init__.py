@@ -9,3 +9,7 @@
 
 The first four import no Lightning and no model: they test against naive loops without a Trainer.
 """
+
+# The registering modules (config.choices.ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS): importing
+# any part of the algorithm fills the choices that config validation reads.
+from ppo_lightning.algo import advantages, kl, losses  # noqa: E402,F401

@@ -34,6 +34,7 @@ from ppo_lightning.algo.losses import (
 )
 
 from ppo_lightning.algo.stats import masked_mean, masked_var
+from ppo_lightning.config.choices import LOSS_AGGREGATIONS
 from ppo_lightning.config import PPOConfig
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.algo.kl import build_kl_controller
@@ -208,7 +209,11 @@ class PPO:
         """
         c, rt = self.cfg, self.runtime
         # what every token mean divides by: this rank's tokens, or with token_mean_global every rank's
-        n_tokens = global_token_count(mb.response_mask) if c.loss_agg == "token_mean_global" else mb.response_mask.sum()
+        n_tokens = (
+            global_token_count(mb.response_mask)
+            if LOSS_AGGREGATIONS.spec(c.loss_agg).global_tokens
+            else mb.response_mask.sum()
+        )
         size = c.micro_batch_size if c.micro_batch_size and c.micro_batch_size < mb.batch_size else mb.batch_size
         parts = [mb] if size == mb.batch_size else [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)]
         stats: dict[str, Tensor] = {}

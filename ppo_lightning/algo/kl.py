@@ -18,16 +18,18 @@ from __future__ import annotations
 import torch
 
 from ppo_lightning.algo.stats import _select, masked_mean
-from ppo_lightning.config.choices import DEFAULT_KL_ESTIMATOR
+from ppo_lightning.config.choices import DEFAULT_KL_ESTIMATOR, KL_ESTIMATORS, KLEstimatorSpec
 
 Tensor = torch.Tensor
 
 
+@KL_ESTIMATORS.register("k1", KLEstimatorSpec(in_loss=False))
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k1 = log p - log q: unbiased for KL(p||q) under samples of p, high variance, can be < 0."""
     return logp - ref_logp
 
 
+@KL_ESTIMATORS.register("k2", KLEstimatorSpec(in_loss=True))
 def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k2 = 0.5 (log p - log q)^2: biased, low variance, always >= 0 [KL]."""
     return 0.5 * (logp - ref_logp) ** 2
@@ -36,6 +38,7 @@ def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
 KL_LOG_RATIO_CLAMP = 20.0  # |log r| bound inside k3 (verl's kl_penalty clamps at 20 too)
 
 
+@KL_ESTIMATORS.register("k3", KLEstimatorSpec(in_loss=True))
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 = (r - 1) - log r with r = q / p: unbiased, always >= 0 [KL].
 
@@ -45,9 +48,6 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """
     log_r = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
     return torch.expm1(log_r) - log_r
-
-
-KL_ESTIMATOR_FNS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}  # choices.KL_ESTIMATORS
 
 
 def kl_estimator_for(kl_in: str, estimator: str | None) -> str:
@@ -64,10 +64,9 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k1", mask: Tens
     """
     if mask is not None:
         logp, ref_logp = _select(logp, mask), _select(ref_logp, mask)
-    try:
-        return KL_ESTIMATOR_FNS[estimator](logp, ref_logp)
-    except KeyError:
-        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATOR_FNS)}")
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS.implementation(estimator)(logp, ref_logp)
 
 
 def approx_kl(new_logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:

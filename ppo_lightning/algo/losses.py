@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ppo_lightning.algo.stats import _all_reduce_sum, _select, masked_mean, masked_sum
-from ppo_lightning.config.choices import LOSS_AGGREGATIONS
+from ppo_lightning.config.choices import AggregationSpec, LOSS_AGGREGATIONS
 
 Tensor = torch.Tensor
 
@@ -33,10 +33,6 @@ def token_mean(x: Tensor, mask: Tensor, token_count: Tensor | None = None) -> Te
     if token_count is None:
         return masked_mean(x, mask)
     return _select(x, mask).sum() / token_count.clamp(min=1)
-
-
-# ppo.loss_agg. token_mean_global is token_mean with the token count of every rank's minibatch
-# (``global_token_count``), which the caller passes as ``token_count``.
 
 
 def global_token_count(mask: Tensor) -> Tensor:
@@ -62,38 +58,59 @@ def aggregate(
     seq_count: Tensor | int | None = None,
     norm_length: int | None = None,
 ) -> Tensor:
-    """A per-token loss ``[B, R]`` reduced to one number (``ppo.loss_agg``):
+    """A per-token loss ``[B, R]`` reduced to one number by the aggregation ``mode``
+    (``ppo.loss_agg``, one of ``LOSS_AGGREGATIONS``, each registered below with its doc).
 
-    - ``token_mean``: every response token of the minibatch weighs the same (long responses weigh
-      more); ``token_count`` = the minibatch's tokens (see ``token_mean``);
-    - ``token_mean_global``: the same, with ``token_count`` = ``global_token_count`` (every rank's
-      tokens: the caller counts them);
-    - ``seq_mean_token_mean``: the mean over responses of each response's token mean (every
-      response weighs the same: GRPO's original loss, DeepSeekMath eq. 3);
-    - ``seq_mean_token_sum``: the mean over responses of each response's token sum (no division
-      by its length);
-    - ``seq_mean_token_sum_norm``: that, divided by the constant ``norm_length``
-      (``sampling.max_new_tokens``): Dr. GRPO's loss (Liu et al. 2025; TRL's ``dr_grpo``, verl's
-      ``seq-mean-token-sum-norm``), free of the per-response length bias, at the scale of a
-      token mean (a gradient ``norm_length`` times smaller than ``seq_mean_token_sum``'s, so
-      ``ppo.max_grad_norm`` and ``ppo.ent_coef`` keep their meaning).
-
-    ``seq_count`` = the minibatch's responses, so micro-batches' shares add up to the minibatch's
-    value, as ``token_count`` does for ``token_mean``.
+    ``token_count`` = the minibatch's tokens and ``seq_count`` = its responses, so micro-batches'
+    shares add up to the minibatch's value; ``norm_length`` is Dr. GRPO's constant.
     """
-    if mode in ("token_mean", "token_mean_global"):
-        return token_mean(x, mask, token_count)
-    per_seq = masked_sum(x, mask, dim=1)
-    if mode == "seq_mean_token_mean":
-        per_seq = per_seq / mask.sum(1).clamp(min=1)
-    elif mode == "seq_mean_token_sum_norm":
-        if not norm_length:
-            raise ValueError("loss_agg='seq_mean_token_sum_norm' divides by a constant length: pass norm_length")
-        per_seq = per_seq / norm_length
-    elif mode != "seq_mean_token_sum":
-        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGGREGATIONS}")
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {tuple(LOSS_AGGREGATIONS)}")
+    return LOSS_AGGREGATIONS.implementation(mode)(x, mask, token_count, seq_count, norm_length)
+
+
+def _per_response_mean(per_seq: Tensor, seq_count: Tensor | int | None) -> Tensor:
     n = per_seq.shape[0] if seq_count is None else seq_count
     return per_seq.sum() / (n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1))
+
+
+@LOSS_AGGREGATIONS.register("token_mean", AggregationSpec())
+def _token_mean(x, mask, token_count, seq_count, norm_length) -> Tensor:
+    """Every response token of the minibatch weighs the same (long responses weigh more);
+    ``token_count`` = the minibatch's tokens (see ``token_mean``)."""
+    return token_mean(x, mask, token_count)
+
+
+@LOSS_AGGREGATIONS.register("token_mean_global", AggregationSpec(global_tokens=True))
+def _token_mean_global(x, mask, token_count, seq_count, norm_length) -> Tensor:
+    """The same, with ``token_count`` = ``global_token_count`` (every rank's tokens: the caller
+    counts them, as the spec says)."""
+    return token_mean(x, mask, token_count)
+
+
+@LOSS_AGGREGATIONS.register("seq_mean_token_mean", AggregationSpec())
+def _seq_mean_token_mean(x, mask, token_count, seq_count, norm_length) -> Tensor:
+    """The mean over responses of each response's token mean (every response weighs the same:
+    GRPO's original loss, DeepSeekMath eq. 3)."""
+    return _per_response_mean(masked_sum(x, mask, dim=1) / mask.sum(1).clamp(min=1), seq_count)
+
+
+@LOSS_AGGREGATIONS.register("seq_mean_token_sum", AggregationSpec())
+def _seq_mean_token_sum(x, mask, token_count, seq_count, norm_length) -> Tensor:
+    """The mean over responses of each response's token sum (no division by its length)."""
+    return _per_response_mean(masked_sum(x, mask, dim=1), seq_count)
+
+
+@LOSS_AGGREGATIONS.register("seq_mean_token_sum_norm", AggregationSpec())
+def _seq_mean_token_sum_norm(x, mask, token_count, seq_count, norm_length) -> Tensor:
+    """That, divided by the constant ``norm_length`` (``sampling.max_new_tokens``): Dr. GRPO's
+    loss (Liu et al. 2025; TRL's ``dr_grpo``, verl's ``seq-mean-token-sum-norm``), free of the
+    per-response length bias, at the scale of a token mean (a gradient ``norm_length`` times
+    smaller than ``seq_mean_token_sum``'s, so ``ppo.max_grad_norm`` and ``ppo.ent_coef`` keep
+    their meaning)."""
+    if not norm_length:
+        raise ValueError("loss_agg='seq_mean_token_sum_norm' divides by a constant length: pass norm_length")
+    return _per_response_mean(masked_sum(x, mask, dim=1) / norm_length, seq_count)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,9 +5,11 @@ The config (``config/__init__.py``) reads its choices here, so loading it (``--c
 imports its list from here too: one place per list, and a test (``tests/test_config.py``) checks
 that each implementation covers exactly its list.
 
-One choice is a registry instead: the advantage estimators (``ppo.advantage``) register here, each
-with what the config must know of it, from the module that implements them
-(``algo/advantages.py``), so that adding one touches that module alone.
+The algorithm's choices are registries instead: the advantage estimators (``ppo.advantage``), the
+KL estimators (``ppo.kl_estimator``) and the loss aggregations (``ppo.loss_agg``) register here,
+each with what the config must know of it, from the module that implements them
+(``algo/advantages.py``, ``algo/kl.py``, ``algo/losses.py``; importing any ``ppo_lightning.algo``
+module imports all three), so that adding one touches that module alone.
 """
 
 from __future__ import annotations
@@ -80,20 +82,34 @@ class Registry:
 ESTIMATORS = Registry("ppo.advantage", "ppo_lightning.algo.advantages")
 """``ppo.advantage``: the advantage estimators, registered by ``algo/advantages.py``."""
 
-KL_ESTIMATORS = ("k1", "k2", "k3")  # ppo.kl_estimator: Schulman's estimators (ppo.KL_ESTIMATOR_FNS)
+
+@dataclasses.dataclass(frozen=True)
+class KLEstimatorSpec:
+    """What the config must know of a KL estimator (``ppo.kl_estimator``)."""
+
+    in_loss: bool
+    """It may be a loss term (``ppo.kl_in=loss``): its gradient pulls the policy toward the
+    reference. k1's gradient, grad log p, has expectation 0 under the policy's own samples, so as a
+    loss term it pulls nothing; k2's is that of KL(p||q), k3's that of KL(q||p)."""
+
+
+KL_ESTIMATORS = Registry("ppo.kl_estimator", "ppo_lightning.algo.kl")
+"""``ppo.kl_estimator``: Schulman's estimators, registered by ``algo/kl.py``."""
 KL_PLACEMENTS = ("reward", "loss")  # ppo.kl_in
 # ppo.kl_estimator=null: k1 in the reward ([Z19], TRL's PPO); k3 in the loss (DeepSeekMath's GRPO).
-# k1 is refused in the loss: its gradient, grad log p, has expectation 0 under the policy's own
-# samples, so as a loss term it pulls nothing toward the reference.
 DEFAULT_KL_ESTIMATOR = {"reward": "k1", "loss": "k3"}
-LOSS_KL_ESTIMATORS = ("k2", "k3")  # k2's gradient is that of KL(p||q), k3's that of KL(q||p)
-LOSS_AGGREGATIONS = (
-    "token_mean",
-    "token_mean_global",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-)  # ppo.loss_agg (ppo.aggregate)
+
+
+@dataclasses.dataclass(frozen=True)
+class AggregationSpec:
+    """What the update must know of a loss aggregation (``ppo.loss_agg``) before it reduces."""
+
+    global_tokens: bool = False
+    """Its token count is every rank's (``losses.global_token_count``), not this rank's."""
+
+
+LOSS_AGGREGATIONS = Registry("ppo.loss_agg", "ppo_lightning.algo.losses")
+"""``ppo.loss_agg``: how per-token losses become one number, registered by ``algo/losses.py``."""
 
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype, ref.dtype, reward.dtype (policy.TORCH_DTYPES)
 VALUE_HEAD_INITS = ("zeros", "reward_model")  # model.value_head_init

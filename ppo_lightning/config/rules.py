@@ -331,11 +331,11 @@ def _check_estimator_options(p) -> None:
             f"{'divides' if len(dividers) == 1 else 'divide'} by the group's std; unset it, or use "
             f"ppo.advantage={dividers[0]} (Dr. GRPO)"
         )
-    if p.kl_in == "loss" and p.kl_estimator is not None and p.kl_estimator not in choices.LOSS_KL_ESTIMATORS:
+    if p.kl_in == "loss" and p.kl_estimator is not None and not choices.KL_ESTIMATORS.spec(p.kl_estimator).in_loss:
         raise ConfigError(
             f"ppo.kl_estimator={p.kl_estimator} with ppo.kl_in=loss: as a loss term k1's gradient "
             "has expectation 0 under the policy's own samples, so it pulls nothing toward the "
-            f"reference; choose one of {' | '.join(choices.LOSS_KL_ESTIMATORS)} (null: k3)"
+            f"reference; choose one of {' | '.join(choices.KL_ESTIMATORS.names(in_loss=True))} (null: k3)"
         )
 
 
