@@ -137,22 +137,74 @@ def test_any_metric_can_be_a_checkpoint_monitor(tmp_path, cache_dir):
     assert cb_state["monitor"] == "loss/value_avg"
 
 
+def _tensorboard_scalars(directory, tag: str) -> dict[int, float]:
+    """``tag``'s scalars by step from the TensorBoard event files under ``directory`` (TFRecords of
+    ``Event`` protos: length, its CRC, the record, its CRC), read with tensorboardX's protos."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars = {}
+    for path in directory.rglob("events.out.tfevents.*"):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + n])
+            at += 12 + n + 4
+            for v in event.summary.value:
+                if v.tag == tag:
+                    scalars[event.step] = v.simple_value
+    return scalars
+
+
+def _wandb_history(path, key: str) -> dict[int, float]:
+    """``key``'s values by step from an offline W&B run's ``run-*.wandb`` file: a LevelDB-style log
+    (after a 7-byte ``:W&B`` header, 32 KiB blocks of records, each with a 7-byte header: CRC,
+    length, type 1 full / 2 first / 3 middle / 4 last piece) of ``Record`` protos."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, at, parts, history = path.read_bytes(), 32768, 7, b"", {}
+    assert data[:4] == b":W&B"
+    while at + 7 <= len(data):
+        if block - at % block < 7:  # a block's last bytes are padding
+            at += block - at % block
+            continue
+        _, n, kind = struct.unpack("<IHB", data[at : at + 7])
+        parts, at = parts + data[at + 7 : at + 7 + n], at + 7 + n
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(parts)
+            parts = b""
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            if record.WhichOneof("record_type") == "history" and key in items:
+                history[items["trainer/global_step"]] = items[key]
+    return history
+
+
 @pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb"])
-def test_each_logger_works_alone(tmp_path, cache_dir, monkeypatch, logger):
+def test_each_logger_works_alone_and_holds_the_runs_metrics(tmp_path, cache_dir, monkeypatch, logger):
+    """Each logger alone writes its files, and the ``objective/scores`` read back from each are
+    the run's, one per iteration."""
     if logger == "wandb":
         monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = compose_cfg(
         [*FAST, "trainer.max_steps=2", f"logger={logger}", "callbacks=none", "export_dir=null"], tmp_path, cache_dir
     )
-    train(cfg)
-    written = {"csv": tmp_path / "metrics.csv", "tensorboard": tmp_path / "tensorboard", "wandb": tmp_path / "wandb"}[
-        logger
-    ]
-    assert written.exists()
+    last = train(cfg)["objective/scores"]
+    if logger == "csv":
+        scores = [r["objective/scores"] for r in read_metrics(tmp_path / "metrics.csv")]
+        assert len(scores) == 2 and scores[-1] == pytest.approx(last, rel=1e-6)
     if logger == "tensorboard":
-        assert list(written.rglob("events.out.tfevents.*"))
+        scores = _tensorboard_scalars(tmp_path / "tensorboard", "objective/scores")
+        assert sorted(scores) == [0, 1] and scores[1] == pytest.approx(last, rel=1e-6)
     if logger == "wandb":
-        assert list(written.glob("offline-run-*/run-*.wandb"))
+        runs = list((tmp_path / "wandb").glob("offline-run-*"))
+        files = list(runs[0].glob("run-*.wandb")) if len(runs) == 1 else []
+        assert len(files) == 1, runs
+        scores = _wandb_history(files[0], "objective/scores")
+        assert sorted(scores) == [0, 1] and scores[1] == pytest.approx(last, rel=1e-6)
         assert not (tmp_path / "metrics.csv").exists()
 
 
