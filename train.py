@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra composes)
-from ppo_lightning.parallel.checkpoint import CheckpointWriteError
+from ppo_lightning.parallel.checkpoint import OutputWriteError
 from ppo_lightning.config.rules import check_sweep_launch
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.train.loggers import finish_wandb
@@ -32,7 +32,7 @@ from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted
 from ppo_lightning.rewards import RewardError
 
 log = logging.getLogger("ppo_lightning")
-USER_ERRORS = (ConfigError, RewardError, NonFiniteError, CheckpointWriteError)
+USER_ERRORS = (ConfigError, RewardError, NonFiniteError, OutputWriteError)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> float | None:
         if in_sweep:
             finish_wandb(exit_code=1)
             return None
-        if not isinstance(e, CheckpointWriteError):
+        if not isinstance(e, OutputWriteError):
             print(f"error: {e}", file=sys.stderr)
         elif _rank() == 0:  # every rank stops with it: one line per job; make space, then resume
             print(f"error: {e}. {_resume_hint(e.checkpoint, without='Run the same command again')}", file=sys.stderr)

@@ -238,6 +238,12 @@ class FullDisk:
     def __getattr__(self, name):
         return getattr(self.f, name)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
 
 class DiskFullFromStep(L.Callback):
     """From iteration ``step`` on, every checkpoint write on this process fails part-way as on a
@@ -251,6 +257,25 @@ class DiskFullFromStep(L.Callback):
             io = trainer.strategy.checkpoint_io
             write = io._write
             io._write = lambda checkpoint, f: write(checkpoint, FullDisk(f))
+
+
+class MetricsDiskFullFromStep(L.Callback):
+    """From iteration ``step`` on, every write of ``metrics.csv`` (the CSV logger's) fails as on a
+    full disk (``FullDisk`` with no room left)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from lightning.pytorch.loggers import CSVLogger
+
+        if trainer.global_step != self.step:
+            return
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                fs = logger.experiment._fs
+                open_ = fs.open
+                fs.open = lambda path, *a, **k: FullDisk(open_(path, *a, **k), room=0)
 
 
 def constant_reward(prompts, responses):

@@ -36,6 +36,36 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path
     a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp_path_factory, cache_dir, switch)
 
 
+@pytest.mark.slow  # a subprocess that must exit 1
+def test_a_full_disk_under_metrics_csv_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, cache_dir):
+    """Not only checkpoints: when the CSV logger's write of ``metrics.csv`` fails for a full disk
+    (its flush after iteration 10; the checkpoint after 9 was written), the run stops with exit
+    status 1 and one line, the cause, where, the last good checkpoint and the command that resumes
+    (``parallel.checkpoint.full_disk_error``), and no traceback."""
+    run_dir = tmp_path / "run"
+    p = run_train(
+        [
+            *FAST,
+            "trainer.max_steps=12",
+            "callbacks.model_checkpoint.every_n_train_steps=3",
+            "export_dir=null",
+            f"hydra.run.dir={run_dir}",
+            "+callbacks.full._target_=tests.helpers.MetricsDiskFullFromStep",
+            "+callbacks.full.step=5",
+        ],
+        cache_dir,
+    )
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, p.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert lines[0].startswith(f"error: No space left on device writing the run's outputs under {run_dir}")
+    assert f"the last good checkpoint is {last} (after 9 iterations)" in lines[0]
+    assert f"ckpt_path={last.resolve()}" in lines[0]
+    assert torch.load(last, weights_only=True)["global_step"] == 9
+
+
 def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_previous_one(tmp_path):
     """``AtomicCheckpointIO``: a write that runs out of space part-way raises
     ``CheckpointWriteError`` with the operating system's reason (torch's own error, a zip-writer

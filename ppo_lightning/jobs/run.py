@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ppo_lightning.parallel.checkpoint import CheckpointWriteError, last_good_checkpoint
+from ppo_lightning.parallel.checkpoint import full_disk_error, last_good_checkpoint, OutputWriteError
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.config.rules import user_set_keys
 from ppo_lightning.jobs.factory import build, build_module, build_trainer, check_inputs
@@ -85,14 +85,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def fit(trainer: L.Trainer, module, datamodule, ckpt_path: str | None) -> None:
-    """``trainer.fit``; a checkpoint that cannot be written (a full disk) stops the run with the
-    last good checkpoint named in the error (``CheckpointWriteError``). Only the rank that writes
-    raises it; Lightning's launcher then stops the other processes."""
+    """``trainer.fit``; a file of the run that cannot be written (a checkpoint, ``metrics.csv``, a
+    dump: a full disk, a quota, a read-only mount) stops the run with the last good checkpoint
+    named in the error (``OutputWriteError``). Only the rank that writes raises it; Lightning's
+    launcher then stops the other processes (checkpoints: every rank raises it together)."""
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
-    except CheckpointWriteError as e:
-        e.checkpoint, e.iteration = last_good_checkpoint(trainer) or (None, None)
-        raise
+    except Exception as e:
+        error = e if isinstance(e, OutputWriteError) else full_disk_error(e, trainer.default_root_dir)
+        if error is None:
+            raise
+        error.checkpoint, error.iteration = last_good_checkpoint(trainer) or (None, None)
+        if error is e:
+            raise
+        raise error from e
 
 
 def finish_loggers(trainer: L.Trainer) -> None:

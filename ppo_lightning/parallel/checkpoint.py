@@ -17,6 +17,7 @@ context: ``_os_error`` digs it out.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -27,16 +28,22 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; the file that was at its path is untouched.
+FULL_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+"""A write that fails for one of these (no space left, over quota, a read-only mount) is the
+user's to fix, and the run resumes after it: it stops with one line, not a traceback."""
+
+
+class OutputWriteError(RuntimeError):
+    """A file of the run (a checkpoint, ``metrics.csv``, a rollout dump, ...) could not be written,
+    for ``reason``; ``what`` names it. Whatever was written before is untouched.
 
     ``checkpoint`` / ``iteration``: the last good checkpoint of the run and the PPO iterations
-    (optimizer steps, for the stages) it holds, filled in by ``jobs.py:fit`` (None: none written yet).
+    (optimizer steps, for the stages) it holds, filled in by ``jobs.run.fit`` (None: none written yet).
     """
 
-    def __init__(self, path: Path, reason: str):
-        super().__init__(f"{reason} writing checkpoint {path}")
-        self.path, self.reason = path, reason
+    def __init__(self, what: str, reason: str):
+        super().__init__(f"{reason} writing {what}")
+        self.what, self.reason = what, reason
         self.checkpoint: Path | None = None
         self.iteration: int | None = None
 
@@ -45,6 +52,25 @@ class CheckpointWriteError(RuntimeError):
         if self.checkpoint is None:
             return f"{what}; no checkpoint of this run was written before it"
         return f"{what}; the last good checkpoint is {self.checkpoint} (after {self.iteration} iterations)"
+
+
+class CheckpointWriteError(OutputWriteError):
+    """A checkpoint could not be written; the file that was at its path is untouched."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"checkpoint {path}", reason)
+        self.path = path
+
+
+def full_disk_error(error: BaseException, output_dir: str | Path) -> OutputWriteError | None:
+    """``error`` as an ``OutputWriteError`` when an ``OSError`` of ``FULL_DISK_ERRNOS`` caused it
+    (a logger's or a dump's write, wherever it surfaced), naming its file when the OS did and the
+    run's output directory otherwise (a failed ``write`` names no file); else None."""
+    cause = _os_error(error)
+    if cause is None or cause.errno not in FULL_DISK_ERRNOS or not isinstance(error, Exception):
+        return None
+    what = str(cause.filename) if cause.filename else f"the run's outputs under {output_dir}"
+    return OutputWriteError(what, cause.strerror or os.strerror(cause.errno))
 
 
 def _umask() -> int:
