@@ -3,7 +3,7 @@
     python -m benchmarks.metric_sync
     python -m benchmarks.metric_sync --metrics 20 --iterations 200 --world-size 2
 
-``PPOModule._rollout_metrics`` reduces its ~20 scalar metrics per iteration with ONE collective: it
+``train.metrics.iteration_metrics`` reduces its ~20 scalar metrics per iteration with ONE collective: it
 stacks them and calls ``trainer.strategy.reduce(values, reduce_op="mean")`` (an all_reduce, then a
 division by the world size). The alternative measured here is one ``torchmetrics`` ``MeanMetric``
 per metric, each ``update(x)``, ``compute()`` (which syncs over the process group) and
@@ -43,7 +43,7 @@ from benchmarks.lib.runner import alternate, free_port
 
 
 def stacked(xs: list[torch.Tensor], world: int) -> list[float]:
-    """What ``PPOModule._rollout_metrics`` does: one all_reduce of the stacked metrics, then the mean."""
+    """What ``train.metrics.iteration_metrics`` does: one all_reduce of the stacked metrics, then the mean."""
     values = torch.stack(xs)
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
     values /= world

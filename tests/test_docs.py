@@ -63,3 +63,35 @@ def test_every_logged_metric_has_a_row_in_docs_metrics_md(tmp_path, cache_dir):
     assert len(names) > 20
     doc = (DOCS / "metrics.md").read_text()
     assert [k for k in names if f"`{k}`" not in doc] == []
+
+
+def test_every_code_reference_in_the_docs_names_where_the_code_is():
+    """A doc's ```<path>.py:<name>``` points at a file that defines ``name`` (a function, class or
+    module-level name): a move or a rename that leaves the docs behind fails here."""
+    import ast
+    import re
+
+    root = DOCS.parent
+    defined: dict[str, set[str]] = {}  # name -> the files (relative to the repo) that define it
+    for path in [*root.glob("ppo_lightning/**/*.py"), *root.glob("benchmarks/**/*.py"), *root.glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            for name in names:
+                defined.setdefault(name, set()).add(path.relative_to(root).as_posix())
+    stale = []
+    for doc in [root / "README.md", *DOCS.glob("*.md")]:
+        for i, line in enumerate(doc.read_text().splitlines(), 1):
+            for file, name in re.findall(r"`([\w/]+\.py):(\w+)", line):
+                if file == "file.py":  # the convention's own example
+                    continue
+                if not any(p == file or p.endswith("/" + file) for p in defined.get(name, ())):
+                    stale.append(
+                        f"{doc.name}:{i}: {file}:{name} (defined in {sorted(defined.get(name, ())) or 'none'})"
+                    )
+    assert not stale, "\n".join(stale)

@@ -93,7 +93,7 @@ class SFTTask(SFTConfig):
     batches are ``task.*``'s. Unknown ``task.*`` keys and wrong types fail at composition."""
 
     name: str = "sft"
-    """The job (``jobs.py:run_task``)."""
+    """The job (``jobs/run.py:run_task``)."""
     save_dir: str = "${paths.output_dir}/sft_model"
     """Output HF directory (safetensors, tokenizer, generation config), written on rank 0: a PPO
     policy (``model.name_or_path=<save_dir>``). Must be non-empty."""
@@ -107,7 +107,7 @@ class RewardModelTask(RewardModelConfig):
     texts tokenised as ``reward=model`` scores them in PPO. Uses the same groups as ``task=sft``."""
 
     name: str = "reward_model"
-    """The job (``jobs.py:run_task``)."""
+    """The job (``jobs/run.py:run_task``)."""
     save_dir: str = "${paths.output_dir}/reward_model"
     """Output HF directory (safetensors, tokenizer), written on rank 0, for
     ``reward=model reward.name_or_path=<save_dir>``. Must be non-empty."""

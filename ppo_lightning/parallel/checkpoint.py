@@ -8,7 +8,7 @@ resumed run) sees the old checkpoint or the new one, never half of one.
 A write that fails (no space left, a quota, a read-only mount) removes its temporary file and
 raises ``CheckpointWriteError``, which names the file and the operating system's reason; the run
 then stops with one line that names the last good checkpoint and the command that resumes from
-it (``last_good_checkpoint``, ``jobs.py:fit``). Only rank 0 writes; under DDP and FSDP the other
+it (``last_good_checkpoint``, ``jobs.run.fit``). Only rank 0 writes; under DDP and FSDP the other
 ranks learn of the failure from it (``stop_every_rank_on_write_error``) and stop with the same
 error, instead of waiting for it at the next collective. torch reports a failed write as a ``RuntimeError``
 from its zip writer ("unexpected pos ..."), with the ``OSError`` that says why only in its
