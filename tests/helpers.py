@@ -247,16 +247,30 @@ class FullDisk:
 
 class DiskFullFromStep(L.Callback):
     """From iteration ``step`` on, every checkpoint write on this process fails part-way as on a
-    full disk (``FullDisk``)."""
+    full disk (``FullDisk``); with sharded checkpoints, rank 0's shard writes fail."""
 
     def __init__(self, step: int):
         self.step = step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            io = trainer.strategy.checkpoint_io
-            write = io._write
-            io._write = lambda checkpoint, f: write(checkpoint, FullDisk(f))
+        if trainer.global_step != self.step:
+            return
+        if getattr(trainer.strategy, "_save_distributed_checkpoint", False):
+            # a sharded checkpoint: rank 0's shard writes fail (torch.distributed.checkpoint
+            # then fails the save on every rank)
+            if trainer.global_rank == 0:
+                import errno
+
+                from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+                def write_data(self, plan, planner):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+
+                FileSystemWriter.write_data = write_data
+            return
+        io = trainer.strategy.checkpoint_io
+        write = io._write
+        io._write = lambda checkpoint, f: write(checkpoint, FullDisk(f))
 
 
 class MetricsDiskFullFromStep(L.Callback):

@@ -28,6 +28,8 @@ SWITCHES = {
     "ddp_cpu": ["trainer=ddp_cpu"],
     "fsdp_cpu": ["trainer=fsdp_cpu"],
     "lora_fsdp_cpu": ["model.lora.r=4", "trainer=fsdp_cpu"],
+    # sharded checkpoints: each rank writes its shards (torch.distributed.checkpoint), a directory
+    "dcp_fsdp_cpu": ["trainer=fsdp_cpu", "+trainer.strategy.save_distributed_checkpoint=true"],
     # the state a resume must carry besides the weights: the LR schedule's step and the adaptive
     # KL controller's beta (a target the run's KL misses, so beta moves every iteration)
     "cosine_adaptive_kl": [
@@ -54,6 +56,12 @@ SWITCHES = {
     ],
 }
 _UNINTERRUPTED: dict[str, dict[int, dict[str, float]]] = {}
+
+
+def checkpoint_step(path) -> int:
+    """The iterations a checkpoint holds: a file, or a sharded checkpoint's directory (its
+    ``meta.pt`` holds what is not sharded)."""
+    return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["global_step"]
 
 
 def interruptible(switch: str) -> list[str]:
@@ -114,7 +122,7 @@ def sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_
     )
     assert killed.returncode == -9  # SIGKILL, mid-training
     last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=True)["global_step"] == 3  # the checkpoint before the kill
+    assert checkpoint_step(last) == 3  # the checkpoint before the kill
     assert not list(last.parent.glob("*.tmp"))  # no half-written file left behind
     assert_resume_replays(switch, last, tmp_path / "resumed", expected, 3, cache_dir)
 
@@ -138,7 +146,7 @@ def sigterm_checkpoints_the_iteration_exits_143_and_resumes(tmp_path, tmp_path_f
     )
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     last = run_dir / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=True)["global_step"] == 5  # nothing trained is lost
+    assert checkpoint_step(last) == 5  # nothing trained is lost
     assert [int(r["step"]) for r in read_metrics(run_dir / "metrics.csv")] == [0, 1, 2, 3, 4]  # stopped there
     hint = [line for line in stopped.stderr.splitlines() if line.startswith("stopped by SIGTERM")]
     assert len(hint) == 1, stopped.stderr[-3000:]  # one line, not one per rank
@@ -173,7 +181,7 @@ def a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp
     assert lines[0].startswith(f"error: No space left on device writing checkpoint {run_dir / 'checkpoints'}")
     assert f"the last good checkpoint is {last} (after 3 iterations)" in lines[0]
     assert f"ckpt_path={last.resolve()}" in lines[0]
-    assert torch.load(last, weights_only=True)["global_step"] == 3
+    assert checkpoint_step(last) == 3
     assert not list(last.parent.glob("*.tmp"))
     if switch == "full":
         assert_resume_replays(

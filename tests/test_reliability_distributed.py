@@ -1,5 +1,5 @@
-"""Kill, stop and full-disk runs and their resumes on two processes (DDP, FSDP, LoRA under FSDP,
-tool episodes under DDP): ``tests/resume.py`` holds the checks, ``test_reliability.py`` their
+"""Kill, stop and full-disk runs and their resumes on two processes (DDP, FSDP with full-state
+and with sharded checkpoints, LoRA under FSDP, tool episodes under DDP): ``tests/resume.py`` holds the checks, ``test_reliability.py`` their
 one-process cases."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.resume import (
 pytestmark = pytest.mark.slow  # every test runs two-process jobs in subprocesses
 
 
-@pytest.mark.parametrize("switch", ["ddp_cpu", "fsdp_cpu", "env_tools_ddp_cpu"])
+@pytest.mark.parametrize("switch", ["ddp_cpu", "fsdp_cpu", "dcp_fsdp_cpu", "env_tools_ddp_cpu"])
 def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_factory, cache_dir, switch):
     sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_factory, cache_dir, switch)
 
@@ -25,6 +25,6 @@ def test_sigterm_checkpoints_the_iteration_exits_143_and_resumes(tmp_path, tmp_p
     sigterm_checkpoints_the_iteration_exits_143_and_resumes(tmp_path, tmp_path_factory, cache_dir, switch)
 
 
-@pytest.mark.parametrize("switch", ["ddp_cpu", "fsdp_cpu"])
+@pytest.mark.parametrize("switch", ["ddp_cpu", "fsdp_cpu", "dcp_fsdp_cpu"])
 def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp_path_factory, cache_dir, switch):
     a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp_path_factory, cache_dir, switch)

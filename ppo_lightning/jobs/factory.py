@@ -17,7 +17,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ppo_lightning.parallel.checkpoint import AtomicCheckpointIO, stop_every_rank_on_write_error
+from ppo_lightning.parallel.checkpoint import AtomicCheckpointIO, is_sharded_checkpoint, stop_every_rank_on_write_error
 from ppo_lightning.parallel.preemption import StopOnPreemption
 from ppo_lightning.config import validate
 from ppo_lightning.data.prompts import PromptDataModule
@@ -84,8 +84,10 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
         return built_by_recipe is not None and bool(path) and _under(path, built_by_recipe)
 
     _check_prompt_files(cfg, pending, recipe_builds=built_by_recipe is not None)
-    if cfg.ckpt_path is not None and not os.path.isfile(cfg.ckpt_path):
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint file")
+    if cfg.ckpt_path is not None and not (os.path.isfile(cfg.ckpt_path) or is_sharded_checkpoint(cfg.ckpt_path)):
+        raise ConfigError(
+            f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint (a .ckpt file, or the directory of a sharded one)"
+        )
     _check_code(cfg)
     _check_model_sources(cfg, pending)
 

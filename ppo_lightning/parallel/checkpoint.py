@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Any
@@ -80,14 +81,49 @@ def _umask() -> int:
 
 
 def _os_error(error: BaseException) -> OSError | None:
-    """The ``OSError`` that caused ``error`` (itself, or one in its cause / context chain)."""
+    """The ``OSError`` that caused ``error``: itself, one in its cause / context chain, or one of
+    the ranks' failures that torch.distributed.checkpoint gathers (``CheckpointException.failures``)."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, OSError):
             return error
         seen.add(id(error))
+        for failure in (getattr(error, "failures", None) or {}).values():
+            failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack)
+            cause = _os_error(failure) if isinstance(failure, BaseException) else None
+            if cause is not None:
+                return cause
         error = error.__cause__ or error.__context__
     return None
+
+
+def write_error(error: BaseException, path: Path) -> CheckpointWriteError | None:
+    """``error`` as a ``CheckpointWriteError`` for ``path`` when an ``OSError`` caused it (a full
+    disk, a quota, a read-only mount, ...); None for anything else (a bug, a signal: as it is)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, though no signal
+
+    cause = _os_error(error)
+    if cause is None or not isinstance(error, (Exception, CheckpointException)):
+        return None
+    return CheckpointWriteError(path, cause.strerror or str(cause))
+
+
+def replace_directory(new: Path, path: Path) -> None:
+    """Put directory ``new`` at ``path``: the old one (a directory or a file) is renamed aside,
+    ``new`` renamed in, then the old one removed. Between the two renames (microseconds) a kill
+    leaves the old checkpoint at ``<path>.old``."""
+    old = path.with_name(path.name + ".old")
+    if old.is_dir():
+        shutil.rmtree(old)
+    elif old.exists():
+        old.unlink()
+    if path.exists():
+        os.replace(path, old)
+    os.replace(new, path)
+    if old.is_dir():
+        shutil.rmtree(old)
+    elif old.exists():
+        old.unlink()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -107,10 +143,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException as e:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
-            cause = _os_error(e)
-            if cause is None or not isinstance(e, Exception):  # a bug, or a signal: as it is
+            error = write_error(e, path)
+            if error is None:  # a bug, or a signal: as it is
                 raise
-            raise CheckpointWriteError(path, cause.strerror or str(cause)) from e
+            raise error from e
 
     @staticmethod
     def _write(checkpoint: dict[str, Any], f: IO[bytes]) -> None:
@@ -155,17 +191,29 @@ def stop_every_rank_on_write_error(strategy) -> None:
     strategy.save_checkpoint = save_checkpoint
 
 
+SHARDED_META = "meta.pt"  # a sharded checkpoint's unsharded part (Lightning's name), beside DCP's .metadata
+
+
+def is_sharded_checkpoint(path) -> bool:
+    """A directory that ``trainer.strategy.save_distributed_checkpoint=true`` wrote: every rank's
+    shards (torch.distributed.checkpoint, with its ``.metadata``) and ``meta.pt``."""
+    path = Path(path)
+    return path.is_dir() and (path / SHARDED_META).is_file() and (path / ".metadata").is_file()
+
+
 def last_good_checkpoint(trainer) -> tuple[Path, int] | None:
     """The checkpoint a run stopped by a failed write resumes from, and its iteration count:
-    ``last.ckpt`` (``preemption.last_checkpoint_path``), which every save rewrites last and which
-    an interrupted write leaves as it was; None when it does not exist (or does not load)."""
+    ``last.ckpt`` (``preemption.last_checkpoint_path``; a directory when sharded), which every
+    save rewrites last and which an interrupted write leaves as it was; None when it does not
+    exist (or does not load)."""
     from ppo_lightning.parallel.preemption import last_checkpoint_path
 
     path = last_checkpoint_path(trainer)
-    if not path.is_file():
+    state_file = path / SHARDED_META if is_sharded_checkpoint(path) else path
+    if not state_file.is_file():
         return None
     try:  # mmap: the tensors are not read, only the small pickle around them
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(state_file, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return None
     return path, int(state.get("global_step", 0))

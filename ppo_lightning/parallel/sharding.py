@@ -27,11 +27,15 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import shutil
+from pathlib import Path
+
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from ppo_lightning.models.weights import is_sharded, load_full_state_dict
+from ppo_lightning.parallel.checkpoint import replace_directory, SHARDED_META, write_error
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -100,12 +104,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         weights and optimizer state (``set_model_state_dict`` / ``set_optimizer_state_dict`` on
         the whole module, which place each tensor as its parameter is sharded). Frozen weights
         that checkpoints leave out (``PPOModule.checkpointed``) keep their loaded values. A
-        directory (a distributed checkpoint) goes through Lightning's loader."""
+        directory is a sharded checkpoint (``_load_sharded_checkpoint``)."""
         from pathlib import Path
 
         path = Path(self.broadcast(checkpoint_path))
         if path.is_dir():
-            return super().load_checkpoint(path, weights_only=weights_only)
+            return self._load_sharded_checkpoint(path, weights_only)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         checkpoint = torch.load(
@@ -116,6 +120,59 @@ class FSDP2Strategy(ModelParallelStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", [])):
             set_optimizer_state_dict(self.model, optimizer, state, options=options)
         return checkpoint
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """A sharded checkpoint is written whole or not at all, as a full-state file is
+        (``checkpoint.AtomicCheckpointIO``): every rank writes its shards into ``<name>.tmp``, then
+        rank 0 swaps it in for the old directory (two renames, the old one removed after). A
+        kill mid-write leaves the previous checkpoint; a write that fails (a full disk) removes
+        the temporary directory and raises ``CheckpointWriteError`` on every rank, since
+        torch.distributed.checkpoint tells every rank of any rank's failure."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(path.name + ".tmp")
+        if self.global_rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)  # what a killed save left
+        self.barrier()
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+        except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one
+            if self.global_rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            error = write_error(e, path)
+            if error is None:
+                raise
+            raise error from e
+        self.barrier()
+        if self.global_rank == 0:
+            replace_directory(tmp, path)
+        self.barrier()
+
+    def _load_sharded_checkpoint(self, path, weights_only: bool | None) -> dict:
+        """A sharded checkpoint (``save_distributed_checkpoint=True``): each rank reads its own
+        shards of the weights and optimizer state with torch.distributed.checkpoint. Only the
+        entries it holds are asked for: the frozen weights and the second copy of a tied weight
+        that ``PPOModule.checkpointed`` leaves out keep their loaded values, as with a full-state
+        file (Lightning's loader asks for every entry of the module and fails on those)."""
+        from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+            StateDictOptions,
+        )
+
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        weights = {k: v for k, v in get_model_state_dict(self.model).items() if f"state_dict.{k}" in saved}
+        load({"state_dict": weights}, checkpoint_id=path)
+        set_model_state_dict(self.model, weights, options=StateDictOptions(strict=False))
+        for idx, optimizer in enumerate(self.optimizers):
+            state = {f"optimizer_{idx}": get_optimizer_state_dict(self.model, optimizer)}
+            load(state, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, state[f"optimizer_{idx}"])
+        return torch.load(path / SHARDED_META, map_location="cpu", weights_only=weights_only is not False)
 
 
 def decoder_blocks(lm: nn.Module) -> list[nn.Module]:
