@@ -67,8 +67,8 @@ def full_disk_error(error: BaseException, output_dir: str | Path) -> OutputWrite
     """``error`` as an ``OutputWriteError`` when an ``OSError`` of ``FULL_DISK_ERRNOS`` caused it
     (a logger's or a dump's write, wherever it surfaced), naming its file when the OS did and the
     run's output directory otherwise (a failed ``write`` names no file); else None."""
-    cause = _os_error(error)
-    if cause is None or cause.errno not in FULL_DISK_ERRNOS or not isinstance(error, Exception):
+    cause = _write_cause(error, FULL_DISK_ERRNOS)
+    if cause is None:
         return None
     what = str(cause.filename) if cause.filename else f"the run's outputs under {output_dir}"
     return OutputWriteError(what, cause.strerror or os.strerror(cause.errno))
@@ -97,15 +97,22 @@ def _os_error(error: BaseException) -> OSError | None:
     return None
 
 
-def write_error(error: BaseException, path: Path) -> CheckpointWriteError | None:
-    """``error`` as a ``CheckpointWriteError`` for ``path`` when an ``OSError`` caused it (a full
-    disk, a quota, a read-only mount, ...); None for anything else (a bug, a signal: as it is)."""
+def _write_cause(error: BaseException, errnos: tuple[int, ...] | None = None) -> OSError | None:
+    """The ``OSError`` behind a failed write (one of ``errnos``, when given); None for anything
+    else: a bug, or a signal, which must go on as it is."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, though no signal
 
-    cause = _os_error(error)
-    if cause is None or not isinstance(error, (Exception, CheckpointException)):
+    if not isinstance(error, (Exception, CheckpointException)):
         return None
-    return CheckpointWriteError(path, cause.strerror or str(cause))
+    cause = _os_error(error)
+    return cause if cause is not None and (errnos is None or cause.errno in errnos) else None
+
+
+def write_error(error: BaseException, path: Path) -> CheckpointWriteError | None:
+    """``error`` as a ``CheckpointWriteError`` for ``path`` when an ``OSError`` caused it (a full
+    disk, a quota, a read-only mount, ...); None for anything else (``_write_cause``)."""
+    cause = _write_cause(error)
+    return None if cause is None else CheckpointWriteError(path, cause.strerror or str(cause))
 
 
 def replace_directory(new: Path, path: Path) -> None:
@@ -113,17 +120,18 @@ def replace_directory(new: Path, path: Path) -> None:
     ``new`` renamed in, then the old one removed. Between the two renames (microseconds) a kill
     leaves the old checkpoint at ``<path>.old``."""
     old = path.with_name(path.name + ".old")
-    if old.is_dir():
-        shutil.rmtree(old)
-    elif old.exists():
-        old.unlink()
+    _remove(old)
     if path.exists():
         os.replace(path, old)
     os.replace(new, path)
-    if old.is_dir():
-        shutil.rmtree(old)
-    elif old.exists():
-        old.unlink()
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
