@@ -292,6 +292,25 @@ class MetricsDiskFullFromStep(L.Callback):
                 fs.open = lambda path, *a, **k: FullDisk(open_(path, *a, **k), room=0)
 
 
+class FillDiskFromStep(L.Callback):
+    """At iteration ``step``, fills the file system of ``path`` (a small tmpfs in the test): one
+    file written until the OS answers ENOSPC, as a disk that other writers fill up."""
+
+    def __init__(self, path: str, step: int):
+        self.path, self.step = Path(path), step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step:
+            return
+        with open(self.path / "filler", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+
+
 def constant_reward(prompts, responses):
     """Every response scores the same: no group ever has a spread."""
     return [1.0] * len(prompts)

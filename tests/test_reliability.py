@@ -66,6 +66,57 @@ def test_a_full_disk_under_metrics_csv_stops_with_one_line_and_keeps_the_checkpo
     assert torch.load(last, weights_only=True)["global_step"] == 9
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs mounted at a fresh directory (unmounted after the test): a real file system
+    that fills up. Mounting needs root (CAP_SYS_ADMIN); elsewhere the test is skipped."""
+    import subprocess
+
+    mnt = tmp_path / "small_disk"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {p.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.slow  # a subprocess that must exit 1
+def test_a_full_disk_under_wandb_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, cache_dir, small_disk):
+    """W&B's own process writes its run files and drops, in silence, each record a full disk
+    refuses. With W&B's directory on a small real file system that fills up before iteration 5,
+    the run stops at that iteration's log with exit status 1 and one line: the cause, W&B's
+    directory, the last good checkpoint (after 3 iterations, on another disk) and the command
+    that resumes (``loggers.FreeSpaceCheckedWandbLogger``)."""
+    run_dir = tmp_path / "run"
+    p = run_train(
+        [
+            *FAST,
+            "trainer.max_steps=8",
+            "callbacks.model_checkpoint.every_n_train_steps=3",
+            "export_dir=null",
+            f"hydra.run.dir={run_dir}",
+            "logger=default",
+            "logger.wandb.mode=offline",
+            f"logger.wandb.save_dir={small_disk}",
+            "+callbacks.full._target_=tests.helpers.FillDiskFromStep",
+            f"+callbacks.full.path={small_disk}",
+            "+callbacks.full.step=4",
+        ],
+        cache_dir,
+    )
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, p.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert lines[0].startswith("error: No space left on device (")
+    assert f"writing W&B's run files under {small_disk}/wandb/offline-run-" in lines[0]
+    assert f"the last good checkpoint is {last} (after 3 iterations)" in lines[0]
+    assert f"ckpt_path={last.resolve()}" in lines[0]
+    assert torch.load(last, weights_only=True)["global_step"] == 3
+
+
 def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_previous_one(tmp_path):
     """``AtomicCheckpointIO``: a write that runs out of space part-way raises
     ``CheckpointWriteError`` with the operating system's reason (torch's own error, a zip-writer

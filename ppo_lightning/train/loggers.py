@@ -2,7 +2,11 @@
 
 ``wandb_logger`` never prompts and never hangs: it logs online only when a W&B API key is
 configured and the W&B server answers within a few seconds; otherwise it writes an offline run
-into the run directory, which ``wandb sync <run dir>/wandb/offline-run-*`` uploads later.
+into the run directory, which ``wandb sync <run dir>/wandb/offline-run-*`` uploads later. And it
+does not lose records in silence: W&B's own process writes the run's files, and on a full disk it
+drops each record it cannot write and says so only in its ``debug-internal.log`` (an offline run
+keeps nothing from then on), so the logger checks the free space under the run's W&B directory
+after each log and stops the run as any failed write of the run does (``FreeSpaceCheckedWandbLogger``).
 """
 
 from __future__ import annotations
@@ -10,8 +14,13 @@ from __future__ import annotations
 import logging
 import netrc
 import os
+import shutil
 import socket
 from urllib.parse import urlparse
+
+from lightning.pytorch.loggers import WandbLogger
+
+from ppo_lightning.parallel.checkpoint import OutputWriteError
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +77,8 @@ def finish_wandb(exit_code: int | None = None) -> None:
 def wandb_logger(
     project: str = "ppo_lightning", save_dir: str = ".", name: str | None = None, mode: str = "auto", **kwargs
 ):
-    """A Lightning ``WandbLogger`` whose run lives under ``save_dir/wandb``."""
-    from lightning.pytorch.loggers import WandbLogger
-
+    """A Lightning ``WandbLogger`` whose run lives under ``save_dir/wandb``, that stops the run
+    when W&B's directory fills up (``FreeSpaceCheckedWandbLogger``)."""
     mode = resolve_wandb_mode(mode)
     os.makedirs(save_dir, exist_ok=True)
     # settings: no console capture (Lightning prints progress itself), no prompts
@@ -80,4 +88,28 @@ def wandb_logger(
     settings = wandb.Settings(console="off", silent=True)
     # mode goes straight to wandb.init: Lightning's offline=True would set WANDB_MODE for the
     # whole process, and wandb's settings singleton would otherwise keep the first run's mode.
-    return WandbLogger(project=project, save_dir=save_dir, name=name, mode=mode, settings=settings, **kwargs)
+    return FreeSpaceCheckedWandbLogger(
+        project=project, save_dir=save_dir, name=name, mode=mode, settings=settings, **kwargs
+    )
+
+
+WANDB_MIN_FREE_BYTES = 1 << 20
+"""Less free space than this under the run's W&B directory stops the run: W&B's records (a few
+KiB each, in 32 KiB blocks of its transaction log) would no longer be written, and W&B would not
+say so to this process."""
+
+
+class FreeSpaceCheckedWandbLogger(WandbLogger):
+    """``WandbLogger`` that checks, after each ``log_metrics``, that the file system of the run's
+    W&B directory has ``WANDB_MIN_FREE_BYTES`` free, and otherwise raises ``OutputWriteError``
+    (for a full disk: ``jobs.run.fit`` names the last good checkpoint, ``train.py`` prints one line
+    with the command that resumes). A ``statvfs`` per log: microseconds."""
+
+    def log_metrics(self, metrics, step=None) -> None:
+        super().log_metrics(metrics, step)
+        if self.experiment.settings.mode == "disabled":
+            return
+        directory = self.experiment.settings.sync_dir  # <save_dir>/wandb/<offline-run|run>-<id>
+        free = shutil.disk_usage(directory).free
+        if free < WANDB_MIN_FREE_BYTES:
+            raise OutputWriteError(f"W&B's run files under {directory}", f"No space left on device ({free} bytes free)")
