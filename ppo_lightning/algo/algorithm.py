@@ -49,7 +49,12 @@ from ppo_lightning.algo.rollout import (
     Scorer,
     finish_rollout,
     forward_logprobs,
+    pad_responses,
+    row_windows,
     sample_and_score,
+    split_to,
+    token_budget_groups,
+    unpadded,
 )
 
 
@@ -115,6 +120,7 @@ class PPO:
                 self.ref_lm,
                 forward_chunk_size=c.rollout_forward_batch_size,
                 head_chunk=c.lm_head_chunk_size,
+                remove_padding=c.remove_padding,
             )
             reward_logs = pop_reward_logs(self.reward_fn)  # log_metric calls of the reward functions
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)
@@ -133,7 +139,8 @@ class PPO:
         this forward again, on the same rows and weights. It then runs once, with gradients,
         and the first update reuses it (``Rollout.first_forward``)."""
         c, whole = self.cfg, s.batch_size
-        if c.fuse_rollout_forward and c.minibatch_size >= whole and (c.micro_batch_size or whole) >= whole:
+        one_part = (c.micro_batch_size or whole) >= whole and c.micro_batch_tokens is None
+        if c.fuse_rollout_forward and c.minibatch_size >= whole and one_part:
             with torch.enable_grad():
                 out = self._policy_forward(s)
             return out[2].detach(), (out[1].detach() if out[1] is not None else None), out
@@ -147,22 +154,29 @@ class PPO:
             self.sampling.temperature,
             c.rollout_forward_batch_size,
             c.lm_head_chunk_size,
+            c.remove_padding,
         )
         return logprobs, values, None
 
     def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
         """Entropies, values and logprobs of the responses ``[B, R]`` at the sampling temperature
-        (as the rollout's logprobs), the LM head in chunks of ``ppo.lm_head_chunk_size``."""
+        (as the rollout's logprobs), the LM head in chunks of ``ppo.lm_head_chunk_size``; on the
+        rows' ``padding_window`` with ``ppo.remove_padding`` (zeros past the longest response)."""
+        rows = (mb.query_responses, mb.attention_mask, mb.position_ids)
+        ids, mask, pos, P = (
+            unpadded(*rows, mb.context_length) if self.cfg.remove_padding else (*rows, mb.context_length)
+        )
         logp, entropy, values = self.policy.score_responses(
-            mb.query_responses,
-            mb.attention_mask,
-            mb.position_ids,
-            mb.context_length,
+            ids,
+            mask,
+            pos,
+            P,
             self.sampling.temperature,
             self.cfg.lm_head_chunk_size,
             entropy_grad=self.cfg.ent_coef > 0,
         )
-        return entropy, values, logp
+        R = mb.responses.shape[1]
+        return pad_responses(entropy, R), pad_responses(values, R), pad_responses(logp, R)
 
     # ------------------------------------------------------------------------- part 2: learn
     def learn(self, r: Rollout, opt) -> Learned:
@@ -203,9 +217,10 @@ class PPO:
         over ranks, passed ``ppo.target_kl`` (Stable-Baselines3's early stop: measured by this
         minibatch's forward, so it counts every step before it).
 
-        With ``ppo.micro_batch_size`` the rows go through forward and backward a micro-batch at a
-        time, gradients accumulating (all-reduced on the last): each micro-batch's losses are its
-        share of the minibatch's token mean, so the step is the whole minibatch's.
+        With ``ppo.micro_batch_size`` (or ``micro_batch_tokens``) the rows go through forward and
+        backward a micro-batch at a time, gradients accumulating (all-reduced on the last): each
+        micro-batch's losses are its share of the minibatch's token mean, so the step is the whole
+        minibatch's.
         """
         c, rt = self.cfg, self.runtime
         # what every token mean divides by: this rank's tokens, or with token_mean_global every rank's
@@ -214,8 +229,7 @@ class PPO:
             if LOSS_AGGREGATIONS.spec(c.loss_agg).global_tokens
             else mb.response_mask.sum()
         )
-        size = c.micro_batch_size if c.micro_batch_size and c.micro_batch_size < mb.batch_size else mb.batch_size
-        parts = [mb] if size == mb.batch_size else [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)]
+        parts, order = self._micro_batches(mb)
         stats: dict[str, Tensor] = {}
         new_logps = []
         opt.zero_grad()
@@ -232,6 +246,8 @@ class PPO:
                 stats[k] = stats[k] + v if k in stats else v
             new_logps.append(new_logp.detach())
         new_logp, mask = torch.cat(new_logps) if len(new_logps) > 1 else new_logps[0], mb.response_mask
+        if order is not None:  # back to the minibatch's row order
+            new_logp = new_logp[torch.argsort(order)]
         approxkl = approx_kl(new_logp, mb.logprobs, mask)
         if c.target_kl is not None and rt.mean_over_ranks(approxkl) > c.target_kl:
             opt.zero_grad()
@@ -248,6 +264,21 @@ class PPO:
                 "val/ratio": masked_mean(ratio, mask),
                 "val/ratio_var": masked_var(ratio, mask, unbiased=False),
             }, None
+
+    def _micro_batches(self, mb: Rollout) -> tuple[list[Rollout], Tensor | None]:
+        """The micro-batches of a minibatch, and the row order they hold it in (None: in order).
+        ``ppo.micro_batch_tokens``: rows by length, longest first, in groups within the budget
+        (``token_budget_groups``), as many on every rank; ``micro_batch_size``: consecutive rows."""
+        c = self.cfg
+        if c.micro_batch_tokens is not None:
+            starts, stops = row_windows(mb.attention_mask, mb.context_length)
+            groups = token_budget_groups(starts, stops, c.micro_batch_tokens)
+            groups = [g.to(mb.scores.device) for g in split_to(groups, self.runtime.max_over_ranks(len(groups)))]
+            return [mb.index(g) for g in groups], torch.cat(groups)
+        size = c.micro_batch_size if c.micro_batch_size and c.micro_batch_size < mb.batch_size else mb.batch_size
+        if size == mb.batch_size:
+            return [mb], None
+        return [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)], None
 
     def _loss(self, part: Rollout, forward: PolicyOutput, n_tokens: Tensor, seq_count: int):
         """``(loss, statistics, new logprobs)`` of a micro-batch: the clipped policy loss, plus

@@ -117,6 +117,73 @@ class Rollout(_Sequences):
 
 
 # ----------------------------------------------------------------------------- scoring forwards
+def padding_window(attention_mask: Tensor, context_length: int) -> tuple[int, int]:
+    """``(start, stop)``: the columns of a ``[B, T]`` batch that hold a real token in some row.
+    Left of ``start`` every row's prompt is padding, right of ``stop`` every row's response has
+    ended. Attention masks padding out, so a forward on the window gives every real position the
+    same logits as one on the whole width, for less work: a micro-batch costs its longest row,
+    not the rollout's width (``ppo.remove_padding``). The window keeps the prompt's last column
+    (it predicts the first response token) and at least one response column. One host sync."""
+    used = attention_mask.bool().any(0).tolist()
+    start = next((t for t in range(context_length) if used[t]), context_length - 1)
+    last = next((t for t in range(len(used) - 1, context_length, -1) if used[t]), context_length)
+    return min(start, context_length - 1), last + 1
+
+
+def unpadded(query_responses: Tensor, attention_mask: Tensor, position_ids: Tensor, context_length: int):
+    """The batch cut to its ``padding_window``: ``(query_responses, attention_mask, position_ids,
+    context_length)`` with the columns no row uses removed (positions keep their values)."""
+    start, stop = padding_window(attention_mask, context_length)
+    window = slice(start, stop)
+    return query_responses[:, window], attention_mask[:, window], position_ids[:, window], context_length - start
+
+
+def row_windows(attention_mask: Tensor, context_length: int) -> tuple[list[int], list[int]]:
+    """Each row's own ``padding_window``: ``(starts, stops)``, its first prompt token and one past
+    its last attended token (at least the prompt's last column and one response column)."""
+    real = attention_mask.bool()
+    T, idx = real.shape[1], torch.arange(real.shape[1], device=real.device)
+    starts = torch.where(real, idx, T).min(1).values.clamp(max=context_length - 1)
+    stops = (torch.where(real, idx, -1).max(1).values + 1).clamp(min=context_length + 1)
+    return starts.tolist(), stops.tolist()
+
+
+def token_budget_groups(starts: list[int], stops: list[int], budget: int) -> list[Tensor]:
+    """Rows grouped for dynamic micro-batches: sorted by width (``stop - start``), longest first,
+    each group taking the next rows while its ``rows x (max stop - min start)`` (the tokens its
+    ``padding_window`` forward computes) stays within ``budget``. A row wider than the budget
+    forms a group alone. Returns each group's row indices."""
+    order = sorted(range(len(starts)), key=lambda i: (starts[i] - stops[i], i))
+    groups, current, lo, hi = [], [], 0, 0
+    for i in order:
+        new_lo, new_hi = (min(lo, starts[i]), max(hi, stops[i])) if current else (starts[i], stops[i])
+        if current and (len(current) + 1) * (new_hi - new_lo) > budget:
+            groups.append(current)
+            current, new_lo, new_hi = [], starts[i], stops[i]
+        current.append(i)
+        lo, hi = new_lo, new_hi
+    groups.append(current)
+    return [torch.tensor(g) for g in groups]
+
+
+def split_to(groups: list[Tensor], n: int) -> list[Tensor]:
+    """``groups`` split until there are ``n`` (the group with most rows halved each time, its
+    longer rows first): every rank runs the same number of forwards. ``n`` is at most the rows."""
+    groups = list(groups)
+    while len(groups) < n:
+        i = max(range(len(groups)), key=lambda j: len(groups[j]))
+        g = groups.pop(i)
+        half = (len(g) + 1) // 2
+        groups[i:i] = [g[:half], g[half:]]
+    return groups
+
+
+def pad_responses(x: Tensor | None, width: int) -> Tensor | None:
+    """``[B, R']`` response-position values (logprobs, entropies, values) zero-padded on the right
+    to ``width`` columns: the rollout's ``R``, where every loss and statistic masks them out."""
+    return x if x is None or x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
 @torch.no_grad()
 def forward_logprobs(
     policy: PolicyWithValueHead | None,
@@ -128,45 +195,40 @@ def forward_logprobs(
     temperature: float,
     chunk_size: int | None = None,
     head_chunk: int | None = None,
+    remove_padding: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs of the response tokens (and values, when ``policy`` is given), in row chunks of
-    ``chunk_size``; with ``head_chunk``, the LM head in chunks of that many positions
-    (``lean_head``, when the head allows it; ``ppo.lm_head_chunk_size``).
+    ``chunk_size``, each on its ``padding_window`` (``remove_padding``); with ``head_chunk``, the
+    LM head in chunks of that many positions (``lean_head``, when the head allows it;
+    ``ppo.lm_head_chunk_size``).
 
     Logits are divided by the sampling temperature before the log-softmax, so the logprobs are
     those of the distribution the tokens were sampled from ([N+] detail).
     """
-    B = query_responses.shape[0]
+    B, R = query_responses.shape[0], query_responses.shape[1] - context_length
     chunk_size = chunk_size or B
-    responses = query_responses[:, context_length:]
-    R = responses.shape[1]
     logps, values = [], []
     for s in range(0, B, chunk_size):
-        sl = slice(s, s + chunk_size)
+        rows = (
+            query_responses[s : s + chunk_size],
+            attention_mask[s : s + chunk_size],
+            position_ids[s : s + chunk_size],
+        )
+        ids, mask, pos, P = unpadded(*rows, context_length) if remove_padding else (*rows, context_length)
         if policy is not None:
-            logp, _, v = policy.score_responses(
-                query_responses[sl],
-                attention_mask[sl],
-                position_ids[sl],
-                context_length,
-                temperature,
-                head_chunk,
-                entropy_grad=False,
-            )
+            logp, _, v = policy.score_responses(ids, mask, pos, P, temperature, head_chunk, entropy_grad=False)
             if v is not None:  # a policy without a value head (critic-free estimators) gives none
-                values.append(v)
-            logps.append(logp)
+                values.append(pad_responses(v, R))
+            logps.append(pad_responses(logp, R))
             continue
+        responses, width = ids[:, P:], ids.shape[1] - P
         lean = use_lean_head(lm, head_chunk)
-        with lean_head(lm, responses[sl], temperature, head_chunk) if lean else nullcontext():
+        with lean_head(lm, responses, temperature, head_chunk) if lean else nullcontext():
             out = lm(
-                input_ids=query_responses[sl],
-                attention_mask=attention_mask[sl],
-                position_ids=position_ids[sl],
-                use_cache=False,
-                **logits_to_keep(lm, R + 1),
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **logits_to_keep(lm, width + 1)
             ).logits
-        logps.append(head_outputs(out if lean else out[:, -(R + 1) : -1], lean, responses[sl], temperature, False)[0])
+        logp = head_outputs(out if lean else out[:, -(width + 1) : -1], lean, responses, temperature, False)[0]
+        logps.append(pad_responses(logp, R))
     return torch.cat(logps), (torch.cat(values) if values else None)
 
 
@@ -464,10 +526,11 @@ def sample_and_score(
     *,
     forward_chunk_size: int | None = None,
     head_chunk: int | None = None,
+    remove_padding: bool = True,
 ) -> Samples:
     """Sample responses to left-padded ``prompts`` through ``sampler`` (the policy's backend, as
-    its params say); reference logprobs (in row chunks of ``forward_chunk_size``, the LM head in
-    chunks of ``head_chunk``) and ``scorer``'s scores for them. With episodes (an ``env``), each
+    its params say); reference logprobs (in row chunks of ``forward_chunk_size``, each on its
+    ``padding_window`` with ``remove_padding``, the LM head in chunks of ``head_chunk``) and ``scorer``'s scores for them. With episodes (an ``env``), each
     prompt record is played out as a multi-turn episode instead (``envs.EpisodeRunner``, from the
     prompts as written and their columns): the response holds every turn, the environment's
     tokens attended to but out of ``response_mask``."""
@@ -491,6 +554,7 @@ def sample_and_score(
         params.temperature,
         forward_chunk_size,
         head_chunk,
+        remove_padding,
     )
     keep = scorer.kept(scored, contains_eos, params.stop_at_eos)
     response_mask = s.response_mask if keep.all() else s.response_mask * keep[:, None]

@@ -107,6 +107,20 @@ class PPOConfig(_MovedPPOKeys):
     ``minibatch_size``; null = the whole minibatch. Each micro-batch's losses are its share of the
     minibatch's token mean, so the step is the whole minibatch's (test): memory for activations
     scales with this, not with ``minibatch_size``."""
+    remove_padding: bool = True
+    """Run each policy and reference forward (the rollout's scoring and every update's) on the
+    columns its rows use (``algo.rollout.padding_window``): left of the earliest prompt token and
+    right of the longest response are cut, so a micro-batch costs its longest row, not the
+    rollout's width. The same logprobs, values and gradients to float32 rounding (test);
+    false runs every forward on the whole ``[B, T]``."""
+    micro_batch_tokens: Optional[int] = param(None, ge=1)
+    """Dynamic micro-batches: a minibatch's rows sorted by length (their ``padding_window`` width)
+    and grouped so that each group's rows x width stays within this many tokens (a row longer
+    than the budget goes alone); null = off. Each group's losses are its share of the minibatch's,
+    as with ``micro_batch_size``, so the step is the same (test); activation memory is bounded by
+    tokens, not rows, and a group of short rows does not pay for the longest. Under DDP and FSDP
+    every rank runs as many groups as the rank that needs most (FSDP gathers weights per forward).
+    Replaces ``micro_batch_size`` (set one of them)."""
     max_grad_norm: float = 1.0
     """Global L2 gradient-norm clip; <= 0 disables it."""
     whiten_rewards: bool = False

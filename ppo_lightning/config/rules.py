@@ -229,6 +229,11 @@ def _check_minibatch(cfg) -> None:
             f"{p.minibatch_size}; choose a divisor, e.g. ppo.micro_batch_size="
             f"{_largest_divisor(p.minibatch_size, p.micro_batch_size)}"
         )
+    if p.micro_batch_size is not None and p.micro_batch_tokens is not None:
+        raise ConfigError(
+            f"ppo.micro_batch_size={p.micro_batch_size} and ppo.micro_batch_tokens={p.micro_batch_tokens}: "
+            "choose one (rows per micro-batch, or a token budget per micro-batch); set the other to null"
+        )
 
 
 def _check_estimator(cfg) -> None:

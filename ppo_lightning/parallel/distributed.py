@@ -97,6 +97,13 @@ class Runtime:
     def reduce_sum(self, x: Tensor) -> Tensor:
         return self.trainer.strategy.reduce(x, reduce_op="sum") if self.world_size > 1 else x
 
+    def max_over_ranks(self, n: int) -> int:
+        """The largest of every rank's ``n`` (every rank gets the same number)."""
+        if self.world_size == 1:
+            return n
+        x = torch.tensor(float(n), device=self.module.device)
+        return int(self.trainer.strategy.reduce(x, reduce_op="max"))
+
     def union(self, keys) -> list[str]:
         """The sorted union of every rank's ``keys``: metric names that some ranks may lack (an
         environment's info, a reward's ``log_metric``), so every rank reduces the same vector."""
