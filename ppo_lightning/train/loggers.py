@@ -19,6 +19,7 @@ import socket
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 from ppo_lightning.parallel.checkpoint import OutputWriteError
 
@@ -105,6 +106,7 @@ class FreeSpaceCheckedWandbLogger(WandbLogger):
     (for a full disk: ``jobs.run.fit`` names the last good checkpoint, ``train.py`` prints one line
     with the command that resumes). A ``statvfs`` per log: microseconds."""
 
+    @rank_zero_only  # as WandbLogger's: the other ranks hold no run
     def log_metrics(self, metrics, step=None) -> None:
         super().log_metrics(metrics, step)
         if self.experiment.settings.mode == "disabled":
