@@ -24,26 +24,30 @@ FAST = [
 
 SWITCHES = {
     "full": [],
-    "lora": ["model.lora.r=4"],
     "ddp_cpu": ["trainer=ddp_cpu"],
     "fsdp_cpu": ["trainer=fsdp_cpu"],
     "lora_fsdp_cpu": ["model.lora.r=4", "trainer=fsdp_cpu"],
     # sharded checkpoints: each rank writes its shards (torch.distributed.checkpoint), a directory
     "dcp_fsdp_cpu": ["trainer=fsdp_cpu", "+trainer.strategy.save_distributed_checkpoint=true"],
-    # the state a resume must carry besides the weights: the LR schedule's step and the adaptive
-    # KL controller's beta (a target the run's KL misses, so beta moves every iteration)
-    "cosine_adaptive_kl": [
+    # the state a resume must carry besides the weights, at once: LoRA's adapters (the frozen base
+    # is rebuilt from its source), the LR schedule's step and the adaptive KL controller's beta (a
+    # target the run's KL misses, so beta moves every iteration), and two-turn episodes (the
+    # environment answers the first turn)
+    "lora_schedule_episodes": [
+        "model.lora.r=4",
         "optimizer.scheduler=cosine",
         "optimizer.warmup_steps=2",
         "optimizer.min_lr_ratio=0.1",
         "ppo.adaptive_kl=true",
         "ppo.kl_target=0.01",
         "ppo.kl_horizon=100",
+        "env=function",
+        "env._target_=tests.multiturn.Echo",
+        "+env.turns=2",
+        "env.max_total_tokens=48",
     ],
-    # multi-turn: two-turn episodes (the environment answers the first turn), and tool calling
-    # under DDP (the tools' JSON schemas in the prompt; a parser that reads a call, a malformed
-    # call or a failing call into the random policy's turns)
-    "env_echo": ["env=function", "env._target_=tests.multiturn.Echo", "+env.turns=2", "env.max_total_tokens=48"],
+    # tool calling under DDP (the tools' JSON schemas in the prompt; a parser that reads a call, a
+    # malformed call or a failing call into the random policy's turns)
     "env_tools_ddp_cpu": [
         "env=tools",
         "env.tools=[ppo_lightning.envs.calculator.calculator]",
@@ -55,6 +59,9 @@ SWITCHES = {
         "trainer=ddp_cpu",
     ],
 }
+SAME_TRAJECTORY = {"dcp_fsdp_cpu": "fsdp_cpu"}
+"""Switches that train exactly as another (sharded checkpoints change how a checkpoint is written,
+not the run): their resumes are checked against that switch's uninterrupted run."""
 _UNINTERRUPTED: dict[str, dict[int, dict[str, float]]] = {}
 
 
@@ -78,6 +85,7 @@ def interruptible(switch: str) -> list[str]:
 
 def uninterrupted(switch: str, tmp_path_factory, cache_dir) -> dict[int, dict[str, float]]:
     """Metrics by iteration of the run nothing stops (run once per switch, shared by the tests)."""
+    switch = SAME_TRAJECTORY.get(switch, switch)
     if switch not in _UNINTERRUPTED:
         run_dir = tmp_path_factory.mktemp(f"uninterrupted_{switch}")
         p = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}"], cache_dir)
@@ -104,13 +112,13 @@ def sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_
     the frozen base is rebuilt from its source. With two processes every rank is killed, and the
     checkpoint holds every rank's sampling stream (FSDP: the gathered full state, restored after
     the strategy's setup). The trajectory is the same in each case."""
-    expected = uninterrupted(switch, tmp_path_factory, cache_dir)
-    if switch == "cosine_adaptive_kl":  # lr and beta move every iteration, so the replay checks them
+    expected, overrides = uninterrupted(switch, tmp_path_factory, cache_dir), SWITCHES[switch]
+    if "ppo.adaptive_kl=true" in overrides:  # lr and beta move every iteration, so the replay checks them
         lrs, betas = ([expected[k][key] for k in sorted(expected)] for key in ("lr", "objective/kl_coef"))
         assert len(set(lrs)) == len(lrs) and len(set(betas)) == len(betas), (lrs, betas)
-    if switch.startswith("env_"):  # the episodes had several turns (and, with tools, called them)
+    if any(o.startswith("env=") for o in overrides):  # the episodes had several turns (and called tools)
         assert all(row["env/turns_mean"] > 1 for row in expected.values())
-        assert switch == "env_echo" or sum(row["env/tool_calls_mean"] for row in expected.values()) > 0
+        assert "env=tools" not in overrides or sum(row["env/tool_calls_mean"] for row in expected.values()) > 0
     killed = run_train(
         [
             *interruptible(switch),
@@ -160,8 +168,9 @@ def a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp
     fails with ENOSPC part-way, as a full filesystem does). Every rank stops at once with exit
     status 1 and one line: what failed, the last good checkpoint (``last.ckpt`` after 3
     iterations, untouched) and the command that resumes; no traceback, no temporary file. The
-    resumed run replays the uninterrupted trajectory (on one process; resuming under ddp_cpu and
-    fsdp_cpu from such a ``last.ckpt`` is what the SIGKILL and SIGTERM tests check)."""
+    resumed run replays the uninterrupted trajectory (on one process, and from a sharded
+    checkpoint; resuming under ddp_cpu and fsdp_cpu from a ``last.ckpt`` file is what the SIGKILL
+    and SIGTERM tests check)."""
     run_dir = tmp_path / "full"
     p = run_train(
         [
@@ -183,7 +192,7 @@ def a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp
     assert f"ckpt_path={last.resolve()}" in lines[0]
     assert checkpoint_step(last) == 3
     assert not list(last.parent.glob("*.tmp"))
-    if switch == "full":
+    if switch in ("full", "dcp_fsdp_cpu"):  # a full-state checkpoint, and a sharded one
         assert_resume_replays(
             switch, last, tmp_path / "resumed", uninterrupted(switch, tmp_path_factory, cache_dir), 3, cache_dir
         )

@@ -130,7 +130,8 @@ def test_the_unpadded_forward_gives_the_padded_ones_logprobs_values_and_gradient
         torch.testing.assert_close(y[real], x[real], rtol=1e-5, atol=1e-5)
     assert grads_a.keys() == grads_b.keys() and len(grads_a) > 5
     for k in grads_a:
-        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-5, atol=1e-6, msg=k)
+        scale = float(grads_a[k].abs().max())  # an embedding row's sum of many terms: 1e-5 of the largest
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-5, atol=1e-6 * max(1.0, scale), msg=k)
 
 
 QUIET = [

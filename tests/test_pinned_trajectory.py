@@ -1,5 +1,5 @@
 """The single-turn trajectory, pinned: short PPO and GRPO runs give the metrics recorded in
-``tests/pinned/<name>.json``, every metric that is not a wall-clock time, to 1e-4 relative.
+``tests/pinned/<name>.json``, every metric that is not a wall-clock time, to 1e-4 relative (clip fractions to 0.02).
 
 The files were recorded on commit 4db251b, before multi-turn episodes existed, so they hold the
 promise that the single-turn run (``env=none``) did not move when episodes arrived, and keep it
@@ -41,7 +41,9 @@ def run_rows(name: str, tmp_path: Path, cache_dir: Path) -> list[dict[str, float
     """The metrics rows of run ``name`` (``experiment=tiny_char``, 3 iterations), wall clock left
     out. On one thread: the sums inside a matrix product are split by thread count, and a few
     roundings apart a clip decision (``val/clipfrac_avg``) can flip; one thread gives the same
-    floats on any number of cores (and under ``pytest -n``)."""
+    floats on any number of cores (and under ``pytest -n``). A clip fraction counts tokens at a
+    threshold, so it is compared to 0.02 (one token of 128 is 0.008): since ``ppo.remove_padding``
+    each minibatch's forward runs on its own window, a rounding apart from the rollout's."""
     import torch
 
     from ppo_lightning.jobs.run import train
@@ -66,4 +68,5 @@ def test_the_single_turn_trajectory_is_the_pinned_one(name, tmp_path, cache_dir)
     for step, (want, row) in enumerate(zip(pinned, got)):
         assert set(want) <= set(row), (step, sorted(set(want) - set(row)))  # a metric may be added, not lost
         for key, value in want.items():
-            assert row[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step, key)
+            tol = dict(abs=0.02) if "clipfrac" in key else dict(rel=1e-4, abs=1e-6)  # counts at a threshold
+            assert row[key] == pytest.approx(value, **tol), (name, step, key)

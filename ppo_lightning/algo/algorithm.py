@@ -229,7 +229,7 @@ class PPO:
             if LOSS_AGGREGATIONS.spec(c.loss_agg).global_tokens
             else mb.response_mask.sum()
         )
-        parts, order = self._micro_batches(mb)
+        parts, order = micro_batches(mb, c, self.runtime)
         stats: dict[str, Tensor] = {}
         new_logps = []
         opt.zero_grad()
@@ -264,21 +264,6 @@ class PPO:
                 "val/ratio": masked_mean(ratio, mask),
                 "val/ratio_var": masked_var(ratio, mask, unbiased=False),
             }, None
-
-    def _micro_batches(self, mb: Rollout) -> tuple[list[Rollout], Tensor | None]:
-        """The micro-batches of a minibatch, and the row order they hold it in (None: in order).
-        ``ppo.micro_batch_tokens``: rows by length, longest first, in groups within the budget
-        (``token_budget_groups``), as many on every rank; ``micro_batch_size``: consecutive rows."""
-        c = self.cfg
-        if c.micro_batch_tokens is not None:
-            starts, stops = row_windows(mb.attention_mask, mb.context_length)
-            groups = token_budget_groups(starts, stops, c.micro_batch_tokens)
-            groups = [g.to(mb.scores.device) for g in split_to(groups, self.runtime.max_over_ranks(len(groups)))]
-            return [mb.index(g) for g in groups], torch.cat(groups)
-        size = c.micro_batch_size if c.micro_batch_size and c.micro_batch_size < mb.batch_size else mb.batch_size
-        if size == mb.batch_size:
-            return [mb], None
-        return [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)], None
 
     def _loss(self, part: Rollout, forward: PolicyOutput, n_tokens: Tensor, seq_count: int):
         """``(loss, statistics, new logprobs)`` of a micro-batch: the clipped policy loss, plus
@@ -323,6 +308,21 @@ class PPO:
         if math.isfinite(kl):
             self.kl_ctl.update(kl, rows)
         return self.sampler.sync_weights()
+
+
+def micro_batches(mb: Rollout, c: PPOConfig, runtime) -> tuple[list[Rollout], Tensor | None]:
+    """The micro-batches of a minibatch, and the row order they hold it in (None: in order).
+    ``ppo.micro_batch_tokens``: rows by length, longest first, in groups within the budget
+    (``token_budget_groups``), as many on every rank; ``micro_batch_size``: consecutive rows."""
+    if c.micro_batch_tokens is not None:
+        starts, stops = row_windows(mb.attention_mask, mb.context_length)
+        groups = token_budget_groups(starts, stops, c.micro_batch_tokens)
+        groups = [g.to(mb.scores.device) for g in split_to(groups, runtime.max_over_ranks(len(groups)))]
+        return [mb.index(g) for g in groups], torch.cat(groups)
+    size = c.micro_batch_size if c.micro_batch_size and c.micro_batch_size < mb.batch_size else mb.batch_size
+    if size == mb.batch_size:
+        return [mb], None
+    return [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)], None
 
 
 def _repeat(rows: list | None, n: int) -> list | None:
