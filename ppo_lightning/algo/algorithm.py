@@ -159,24 +159,10 @@ class PPO:
         return logprobs, values, None
 
     def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
-        """Entropies, values and logprobs of the responses ``[B, R]`` at the sampling temperature
-        (as the rollout's logprobs), the LM head in chunks of ``ppo.lm_head_chunk_size``; on the
-        rows' ``padding_window`` with ``ppo.remove_padding`` (zeros past the longest response)."""
-        rows = (mb.query_responses, mb.attention_mask, mb.position_ids)
-        ids, mask, pos, P = (
-            unpadded(*rows, mb.context_length) if self.cfg.remove_padding else (*rows, mb.context_length)
+        c = self.cfg
+        return policy_forward(
+            self.policy, mb, self.sampling.temperature, c.lm_head_chunk_size, c.ent_coef > 0, c.remove_padding
         )
-        logp, entropy, values = self.policy.score_responses(
-            ids,
-            mask,
-            pos,
-            P,
-            self.sampling.temperature,
-            self.cfg.lm_head_chunk_size,
-            entropy_grad=self.cfg.ent_coef > 0,
-        )
-        R = mb.responses.shape[1]
-        return pad_responses(entropy, R), pad_responses(values, R), pad_responses(logp, R)
 
     # ------------------------------------------------------------------------- part 2: learn
     def learn(self, r: Rollout, opt) -> Learned:
@@ -308,6 +294,21 @@ class PPO:
         if math.isfinite(kl):
             self.kl_ctl.update(kl, rows)
         return self.sampler.sync_weights()
+
+
+def policy_forward(
+    policy, mb: Rollout | Samples, temperature: float, head_chunk: int | None, entropy_grad: bool, remove_padding: bool
+) -> PolicyOutput:
+    """Entropies, values and logprobs of the responses ``[B, R]`` at the sampling temperature
+    (as the rollout's logprobs), the LM head in chunks of ``head_chunk`` (``ppo.lm_head_chunk_size``);
+    on the rows' ``padding_window`` with ``remove_padding`` (zeros past the longest response)."""
+    rows = (mb.query_responses, mb.attention_mask, mb.position_ids)
+    ids, mask, pos, P = unpadded(*rows, mb.context_length) if remove_padding else (*rows, mb.context_length)
+    logp, entropy, values = policy.score_responses(
+        ids, mask, pos, P, temperature, head_chunk, entropy_grad=entropy_grad
+    )
+    R = mb.responses.shape[1]
+    return pad_responses(entropy, R), pad_responses(values, R), pad_responses(logp, R)
 
 
 def micro_batches(mb: Rollout, c: PPOConfig, runtime) -> tuple[list[Rollout], Tensor | None]:

@@ -1,0 +1,158 @@
+"""What removing padding buys in the update: one epoch of forwards and backwards, padded and not.
+
+    python -m benchmarks.padding                      # ~2 min on 2 cores
+    python -m benchmarks.padding --rounds 5 --threads 2
+
+The batch has the shape of an RL-from-verifiable-rewards rollout: 8 prompts of 100-200 tokens
+(left-padded), each repeated for a group of 8 completions whose lengths spread uniformly between
+16 and 256 tokens (right-padded): 64 rows of 456 columns. The model is Qwen2-shaped (4 layers,
+256 wide, the byte vocabulary: the transformer's cost, not a large LM head's). One epoch is
+what ``algorithm.PPO.learn`` runs per pass: the rows shuffled into 4 minibatches of 16, each
+through ``algorithm.micro_batches`` and ``algorithm.policy_forward`` (the update's own code), a
+backward per micro-batch. Variants, at the same activation memory bound (micro-batches of at
+most 8 x 456 = 3648 tokens):
+
+* ``padded``: ``ppo.remove_padding=false ppo.micro_batch_size=8``: every forward the whole width;
+* ``unpadded``: ``ppo.micro_batch_size=8``: each micro-batch on its rows' window;
+* ``token_budget``: ``ppo.micro_batch_tokens=3648``: rows sorted by length and grouped under the
+  budget, each group on its window.
+
+Printed, one JSON line: per variant the median seconds per epoch over ``--rounds`` alternating
+rounds, the ratio to ``padded`` (per round, then the median), and the token positions its
+forwards computed; and two floors: the real tokens (no padding at all) and the real tokens
+with each prompt once per group (what ``ppo.shared_prompt_forward`` would leave).
+"""
+
+from __future__ import annotations
+
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.lib.cli import add_threads, parser, set_threads
+from benchmarks.lib.measure import timed
+from benchmarks.lib.runner import alternate, ratios
+
+PROMPTS, GROUP, MINIBATCH = 8, 8, 16
+PROMPT_TOKENS, RESPONSE_TOKENS = (100, 200), (16, 256)
+VARIANTS = {
+    "padded": dict(remove_padding=False, micro_batch_size=8),
+    "unpadded": dict(micro_batch_size=8),
+    "token_budget": dict(micro_batch_tokens=8 * (PROMPT_TOKENS[1] + RESPONSE_TOKENS[1])),
+}
+
+
+def build_rollout(seed: int = 0):
+    """A rollout's tensors for the batch described above (zeros where the update's forward does
+    not look: scores, advantages, ...)."""
+    from ppo_lightning.algo.rollout import Rollout
+    from ppo_lightning.models.policy import position_ids_from_mask
+
+    g = torch.Generator().manual_seed(seed)
+    P, R = PROMPT_TOKENS[1], RESPONSE_TOKENS[1]
+    prompt_lens = torch.randint(PROMPT_TOKENS[0], PROMPT_TOKENS[1] + 1, (PROMPTS,), generator=g).repeat_interleave(
+        GROUP
+    )
+    response_lens = torch.randint(RESPONSE_TOKENS[0], RESPONSE_TOKENS[1] + 1, (PROMPTS * GROUP,), generator=g)
+    cols = torch.arange(P + R)
+    mask = ((cols >= P - prompt_lens[:, None]) & (cols < P + response_lens[:, None])).long()
+    ids = torch.randint(1, 256, mask.shape, generator=g) * mask
+    zeros = torch.zeros(len(mask), R)
+    rows = torch.zeros(len(mask))
+    r = Rollout(
+        ids, mask, position_ids_from_mask(mask), mask[:, P:].float(), zeros, zeros, zeros, zeros, zeros, rows,
+        zeros, zeros, rows, rows, rows.bool(), P,
+    )  # fmt: skip
+    return r, prompt_lens, response_lens
+
+
+def build_policy(root: Path):
+    from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer
+    from ppo_lightning.models.tiny import save_tiny_causal_lm
+
+    path = save_tiny_causal_lm(root / "qwen2", n_layer=4, n_head=4, n_embd=256, n_positions=512, arch="qwen2")
+    policy = PolicyWithValueHead(load_causal_lm(str(path), load_tokenizer(str(path))))
+    return policy.train()
+
+
+class _OneProcess:
+    """The runtime ``algorithm.micro_batches`` asks: one process, its own group count."""
+
+    def max_over_ranks(self, n: int) -> int:
+        return n
+
+
+def epoch(policy, r, variant: dict, seed: int) -> dict:
+    """One pass over the rows in shuffled minibatches: forward and backward of every micro-batch."""
+    from ppo_lightning.algo.algorithm import micro_batches, policy_forward
+    from ppo_lightning.config import PPOConfig
+
+    cfg = PPOConfig(minibatch_size=MINIBATCH, **variant)
+    computed = 0
+
+    def run():
+        nonlocal computed
+        for idx in torch.randperm(r.batch_size, generator=torch.Generator().manual_seed(seed)).split(MINIBATCH):
+            parts, _ = micro_batches(r.index(idx), cfg, _OneProcess())
+            for part in parts:
+                entropy, values, logp = policy_forward(
+                    policy, part, 1.0, cfg.lm_head_chunk_size, False, cfg.remove_padding
+                )
+                mask = part.response_mask
+                ((logp * mask).sum() + (values * mask).pow(2).sum()).div(mask.sum()).backward()
+                computed += part.batch_size * _width(part, cfg.remove_padding)
+        policy.zero_grad(set_to_none=True)
+
+    _, seconds = timed(run)
+    return {"epoch_s": seconds, "tokens_computed": computed}
+
+
+def _width(part, remove_padding: bool) -> int:
+    from ppo_lightning.algo.rollout import padding_window
+
+    if not remove_padding:
+        return part.query_responses.shape[1]
+    start, stop = padding_window(part.attention_mask, part.context_length)
+    return stop - start
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (median reported)")
+    add_threads(ap)
+    args = ap.parse_args()
+    set_threads(args.threads)
+    torch.manual_seed(0)
+    r, prompt_lens, response_lens = build_rollout()
+    with tempfile.TemporaryDirectory() as root:
+        policy = build_policy(Path(root))
+        epoch(policy, r, VARIANTS["padded"], seed=0)  # warm-up: allocator, kernels
+        results = alternate(
+            {name: (lambda k, v=v: epoch(policy, r, v, seed=k)) for name, v in VARIANTS.items()}, args.rounds, abba=True
+        )
+    real = int(prompt_lens.sum() + response_lens.sum())
+    out = {
+        "benchmark": "padding",
+        "rows": r.batch_size,
+        "width": r.query_responses.shape[1],
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "floor_tokens_no_padding": real,
+        "floor_tokens_prompt_once_per_group": int(prompt_lens[::GROUP].sum() + response_lens.sum()),
+    }
+    for name, rows in results.items():
+        out[name] = {
+            "epoch_s": round(statistics.median(x["epoch_s"] for x in rows), 3),
+            "speedup_vs_padded": round(statistics.median(ratios(results["padded"], rows, "epoch_s")), 2),
+            "tokens_computed": rows[0]["tokens_computed"],
+        }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
