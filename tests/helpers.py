@@ -91,6 +91,32 @@ class SaveShardLayout(L.Callback):
         (self.dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(layout))
 
 
+class RecordMicroBatchGroups(L.Callback):
+    """Every rank records, for each minibatch of ``ppo.micro_batch_tokens``, how many groups its own
+    rows made (``token_budget_groups``) and how many it ran (``split_to``: as many as the rank
+    with most), and writes ``[[own, ran], ...]`` to ``<dir>/rank<k>.groups.json`` at the end of fit."""
+
+    def __init__(self, dir: str):
+        self.dir, self.calls = Path(dir), []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        from ppo_lightning.algo import algorithm
+
+        split = algorithm.split_to
+
+        def recording_split(groups, n):
+            self.calls.append([len(groups), n])
+            return split(groups, n)
+
+        algorithm.split_to = recording_split
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        import json
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"rank{trainer.global_rank}.groups.json").write_text(json.dumps(self.calls))
+
+
 class KillAtStep(L.Callback):
     """SIGKILLs its own process when iteration ``step`` is about to start: a crash mid-run."""
 

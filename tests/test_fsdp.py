@@ -35,6 +35,9 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
             f"hydra.run.dir={run_dir}",
             "+callbacks.layout._target_=tests.helpers.SaveShardLayout",
             f"+callbacks.layout.dir={layout_dir}",
+            "ppo.micro_batch_tokens=56",  # rows grouped by length: as many groups on every rank
+            "+callbacks.groups._target_=tests.helpers.RecordMicroBatchGroups",
+            f"+callbacks.groups.dir={layout_dir}",
         ],
         cache_dir,
         timeout=600,
@@ -49,7 +52,14 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
         held, total = sum(v[0] for v in lay.values()), sum(v[1] for v in lay.values())
         assert 0.45 * total <= held <= 0.55 * total
 
-    # the same run as DDP's: metrics and final weights
+    # dynamic micro-batches: the ranks' rows made different numbers of groups, and every rank
+    # ran the larger number (FSDP gathers the weights in each forward, a collective)
+    groups = [json.loads((layout_dir / f"rank{r}.groups.json").read_text()) for r in (0, 1)]
+    assert len(groups[0]) == len(groups[1]) == 3 * 2  # iterations x minibatches
+    assert any(a[0] != b[0] for a, b in zip(*groups))
+    assert all(a[1] == b[1] == max(a[0], b[0]) for a, b in zip(*groups))
+
+    # the same run as DDP's (which runs whole minibatches): metrics and final weights
     assert_same_metrics(ddp["rows"], read_metrics(run_dir / "metrics.csv"))
     exported = load_file(str(run_dir / "policy" / "model.safetensors"))
     value_head = load_file(str(run_dir / "policy" / "value_head.safetensors"))
