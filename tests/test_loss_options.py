@@ -262,3 +262,79 @@ def test_token_mean_global_is_the_token_mean_of_every_ranks_tokens(tmp_path):
     for g in got:
         torch.testing.assert_close(g["token_mean_global"], model.weight.grad)
     assert not torch.allclose(got[0]["token_mean"], model.weight.grad, atol=1e-4)
+
+
+ENGINE_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _naive_engine_weight(old, engine, mask, b, t, mode, cap):
+    if not mask[b, t]:
+        return 0.0
+    if mode.startswith("token"):
+        rho = math.exp(old[b, t] - engine[b, t])
+    else:
+        rho = math.exp(sum(old[b, s] - engine[b, s] for s in range(R) if mask[b, s]))
+    if mode.endswith("truncate"):
+        return min(rho, cap)
+    return rho if rho <= cap else 0.0
+
+
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_engine_weights_match_their_definition(mode):
+    """``ppo.engine_correction``: rho = pi_old / pi_engine of the sampled token (or the product
+    over the response), capped at 2 or dropped past it, zero off the mask; against a per-token loop."""
+    from ppo_lightning.algo.losses import engine_weights
+
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(B, R, generator=g) * 3
+    engine = old + torch.randn(B, R, generator=g) * 0.6  # some ratios pass the cap, some do not
+    w = engine_weights(old, engine, MASK, mode, cap=2.0)
+    want = torch.tensor(
+        [[_naive_engine_weight(old, engine, MASK, b, t, mode, 2.0) for t in range(R)] for b in range(B)]
+    )
+    torch.testing.assert_close(w, want, rtol=1e-5, atol=1e-6)
+    assert ((want > 0) & (want < 2.0)).any()  # the test holds both kinds of token
+    assert mode.endswith("mask") or (want == 2.0).any()
+
+
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_engine_weights_leave_the_loss_unchanged_when_the_engine_is_the_trainer(mode):
+    """No mismatch (the engine's logprobs are the trainer's, as with ``hf`` numerics): every
+    weight is exactly 1 on the response, and the policy loss and its gradient are the unweighted ones."""
+    from ppo_lightning.algo.losses import engine_weights
+
+    old = -torch.rand(B, R) * 3
+    w = engine_weights(old, old.clone(), MASK, mode, cap=2.0)
+    assert torch.equal(w, MASK)
+    new = (old + 0.1 * torch.randn(B, R)).requires_grad_()
+    adv = torch.randn(B, R)
+    plain, _ = ppo_policy_loss(new, old, adv, MASK, 0.2)
+    (g_plain,) = torch.autograd.grad(plain, new)
+    weighted, _ = ppo_policy_loss(new, old, adv, MASK, 0.2, weights=w)
+    (g_weighted,) = torch.autograd.grad(weighted, new)
+    assert weighted.item() == plain.item() and torch.equal(g_weighted, g_plain)
+
+
+def test_engine_mismatch_metrics_against_their_definitions():
+    """``rollout/engine_*``: the mean |difference|, the k1 KL, the share of tokens past the cap and
+    the normalised effective sample size of the ratios, over the response tokens."""
+    from types import SimpleNamespace
+
+    from ppo_lightning.train.metrics import engine_mismatch
+
+    g = torch.Generator().manual_seed(4)
+    old = -torch.rand(B, R, generator=g) * 3
+    engine = old + torch.randn(B, R, generator=g) * 0.6
+    m = engine_mismatch(SimpleNamespace(logprobs=old, engine_logprobs=engine, response_mask=MASK), cap=2.0)
+    tokens = [(b, t) for b in range(B) for t in range(R) if MASK[b, t]]
+    rho = [math.exp(old[b, t] - engine[b, t]) for b, t in tokens]
+    assert m["rollout/engine_logprob_diff"].item() == pytest.approx(
+        sum(abs(old[b, t] - engine[b, t]) for b, t in tokens).item() / len(tokens), rel=1e-5
+    )
+    assert m["rollout/engine_kl"].item() == pytest.approx(
+        sum(engine[b, t] - old[b, t] for b, t in tokens).item() / len(tokens), rel=1e-5
+    )
+    assert m["rollout/engine_capped_frac"].item() == pytest.approx(sum(x > 2.0 for x in rho) / len(tokens))
+    assert m["rollout/engine_ess"].item() == pytest.approx(
+        sum(rho) ** 2 / (len(rho) * sum(x * x for x in rho)), rel=1e-5
+    )

@@ -27,6 +27,7 @@ from ppo_lightning.algo.kl import approx_kl, kl_estimator_for, kl_penalty
 from ppo_lightning.algo.losses import (
     Aggregation,
     clip_fractions,
+    engine_weights,
     global_token_count,
     ppo_policy_loss,
     ppo_value_loss,
@@ -129,6 +130,10 @@ class PPO:
         r.first_forward, r.collect_time_s = first_forward, time.perf_counter() - t0
         # an engine's own view of its samples (each turn's, in place, for episodes), or None
         r.engine_logprobs = self.sampler.sampled_logprobs if r.episodes is None else r.episodes.engine_logprobs
+        if r.engine_logprobs is not None:  # the engine sampled: its distribution, not quite pi_old
+            r.engine_weights = engine_weights(
+                r.logprobs, r.engine_logprobs, r.response_mask, c.engine_correction, c.engine_correction_cap
+            )
         r.reward_logs, r.records = reward_logs, (prompts, columns) if prompts is not None else None
         return r
 
@@ -261,7 +266,15 @@ class PPO:
         low, high = c.clip_low or c.clip, c.clip_high or c.clip
         agg = Aggregation(c.loss_agg, n_tokens, seq_count, self.sampling.max_new_tokens)
         pg_loss, pg_clipfrac = ppo_policy_loss(
-            new_logp, part.logprobs, part.advantages, mask, low, agg, clip_high=high, dual_clip=c.dual_clip
+            new_logp,
+            part.logprobs,
+            part.advantages,
+            mask,
+            low,
+            agg,
+            clip_high=high,
+            dual_clip=c.dual_clip,
+            weights=part.engine_weights,
         )
         with torch.no_grad():
             clip_lo, clip_hi = clip_fractions(new_logp, part.logprobs, part.advantages, mask, low, high, n_tokens)

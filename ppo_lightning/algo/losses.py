@@ -16,6 +16,7 @@ masked positions only. Names follow the math and the tutorial. Sources:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -130,6 +131,24 @@ class Aggregation:
         return aggregate(x, mask, self.mode, self.token_count, self.seq_count, self.norm_length)
 
 
+def engine_weights(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, mode: str, cap: float) -> Tensor | None:
+    """Importance weights ``[B, R]`` of the policy loss for samples drawn by an engine
+    (``ppo.engine_correction``): ``rho_t = exp(old_logp_t - engine_logp_t)`` per response token,
+    or its product over the response for the ``sequence_*`` modes; ``*_truncate`` caps it at
+    ``cap`` (truncated importance sampling), ``*_mask`` sets it to 0 above ``cap`` (the sample is
+    dropped). Zero off ``mask``; None for ``none``. Computed in log space, so a long response's
+    product cannot overflow."""
+    if mode == "none":
+        return None
+    log_rho = (old_logp - engine_logp) * mask
+    if mode.startswith("sequence"):
+        log_rho = log_rho.sum(1, keepdim=True).expand_as(mask)
+    log_cap = math.log(cap)
+    capped = torch.exp(torch.clamp(log_rho, max=log_cap))
+    weights = capped if mode.endswith("truncate") else torch.where(log_rho > log_cap, 0.0, capped)
+    return weights * mask
+
+
 def ppo_policy_loss(
     new_logp: Tensor,
     old_logp: Tensor,
@@ -140,6 +159,7 @@ def ppo_policy_loss(
     *,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Clipped surrogate objective (as a loss to minimise) and the fraction of clipped tokens.
 
@@ -148,8 +168,9 @@ def ppo_policy_loss(
     which lets unlikely tokens gain probability faster), then reduced by ``agg`` (an ``Aggregation``).
     ``dual_clip = c > 1`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
     RL"): for negative advantages the loss is also capped at ``-c * A``, so a ratio far above 1
-    on a bad token cannot produce an unbounded update. ``clip_frac`` (a token mean) counts
-    tokens where the clipped branch was the active (larger) one.
+    on a bad token cannot produce an unbounded update. ``weights`` (``engine_weights``) weigh
+    each token's loss. ``clip_frac`` (a token mean) counts tokens where the clipped branch was
+    the active (larger) one.
     """
     logratio = new_logp - old_logp
     ratio = torch.exp(logratio)
@@ -159,6 +180,8 @@ def ppo_policy_loss(
     per_token = torch.maximum(pg_loss1, pg_loss2)
     if dual_clip is not None:
         per_token = torch.where(advantages < 0, torch.minimum(per_token, -dual_clip * advantages), per_token)
+    if weights is not None:
+        per_token = per_token * weights
     loss = agg(per_token, mask)
     clip_frac = token_mean((pg_loss2 > pg_loss1).to(new_logp.dtype), mask, agg.token_count)
     return loss, clip_frac

@@ -85,6 +85,7 @@ class Rollout(_Sequences):
     # (algorithm.PPO._old_logprobs_and_values): the first update reuses it, once
     collect_time_s: float = 0.0  # wall time of sampling, scoring and the rollout's forwards
     engine_logprobs: Tensor | None = None  # [B, R] an engine backend's logprobs of its samples (metrics)
+    engine_weights: Tensor | None = None  # [B, R] ppo.engine_correction's weights of the policy loss
     turn_rewards: Tensor | None = None  # [B, R] multi-turn: each turn's EnvStep.reward on its last token
     episodes: "EpisodeBatch | None" = None  # multi-turn: the episodes as played (metrics, dumps)
     reward_logs: dict[str, float] = dataclasses.field(default_factory=dict)  # rewards/<term>/<name>: log_metric

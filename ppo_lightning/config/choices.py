@@ -111,6 +111,13 @@ class AggregationSpec:
 LOSS_AGGREGATIONS = Registry("ppo.loss_agg", "ppo_lightning.algo.losses")
 """``ppo.loss_agg``: how per-token losses become one number, registered by ``algo/losses.py``."""
 
+ENGINE_CORRECTIONS = (
+    "none",
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+)  # ppo.engine_correction
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype, ref.dtype, reward.dtype (policy.TORCH_DTYPES)
 VALUE_HEAD_INITS = ("zeros", "reward_model")  # model.value_head_init
 TINY_ARCHITECTURES = ("gpt2", "llama", "qwen2", "gpt_neox")  # model.build_tiny.arch

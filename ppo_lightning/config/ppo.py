@@ -121,6 +121,17 @@ class PPOConfig(_MovedPPOKeys):
     tokens, not rows, and a group of short rows does not pay for the longest. Under DDP and FSDP
     every rank runs as many groups as the rank that needs most (FSDP gathers weights per forward).
     Replaces ``micro_batch_size`` (set one of them)."""
+    engine_correction: str = param("none", choices=choices.ENGINE_CORRECTIONS)
+    """With an engine backend (``generation=vllm``) the samples come from the engine's
+    distribution, not exactly the trainer's old policy (kernels, precision, batching): each
+    token's policy loss is weighed by the importance ratio ``rho = pi_old / pi_engine`` of the
+    sampled token (``algo.losses.engine_weights``; truncated importance sampling, as verl, TRL
+    and ms-swift expose it). ``token_truncate``: ``min(rho, cap)``; ``token_mask``: ``rho``, or 0
+    past the cap; ``sequence_*``: the same on the response's product of ratios, for every token
+    of it. ``none``: no weights. With the ``hf`` backend there is no engine, and no weights. The
+    mismatch is logged either way (``rollout/engine_*``)."""
+    engine_correction_cap: float = param(2.0, gt=1)
+    """The cap ``C`` of ``ppo.engine_correction`` (and of ``rollout/engine_capped_frac``)."""
     max_grad_norm: float = 1.0
     """Global L2 gradient-norm clip; <= 0 disables it."""
     whiten_rewards: bool = False

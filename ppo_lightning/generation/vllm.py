@@ -11,7 +11,9 @@ weight repacking).
 What stays as it is with the ``hf`` backend: old logprobs, reference logprobs and values come
 from the training forward over the finished sequences, so the first update's ratio is exactly 1
 whatever the engine's numerics. The engine's own logprobs of the tokens it sampled are kept
-(``sampled_logprobs``) only to measure that mismatch (``rollout/engine_logprob_diff``).
+(``sampled_logprobs``) to measure that mismatch (``rollout/engine_*``) and, with
+``ppo.engine_correction``, to weigh the policy loss by ``pi_old / pi_engine`` (the samples are
+the engine's, not exactly the old policy's).
 
 Lifecycle. The engine starts at the first ``generate``, from the policy's weights as they are
 then (a resumed run's restored weights; the step-0 evaluation's, the first rollout's), built from

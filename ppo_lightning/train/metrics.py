@@ -5,6 +5,7 @@ TRL's where TRL has one.
 
 from __future__ import annotations
 
+import math
 import re
 
 import lightning as L
@@ -44,6 +45,7 @@ def iteration_metrics(
     time_update: float,
     runtime,
     mask_truncated: bool = False,
+    engine_cap: float = 2.0,
 ) -> dict[str, float]:
     """The iteration's rollout and update statistics (``stats``: per-minibatch values), reduced
     over ranks in one collective (``runtime.reduce_mean``): means, except ``SUMMED_METRICS``."""
@@ -61,7 +63,7 @@ def iteration_metrics(
         **term_moments(r),
         **({"rollout/masked_truncated": (~r.contains_eos).float().sum()} if mask_truncated else {}),
         **({"rollout/unscored": (~r.scored).float().sum()} if r.scored is not None else {}),
-        **({"rollout/engine_logprob_diff": engine_logprob_diff(r)} if r.engine_logprobs is not None else {}),
+        **(engine_mismatch(r, engine_cap) if r.engine_logprobs is not None else {}),
         "val/num_eos_tokens": r.contains_eos.float().sum(),
         "perf/tokens_per_s": mask.sum() / (time_rollout + time_update),
         **{k: torch.stack(v).mean() for k, v in stats.items()},
@@ -105,11 +107,22 @@ def sparse_means(r: Rollout, runtime, device) -> dict[str, float]:
     return {k: float(s / n) if n > 0 else float("nan") for k, (s, n) in zip(names, total.tolist())}
 
 
-def engine_logprob_diff(r: Rollout) -> Tensor:
-    """The mean absolute difference, over response tokens, between the engine's logprobs of the
-    tokens it sampled and the training forward's (the old logprobs PPO uses): how far the
-    sampler's numerics are from the learner's (kernels, precision, batching)."""
-    return masked_mean((r.engine_logprobs - r.logprobs).abs(), r.response_mask)
+def engine_mismatch(r: Rollout, cap: float) -> dict[str, Tensor]:
+    """How far the engine's sampling distribution is from the trainer's old policy on the tokens
+    it sampled (kernels, precision, batching): the mean absolute logprob difference, the KL
+    ``E_engine[log pi_engine - log pi_old]`` (k1 over the sampled tokens), the share of tokens
+    whose ratio ``pi_old / pi_engine`` passes ``ppo.engine_correction_cap``, and the ratios'
+    normalised effective sample size ``(sum rho)^2 / (n sum rho^2)`` (1: no mismatch)."""
+    mask = r.response_mask
+    log_rho = (r.logprobs - r.engine_logprobs) * mask
+    rho = torch.exp(log_rho.clamp(max=20.0)) * mask
+    n = mask.sum().clamp(min=1)
+    return {
+        "rollout/engine_logprob_diff": masked_mean(log_rho.abs(), mask),
+        "rollout/engine_kl": masked_mean(-log_rho, mask),
+        "rollout/engine_capped_frac": ((log_rho > math.log(cap)).float() * mask).sum() / n,
+        "rollout/engine_ess": rho.sum() ** 2 / (n * (rho**2).sum()).clamp(min=1e-30),
+    }
 
 
 def term_moments(r: Rollout) -> dict[str, Tensor]:

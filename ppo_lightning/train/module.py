@@ -184,6 +184,7 @@ class PPOModule(L.LightningModule):
             time_update=time.perf_counter() - t0,
             runtime=self.runtime,
             mask_truncated=self.ppo_cfg.mask_truncated_completions and self.sampling.stop_at_eos,
+            engine_cap=self.ppo_cfg.engine_correction_cap,
         )
         count_iteration(self.optimizers())
         self.lr_schedulers().step()
