@@ -99,7 +99,8 @@ def test_gradient_checkpointing_leaves_the_run_unchanged(tmp_path, cache_dir, mi
     assert runs[True][-1]["policy/approxkl_avg"] > 0  # the weights moved
 
 
-def _run(tmp_path, cache_dir, name, overrides):
+def run_two_iterations(tmp_path, cache_dir, name, overrides):
+    """Two iterations of the default tiny run with ``overrides``: its metrics rows and exported weights."""
     from safetensors.torch import load_file
 
     out = tmp_path / name
@@ -112,18 +113,25 @@ def _run(tmp_path, cache_dir, name, overrides):
     return read_metrics(out / "metrics.csv"), load_file(str(out / "policy" / "model.safetensors"))
 
 
+def assert_same_run(base: tuple, other: tuple) -> None:
+    """Two ``run_two_iterations`` results: the same weights within fp32 tolerance, the same metrics
+    (the same samples, since the weights agree), and weights that moved."""
+    (base_rows, base_w), (rows, w) = base, other
+    for k in base_w:
+        torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert_same_metrics(base_rows, rows, abs=1e-6)
+    assert rows[-1]["policy/approxkl_avg"] > 0
+
+
 @pytest.mark.parametrize("minibatch, micro", [(8, 4), (8, 2), (16, 4)])
 def test_micro_batches_give_the_whole_minibatch_update(tmp_path, cache_dir, minibatch, micro):
     """Gradient accumulation over micro-batches, each loss its share of the minibatch's token mean:
     the weights after two iterations equal the unsplit run's within fp32 tolerance, and so do the
     metrics (the same samples, since the weights agree). (16, 4): one minibatch, so the unsplit run
     fuses its first forward and the split one cannot."""
-    base_rows, base_w = _run(tmp_path, cache_dir, "whole", [f"ppo.minibatch_size={minibatch}"])
-    rows, w = _run(tmp_path, cache_dir, "micro", [f"ppo.minibatch_size={minibatch}", f"ppo.micro_batch_size={micro}"])
-    for k in base_w:
-        torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
-    assert_same_metrics(base_rows, rows, abs=1e-6)
-    assert rows[-1]["policy/approxkl_avg"] > 0
+    base = run_two_iterations(tmp_path, cache_dir, "whole", [f"ppo.minibatch_size={minibatch}"])
+    micro_run = [f"ppo.minibatch_size={minibatch}", f"ppo.micro_batch_size={micro}"]
+    assert_same_run(base, run_two_iterations(tmp_path, cache_dir, "micro", micro_run))
 
 
 def test_micro_batch_size_must_divide_the_minibatch(tmp_path, cache_dir):
@@ -142,8 +150,8 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
     from ppo_lightning.generation import hf
 
     common = ["ppo.minibatch_size=8"]
-    base_rows, base_w = _run(tmp_path, cache_dir, "whole", common)
-    rows, w = _run(tmp_path, cache_dir, "chunked", [*common, "ppo.rollout_forward_batch_size=5"])
+    base_rows, base_w = run_two_iterations(tmp_path, cache_dir, "whole", common)
+    rows, w = run_two_iterations(tmp_path, cache_dir, "chunked", [*common, "ppo.rollout_forward_batch_size=5"])
     for k in base_w:
         torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
     assert_same_metrics(base_rows, rows, abs=1e-6)  # chunks have their own padding windows: roundings
@@ -151,7 +159,9 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
     sampled_rows = []
     loop = hf._sample_loop
     monkeypatch.setattr(hf, "_sample_loop", lambda lm, ids, *a: sampled_rows.append(len(ids)) or loop(lm, ids, *a))
-    _run(tmp_path, cache_dir, "chunked_generation", [*common, "sampling.chunk_size=6", "reward.normalize=false"])
+    run_two_iterations(
+        tmp_path, cache_dir, "chunked_generation", [*common, "sampling.chunk_size=6", "reward.normalize=false"]
+    )
     assert sampled_rows == [6, 6, 4] * 2  # two iterations
 
 
@@ -159,11 +169,6 @@ def test_lora_with_checkpointing_and_micro_batches_gives_the_same_adapters(tmp_p
     """The memory switches compose with LoRA: gradient checkpointing and micro-batches leave the
     trained adapters and the value head (the merged export) equal to plain LoRA's."""
     common = ["model.lora.r=4", "ppo.minibatch_size=8"]
-    base_rows, base_w = _run(tmp_path, cache_dir, "lora", common)
-    rows, w = _run(
-        tmp_path, cache_dir, "lora_switches", [*common, "model.gradient_checkpointing=true", "ppo.micro_batch_size=4"]
-    )
-    for k in base_w:
-        torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
-    assert_same_metrics(base_rows, rows, abs=1e-6)
-    assert rows[-1]["policy/approxkl_avg"] > 0
+    base = run_two_iterations(tmp_path, cache_dir, "lora", common)
+    switches = [*common, "model.gradient_checkpointing=true", "ppo.micro_batch_size=4"]
+    assert_same_run(base, run_two_iterations(tmp_path, cache_dir, "lora_switches", switches))

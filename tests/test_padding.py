@@ -17,11 +17,10 @@ from ppo_lightning.algo.rollout import (
     unpadded,
 )
 from ppo_lightning.config.choices import LOSS_AGGREGATIONS
-from ppo_lightning.jobs.run import train
 from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, position_ids_from_mask
 from ppo_lightning.models.tiny import ARCHITECTURES, save_tiny_causal_lm
-from tests.conftest import compose_cfg, read_metrics
-from tests.helpers import assert_same_metrics
+from tests.conftest import compose_cfg
+from tests.test_memory_switches import assert_same_run, run_two_iterations
 
 P, R = 7, 9
 
@@ -134,27 +133,6 @@ def test_the_unpadded_forward_gives_the_padded_ones_logprobs_values_and_gradient
         torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-5, atol=1e-6 * max(1.0, scale), msg=k)
 
 
-QUIET = [
-    "trainer.enable_progress_bar=false",
-    "trainer.enable_model_summary=false",
-    "callbacks=none",
-    "trainer.enable_checkpointing=false",
-    "logger=csv",
-    "trainer.max_steps=2",
-    "sampling.max_new_tokens=12",
-    "ppo.minibatch_size=8",
-]
-
-
-def _run(tmp_path, cache_dir, name, overrides):
-    from safetensors.torch import load_file
-
-    out = tmp_path / name
-    cfg = compose_cfg([*QUIET, f"export_dir={out / 'policy'}", *overrides], out, cache_dir)
-    train(cfg)
-    return read_metrics(out / "metrics.csv"), load_file(str(out / "policy" / "model.safetensors"))
-
-
 @pytest.mark.parametrize(
     "name, overrides",
     [
@@ -185,12 +163,11 @@ def test_runs_without_padding_and_with_token_budget_micro_batches_equal_the_padd
     metrics, with a critic and without, and with LoRA and checkpointing. (The estimators differ in
     what the forward's outputs are used for, and ``test_losses_of_token_budget_groups_add_up_to_the
     _minibatchs`` covers every loss aggregation.)"""
-    base_rows, base_w = _run(tmp_path, cache_dir, "padded", [*overrides, "ppo.remove_padding=false"])
-    rows, w = _run(tmp_path, cache_dir, "unpadded", [*overrides, "ppo.micro_batch_tokens=60"])
-    for k in base_w:
-        torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
-    assert_same_metrics(base_rows, rows, abs=1e-6)
-    assert rows[-1]["policy/approxkl_avg"] > 0
+    overrides = ["ppo.minibatch_size=8", *overrides]
+    base = run_two_iterations(tmp_path, cache_dir, "padded", [*overrides, "ppo.remove_padding=false"])
+    assert_same_run(
+        base, run_two_iterations(tmp_path, cache_dir, "unpadded", [*overrides, "ppo.micro_batch_tokens=60"])
+    )
 
 
 def test_micro_batch_size_and_micro_batch_tokens_together_are_refused(tmp_path, cache_dir):

@@ -36,6 +36,20 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path
     a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes(tmp_path, tmp_path_factory, cache_dir, switch)
 
 
+def _one_error_line_naming_the_checkpoint(p, run_dir, iterations: int) -> str:
+    """The run stopped with exit status 1 and one ``error:`` line, no traceback; the line names
+    ``last.ckpt`` (after ``iterations``, which it holds) and the command that resumes from it."""
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, p.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert f"the last good checkpoint is {last} (after {iterations} iterations)" in lines[0]
+    assert f"ckpt_path={last.resolve()}" in lines[0]
+    assert torch.load(last, weights_only=True)["global_step"] == iterations
+    return lines[0]
+
+
 @pytest.mark.slow  # a subprocess that must exit 1
 def test_a_full_disk_under_metrics_csv_stops_with_one_line_and_keeps_the_checkpoint(tmp_path, cache_dir):
     """Not only checkpoints: when the CSV logger's write of ``metrics.csv`` fails for a full disk
@@ -55,15 +69,8 @@ def test_a_full_disk_under_metrics_csv_stops_with_one_line_and_keeps_the_checkpo
         ],
         cache_dir,
     )
-    assert p.returncode == 1, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, p.stderr[-3000:]
-    last = run_dir / "checkpoints" / "last.ckpt"
-    assert lines[0].startswith(f"error: No space left on device writing the run's outputs under {run_dir}")
-    assert f"the last good checkpoint is {last} (after 9 iterations)" in lines[0]
-    assert f"ckpt_path={last.resolve()}" in lines[0]
-    assert torch.load(last, weights_only=True)["global_step"] == 9
+    line = _one_error_line_naming_the_checkpoint(p, run_dir, iterations=9)
+    assert line.startswith(f"error: No space left on device writing the run's outputs under {run_dir}")
 
 
 @pytest.fixture
@@ -105,16 +112,9 @@ def test_a_full_disk_under_wandb_stops_with_one_line_and_keeps_the_checkpoint(tm
         ],
         cache_dir,
     )
-    assert p.returncode == 1, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    lines = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, p.stderr[-3000:]
-    last = run_dir / "checkpoints" / "last.ckpt"
-    assert lines[0].startswith("error: No space left on device (")
-    assert f"writing W&B's run files under {small_disk}/wandb/offline-run-" in lines[0]
-    assert f"the last good checkpoint is {last} (after 3 iterations)" in lines[0]
-    assert f"ckpt_path={last.resolve()}" in lines[0]
-    assert torch.load(last, weights_only=True)["global_step"] == 3
+    line = _one_error_line_naming_the_checkpoint(p, run_dir, iterations=3)
+    assert line.startswith("error: No space left on device (")
+    assert f"writing W&B's run files under {small_disk}/wandb/offline-run-" in line
 
 
 def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_previous_one(tmp_path):

@@ -124,11 +124,10 @@ def padding_window(attention_mask: Tensor, context_length: int) -> tuple[int, in
     ended. Attention masks padding out, so a forward on the window gives every real position the
     same logits as one on the whole width, for less work: a micro-batch costs its longest row,
     not the rollout's width (``ppo.remove_padding``). The window keeps the prompt's last column
-    (it predicts the first response token) and at least one response column. One host sync."""
-    used = attention_mask.bool().any(0).tolist()
-    start = next((t for t in range(context_length) if used[t]), context_length - 1)
-    last = next((t for t in range(len(used) - 1, context_length, -1) if used[t]), context_length)
-    return min(start, context_length - 1), last + 1
+    (it predicts the first response token) and at least one response column: the union of the
+    rows' ``row_windows``. One host sync."""
+    starts, stops = row_windows(attention_mask, context_length)
+    return min(starts), max(stops)
 
 
 def unpadded(query_responses: Tensor, attention_mask: Tensor, position_ids: Tensor, context_length: int):
@@ -140,8 +139,8 @@ def unpadded(query_responses: Tensor, attention_mask: Tensor, position_ids: Tens
 
 
 def row_windows(attention_mask: Tensor, context_length: int) -> tuple[list[int], list[int]]:
-    """Each row's own ``padding_window``: ``(starts, stops)``, its first prompt token and one past
-    its last attended token (at least the prompt's last column and one response column)."""
+    """Each row's own window: ``(starts, stops)``, its first attended token and one past its last
+    (at least the prompt's last column and one response column)."""
     real = attention_mask.bool()
     T, idx = real.shape[1], torch.arange(real.shape[1], device=real.device)
     starts = torch.where(real, idx, T).min(1).values.clamp(max=context_length - 1)
