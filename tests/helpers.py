@@ -40,6 +40,109 @@ def run_train(
     )
 
 
+def run_ranks(args: list[str], cache_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``train.py <args>`` with its ranks forked from this process instead of started as new
+    interpreters: one process for a one-device trainer, and for several, what ``torchrun
+    --nproc-per-node <trainer.devices> train.py <args>`` starts.
+
+    A rank of several gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``GROUP_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so Lightning takes the
+    processes as launched outside it (its ``TorchElasticEnvironment``) and launches none. Each
+    rank runs ``run_task`` on the config ``train.py <args>`` composes (``hydra.run.dir`` becomes
+    ``paths.output_dir``), offline, on one intra-op thread, with the test session's model cache,
+    as ``run_train``'s process does. The ranks share this process's imports: an interpreter start
+    fewer per process, about 6 s of CPU here. What a launch itself does (Lightning's launcher
+    re-running ``train.py``, a kill or SIGTERM of the processes, ``train.py``'s one-line errors)
+    is tested through ``run_train``. Returns the first failing rank's exit status (0 if none),
+    and the ranks' output, rank 0 first, as ``stdout`` and ``stderr`` both.
+    """
+    import signal
+    import socket
+    import tempfile
+    import time
+
+    import torch.distributed as dist
+
+    from tests.conftest import compose_cfg
+
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("a process group is live in the test process: forked ranks would inherit it")
+    run_dir = [a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")]
+    overrides = [a for a in args if not a.startswith("hydra.run.dir=")]
+    assert len(run_dir) == 1 and not any(a.startswith("hydra.") for a in overrides), args
+    cfg = compose_cfg(overrides, Path(run_dir[0]), cache_dir, experiment=None)
+    world_size = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = [tempfile.TemporaryFile() for _ in range(world_size)]
+    pids = [_fork_rank(cfg, rank, world_size, port, logs[rank], cache_dir) for rank in range(world_size)]
+    codes: dict[int, int] = {}
+    deadline, failed_at = time.monotonic() + timeout, None
+    while len(codes) < world_size:
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        now = time.monotonic()
+        if failed_at is None and any(codes.values()):
+            failed_at = now
+        # a rank that failed leaves the others waiting in a collective: 20 s for them to notice
+        if now > deadline or (failed_at is not None and now > failed_at + 20):
+            for pid in set(pids) - set(codes):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                codes[pid] = -signal.SIGKILL
+        time.sleep(0.05)
+    out = ""
+    for rank, f in enumerate(logs):
+        f.seek(0)
+        out += f"--- rank {rank} ---\n" + f.read().decode(errors="replace")
+        f.close()
+    returncode = next((codes[p] for p in pids if codes[p]), 0)
+    return subprocess.CompletedProcess(["torchrun", "train.py", *args], returncode, out, out)
+
+
+def _fork_rank(cfg, rank: int, world_size: int, port: int, log, cache_dir: Path) -> int:
+    """Fork one rank of ``run_ranks``: its output goes to ``log``; it never returns to the caller
+    (``os._exit``: none of pytest's teardown runs in it)."""
+    import traceback
+
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+        os.environ.update(HF_HUB_OFFLINE="1", PPO_LIGHTNING_CACHE=str(cache_dir))
+        if world_size > 1:
+            os.environ.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                GROUP_RANK="0",
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+        torch.set_num_threads(1)  # as run_train's OMP_NUM_THREADS=1
+        from ppo_lightning.jobs.run import run_task
+
+        run_task(cfg)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
 def wall_clock(key: str) -> bool:
     """A metric that times something (``perf/*``, ``env/time_s``): no two runs agree on it."""
     return key.startswith("perf/") or key == "env/time_s"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import read_metrics
-from tests.helpers import run_train, wall_clock
+from tests.helpers import run_ranks, run_train, wall_clock
 
 FAST = [
     "experiment=tiny_char",
@@ -88,15 +88,17 @@ def uninterrupted(switch: str, tmp_path_factory, cache_dir) -> dict[int, dict[st
     switch = SAME_TRAJECTORY.get(switch, switch)
     if switch not in _UNINTERRUPTED:
         run_dir = tmp_path_factory.mktemp(f"uninterrupted_{switch}")
-        p = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}"], cache_dir)
+        p = run_ranks([*interruptible(switch), f"hydra.run.dir={run_dir}"], cache_dir)
         assert p.returncode == 0, p.stderr[-3000:]
         _UNINTERRUPTED[switch] = {int(r["step"]): r for r in read_metrics(run_dir / "metrics.csv")}
     return _UNINTERRUPTED[switch]
 
 
 def assert_resume_replays(switch: str, last, run_dir, expected: dict, first_step: int, cache_dir) -> None:
-    """Resuming from ``last`` gives the uninterrupted run's metrics from ``first_step`` on."""
-    resumed = run_train([*interruptible(switch), f"hydra.run.dir={run_dir}", f"ckpt_path={last}"], cache_dir)
+    """Resuming from ``last`` gives the uninterrupted run's metrics from ``first_step`` on. (The
+    stop happened to ``train.py`` itself; the resume is the same command with ``ckpt_path``, its
+    processes forked from the test's, which never ran this job: all it knows comes from ``last``.)"""
+    resumed = run_ranks([*interruptible(switch), f"hydra.run.dir={run_dir}", f"ckpt_path={last}"], cache_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = {int(r["step"]): r for r in read_metrics(run_dir / "metrics.csv")}
     assert sorted(got) == list(range(first_step, 8))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.conftest import read_metrics
-from tests.helpers import run_train
+from tests.helpers import run_ranks
 from tests.test_cli import TINY_RUN
 
-pytestmark = pytest.mark.slow  # two processes
+pytestmark = pytest.mark.slow  # two processes per run
 
 
 _RUNS: dict[tuple[str, ...], dict] = {}
@@ -26,7 +26,7 @@ def ddp_run(tmp_path, cache_dir, name: str, extra: list[str]) -> dict:
     """``trainer=ddp_cpu`` for a few iterations, in ``tmp_path/run_<name>``; the ranks' final
     policy weights must be identical (returned once, with the run's metrics rows)."""
     weights = tmp_path / name
-    p = run_train(
+    p = run_ranks(
         [
             "trainer=ddp_cpu",
             *TINY_RUN,

@@ -112,11 +112,11 @@ def test_bad_eval_inputs_fail_before_any_model_loads(tmp_path, cache_dir):
         check_inputs(compose_cfg([*base, "eval.metrics.x=tests.helpers.no_such_fn"], tmp_path, cache_dir))
 
 
-@pytest.mark.slow  # subprocesses: one and two ranks
+@pytest.mark.slow  # one and two ranks
 def test_eval_sharded_over_two_ranks_equals_one_process(tmp_path, cache_dir):
     """Five eval prompts over two ranks (three and two, the short rank padded with a weight-0
     row): the greedy eval of the initial policy is the one-process value."""
-    from tests.helpers import run_train
+    from tests.helpers import run_ranks
 
     _records(tmp_path / "train.jsonl", range(16))
     _records(tmp_path / "eval.jsonl", range(100, 105))
@@ -129,7 +129,7 @@ def test_eval_sharded_over_two_ranks_equals_one_process(tmp_path, cache_dir):
     ]
     evals = {}
     for trainer in ("cpu", "ddp_cpu"):
-        p = run_train([*args, f"trainer={trainer}", f"hydra.run.dir={tmp_path / trainer}"], cache_dir)
+        p = run_ranks([*args, f"trainer={trainer}", f"hydra.run.dir={tmp_path / trainer}"], cache_dir)
         assert p.returncode == 0, p.stderr[-3000:]
         evals[trainer] = {int(r["step"]): r for r in read_metrics(tmp_path / trainer / "metrics.csv") if "eval/kl" in r}
     assert sorted(evals["ddp_cpu"]) == [0, 1]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import read_metrics
-from tests.helpers import assert_same_metrics, run_train
+from tests.helpers import assert_same_metrics, run_ranks
 from tests.test_cli import TINY_RUN
 from tests.test_ddp import ddp_run
 
@@ -26,7 +26,7 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
     steps = ["trainer.max_steps=3"]
     ddp = ddp_run(tmp_path, cache_dir, "ddp", steps)
     run_dir, layout_dir = tmp_path / "run_fsdp", tmp_path / "layout"
-    p = run_train(
+    p = run_ranks(
         [
             "trainer=fsdp_cpu",
             *TINY_RUN,
@@ -83,7 +83,7 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
 
     # the rollout kept sharded (weights all-gathered for every token): the same run
     per_token = tmp_path / "run_fsdp_per_token"
-    p = run_train(
+    p = run_ranks(
         [
             "trainer=fsdp_cpu",
             *TINY_RUN,
@@ -104,7 +104,7 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
 
     # task=export from the sharded run's checkpoint (one process): the same files as its own export
     exported_again = tmp_path / "exported_again"
-    p = run_train(
+    p = run_ranks(
         [
             "task=export",
             *TINY_RUN,
@@ -125,7 +125,7 @@ def test_fsdp_cpu_bf16_mixed_first_update_ratio_is_exactly_one(cache_dir, tmp_pa
     (one minibatch, a fresh forward in the update), gradients of DTensors are clipped with the
     default fused AdamW, and training goes on with finite updates."""
     run_dir = tmp_path / "run"
-    p = run_train(
+    p = run_ranks(
         [
             "trainer=fsdp_cpu",
             *TINY_RUN,
@@ -157,7 +157,7 @@ def test_lora_under_fsdp_cpu_matches_lora_under_ddp_cpu(cache_dir, tmp_path):
     runs = {}
     for trainer in ("ddp_cpu", "fsdp_cpu"):
         runs[trainer] = run_dir = tmp_path / trainer
-        p = run_train(
+        p = run_ranks(
             [
                 f"trainer={trainer}",
                 *TINY_RUN,
@@ -189,7 +189,7 @@ def test_grpo_keeps_groups_on_their_rank_and_fsdp_matches_ddp(cache_dir, tmp_pat
     assert not any(k.startswith("value/") for k in ddp["rows"][0])
     assert all(0 <= r["objective/frac_zero_std_groups"] <= 1 for r in ddp["rows"])
     run_dir = tmp_path / "run_fsdp_grpo"
-    p = run_train(
+    p = run_ranks(
         ["trainer=fsdp_cpu", *TINY_RUN, "optimizer.lr=1e-3", *grpo, f"hydra.run.dir={run_dir}"], cache_dir, timeout=600
     )
     assert p.returncode == 0, p.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""The RLHF pipeline offline: stages through ``train.py``, and the default job end to end."""
+"""The RLHF pipeline offline: the stages, each from the last one's output, and the default job end to end."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.conftest import read_metrics
-from tests.helpers import run_train
+from tests.helpers import run_ranks, run_train
 
 pytestmark = pytest.mark.slow  # recipe builds and whole jobs in subprocesses
 
@@ -35,7 +35,7 @@ def review_files(tmp_path_factory):
     return d
 
 
-def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path, cache_dir):
+def test_sft_then_reward_model_then_ppo_each_from_the_last_ones_output(review_files, tmp_path, cache_dir):
     d = review_files
     common = [
         *QUIET,
@@ -46,7 +46,7 @@ def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path,
         "task.max_length=32",
         "task.val_fraction=0.1",
     ]
-    sft = run_train(
+    sft = run_ranks(
         [
             "task=sft",
             f"task.path={d / 'sft.jsonl'}",
@@ -62,7 +62,7 @@ def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path,
     val = [r["val/loss"] for r in read_metrics(tmp_path / "sft" / "metrics.csv") if "val/loss" in r]
     assert len(val) >= 3 and val[-1] < val[0] - 1.0, val  # validation loss fell
 
-    rm = run_train(
+    rm = run_ranks(
         [
             "task=reward_model",
             f"task.path={d / 'prefs.jsonl'}",
@@ -84,7 +84,7 @@ def test_sft_then_reward_model_then_ppo_through_train_py(review_files, tmp_path,
     AutoModelForCausalLM.from_pretrained(tmp_path / "sft" / "sft_model")
     AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm" / "reward_model")
 
-    ppo = run_train(
+    ppo = run_ranks(
         [
             "recipe=null",
             f"model.name_or_path={tmp_path / 'sft' / 'sft_model'}",

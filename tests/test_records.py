@@ -151,14 +151,14 @@ def test_a_reward_asking_for_a_column_the_data_lacks_fails_before_any_model_load
         factory.build_module(cfg)
 
 
-@pytest.mark.slow  # subprocesses: two ranks, killed, resumed
+@pytest.mark.slow  # two ranks, killed, resumed
 def test_metadata_stays_with_its_prompt_on_every_rank_and_after_a_kill(tmp_path, cache_dir):
     """``trainer=ddp_cpu``: each rank's rows carry their own prompts' columns (the reward raises
     otherwise), also in the run resumed from the checkpoint a SIGKILL left, which picks up the
     prompts where the killed run stopped."""
     import torch
 
-    from tests.helpers import run_train
+    from tests.helpers import run_ranks, run_train
 
     _write_chat_records(tmp_path / "chat.jsonl", 16)
     args = [
@@ -183,7 +183,7 @@ def test_metadata_stays_with_its_prompt_on_every_rank_and_after_a_kill(tmp_path,
     assert killed.returncode == -9, killed.stderr[-3000:]
     last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == 2
-    resumed = run_train([*args, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={last}"], cache_dir)
+    resumed = run_ranks([*args, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={last}"], cache_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [int(r["step"]) for r in read_metrics(tmp_path / "resumed" / "metrics.csv")] == [2, 3, 4, 5]
 
