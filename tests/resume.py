@@ -1,7 +1,12 @@
 """Kill, stop and full-disk runs and their resumes, with one of ``SWITCHES`` (LoRA, DDP, FSDP,
 episodes, a schedule): the checks that ``test_reliability.py`` (one process) and
 ``test_reliability_distributed.py`` (two) run, split in two files so that the two pytest workers
-share them. The uninterrupted run of each switch is run once per worker and shared."""
+share them. The uninterrupted run of each switch is run once per worker and shared.
+
+Runs whose stop is what ``train.py`` reports (SIGTERM: exit 143 and the resume command; a full
+disk: one error line) start ``train.py`` (``run_train``); the uninterrupted, SIGKILLed and resumed
+runs fork their ranks from the test process (``run_ranks``): a SIGKILL ends every rank's process
+as it would a torchrun job's."""
 
 from __future__ import annotations
 
@@ -121,7 +126,7 @@ def sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_
     if any(o.startswith("env=") for o in overrides):  # the episodes had several turns (and called tools)
         assert all(row["env/turns_mean"] > 1 for row in expected.values())
         assert "env=tools" not in overrides or sum(row["env/tool_calls_mean"] for row in expected.values()) > 0
-    killed = run_train(
+    killed = run_ranks(
         [
             *interruptible(switch),
             f"hydra.run.dir={tmp_path / 'killed'}",

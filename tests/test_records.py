@@ -158,7 +158,7 @@ def test_metadata_stays_with_its_prompt_on_every_rank_and_after_a_kill(tmp_path,
     prompts where the killed run stopped."""
     import torch
 
-    from tests.helpers import run_ranks, run_train
+    from tests.helpers import run_ranks
 
     _write_chat_records(tmp_path / "chat.jsonl", 16)
     args = [
@@ -171,7 +171,7 @@ def test_metadata_stays_with_its_prompt_on_every_rank_and_after_a_kill(tmp_path,
         f"data.path={tmp_path / 'chat.jsonl'}",
         "reward.fn=tests.helpers.own_answer_trl",
     ]
-    killed = run_train(
+    killed = run_ranks(
         [
             *args,
             f"hydra.run.dir={tmp_path / 'killed'}",

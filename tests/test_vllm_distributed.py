@@ -19,7 +19,7 @@ def test_under_fsdp_each_rank_samples_from_the_gathered_policy_as_under_ddp(tmp_
     hold whole weights, metric for metric; the engines' logprobs stay the training forward's, so
     each engine follows the updates. Both runs export the policy after the engines have shut down,
     a collective under FSDP: the trainer's process group outlives them."""
-    from tests.helpers import assert_same_metrics, run_train
+    from tests.helpers import assert_same_metrics, run_ranks
 
     rows = {}
     for strategy in ("ddp_cpu", "fsdp_cpu"):
@@ -27,7 +27,7 @@ def test_under_fsdp_each_rank_samples_from_the_gathered_policy_as_under_ddp(tmp_
         args = [*RUN, f"trainer={strategy}", "experiment=tiny_char", "trainer.max_steps=3", "logger=csv"]
         args += ["sampling.max_new_tokens=8", "data.batch_size=8", "ppo.minibatch_size=4", "ppo.ppo_epochs=1"]
         args += ["optimizer.lr=1e-3", "callbacks=none", f"hydra.run.dir={run_dir}"]
-        p = run_train(args, cache_dir, timeout=600)
+        p = run_ranks(args, cache_dir, timeout=600)
         assert p.returncode == 0, p.stderr[-4000:]
         assert (run_dir / "policy" / "model.safetensors").exists()
         rows[strategy] = [r for r in read_metrics(run_dir / "metrics.csv") if "lr" in r]
