@@ -22,23 +22,17 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+# Only the config (no torch) at the top: --help, --cfg job and an override Hydra refuses answer in
+# a second or two; the training stack (torch, Lightning, transformers) loads in main.
 import ppo_lightning.config  # noqa: F401  (registers the schemas before Hydra composes)
-from ppo_lightning.parallel.checkpoint import OutputWriteError
 from ppo_lightning.config.rules import check_sweep_launch
 from ppo_lightning.config.errors import ConfigError
-from ppo_lightning.train.loggers import finish_wandb
-from ppo_lightning.train.module import NonFiniteError
-from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted
-from ppo_lightning.rewards import RewardError
 
 log = logging.getLogger("ppo_lightning")
-USER_ERRORS = (ConfigError, RewardError, NonFiniteError, OutputWriteError)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from ppo_lightning.jobs.run import run_task
-
     in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         if in_sweep:
@@ -46,6 +40,14 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    from ppo_lightning.jobs.run import run_task
+    from ppo_lightning.parallel.checkpoint import OutputWriteError
+    from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted
+    from ppo_lightning.rewards import RewardError
+    from ppo_lightning.train.loggers import finish_wandb
+    from ppo_lightning.train.module import NonFiniteError
+
+    user_errors = (ConfigError, RewardError, NonFiniteError, OutputWriteError)
     try:
         metrics = run_task(cfg)
     except Preempted as e:
@@ -53,7 +55,7 @@ def main(cfg: DictConfig) -> float | None:
         if _rank() == 0:  # one line per job, not per process
             print(f"{e}. {_resume_hint(e.checkpoint)}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STATUS)
-    except USER_ERRORS as e:
+    except user_errors as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         log.error("%s", e)
