@@ -7,7 +7,7 @@
 #   make lint [ARGS=--fix]                   ruff (check ARGS ., format --check .) and lint-imports
 #   make format                              ruff format . (what the format check asks for)
 #   make install                             only the set-up below (CI runs it after removing .venv)
-#   make install-vllm                        only .venv-vllm's set-up (CI builds both venvs at once: -j2)
+#   make install-vllm                        only .venv-vllm's set-up (make test builds both at once)
 #
 # Each creates the venv .venv if it is missing, then installs into it: torch first (the pinned
 # version is a CPU build; an unpinned torch would pull a multi-GB CUDA build through the other
@@ -52,12 +52,12 @@ VLLM_TESTS ?= tests/test_vllm_distributed.py tests/test_fast_decode.py tests/tes
 run: $(STAMP)
 	$(ENV) $(PY) train.py $(ARGS)
 
-# Two jobs at once, each output printed whole when it ends: the lint and the main suite, and the
-# vLLM tests (after .venv-vllm's install where it is missing; CI builds it beforehand, beside
-# .venv). Side by side, each lane fills the cores the other leaves idle (the vLLM lane's two
-# files end far apart), about 40 s of a CI run here.
-test: $(STAMP)
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-main test-vllm
+# Two lanes at once, their output line by line: .venv's install where it is missing,
+# the lint and the main suite; .venv-vllm's install where it is missing and the vLLM tests. Each
+# lane starts its tests when its own venv is ready (pip unpacks on one core) and fills the cores
+# the other leaves idle (the vLLM lane's two files end far apart): about 40 s of a CI run here.
+test:
+	@$(MAKE) --no-print-directory -j2 --output-sync=line test-main test-vllm
 
 test-main: $(STAMP)
 	$(PY) -m ruff check .
