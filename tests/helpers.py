@@ -56,6 +56,24 @@ def run_ranks(args: list[str], cache_dir: Path, timeout: float = 600) -> subproc
     is tested through ``run_train``. Returns the first failing rank's exit status (0 if none),
     and the ranks' output, rank 0 first, as ``stdout`` and ``stderr`` both.
     """
+    from tests.conftest import compose_cfg
+
+    run_dir = [a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")]
+    overrides = [a for a in args if not a.startswith("hydra.run.dir=")]
+    assert len(run_dir) == 1 and not any(a.startswith("hydra.") for a in overrides), args
+    cfg = compose_cfg(overrides, Path(run_dir[0]), cache_dir, experiment=None)
+    from ppo_lightning.jobs.run import run_task
+
+    world_size = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+    return fork_ranks(lambda: run_task(cfg), world_size, cache_dir, ["torchrun", "train.py", *args], timeout)
+
+
+def fork_ranks(
+    target, world_size: int, cache_dir: Path | None = None, args: list[str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """``target()`` in ``world_size`` processes forked from this one, with torchrun's environment
+    when there are several (``run_ranks``); returns the first failing rank's exit status (0 if
+    none) and every rank's output, rank 0 first."""
     import signal
     import socket
     import tempfile
@@ -63,20 +81,13 @@ def run_ranks(args: list[str], cache_dir: Path, timeout: float = 600) -> subproc
 
     import torch.distributed as dist
 
-    from tests.conftest import compose_cfg
-
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("a process group is live in the test process: forked ranks would inherit it")
-    run_dir = [a.split("=", 1)[1] for a in args if a.startswith("hydra.run.dir=")]
-    overrides = [a for a in args if not a.startswith("hydra.run.dir=")]
-    assert len(run_dir) == 1 and not any(a.startswith("hydra.") for a in overrides), args
-    cfg = compose_cfg(overrides, Path(run_dir[0]), cache_dir, experiment=None)
-    world_size = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     logs = [tempfile.TemporaryFile() for _ in range(world_size)]
-    pids = [_fork_rank(cfg, rank, world_size, port, logs[rank], cache_dir) for rank in range(world_size)]
+    pids = [_fork_rank(target, rank, world_size, port, logs[rank], cache_dir) for rank in range(world_size)]
     codes: dict[int, int] = {}
     deadline, failed_at = time.monotonic() + timeout, None
     while len(codes) < world_size:
@@ -101,11 +112,11 @@ def run_ranks(args: list[str], cache_dir: Path, timeout: float = 600) -> subproc
         out += f"--- rank {rank} ---\n" + f.read().decode(errors="replace")
         f.close()
     returncode = next((codes[p] for p in pids if codes[p]), 0)
-    return subprocess.CompletedProcess(["torchrun", "train.py", *args], returncode, out, out)
+    return subprocess.CompletedProcess(args or [repr(target)], returncode, out, out)
 
 
-def _fork_rank(cfg, rank: int, world_size: int, port: int, log, cache_dir: Path) -> int:
-    """Fork one rank of ``run_ranks``: its output goes to ``log``; it never returns to the caller
+def _fork_rank(target, rank: int, world_size: int, port: int, log, cache_dir: Path | None) -> int:
+    """Fork one rank of ``fork_ranks``: its output goes to ``log``; it never returns to the caller
     (``os._exit``: none of pytest's teardown runs in it)."""
     import traceback
 
@@ -117,7 +128,9 @@ def _fork_rank(cfg, rank: int, world_size: int, port: int, log, cache_dir: Path)
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
-        os.environ.update(HF_HUB_OFFLINE="1", PPO_LIGHTNING_CACHE=str(cache_dir))
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        if cache_dir is not None:
+            os.environ["PPO_LIGHTNING_CACHE"] = str(cache_dir)
         if world_size > 1:
             os.environ.update(
                 RANK=str(rank),
@@ -130,9 +143,7 @@ def _fork_rank(cfg, rank: int, world_size: int, port: int, log, cache_dir: Path)
             )
         os.environ.pop("HYDRA_FULL_ERROR", None)
         torch.set_num_threads(1)  # as run_train's OMP_NUM_THREADS=1
-        from ppo_lightning.jobs.run import run_task
-
-        run_task(cfg)
+        target()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
