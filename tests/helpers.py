@@ -17,6 +17,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_env(cache_dir: Path | None) -> dict[str, str]:
+    """What a test's run of ``train.py`` sets in its environment (``run_train``'s process and
+    ``fork_ranks``' ranks): offline, one intra-op thread, the test session's model cache. Their
+    runs also drop ``HYDRA_FULL_ERROR``, so errors print their one line."""
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    if cache_dir is not None:
+        env["PPO_LIGHTNING_CACHE"] = str(cache_dir)
+    return env
+
+
 def run_train(
     args: list[str],
     cache_dir: Path,
@@ -26,13 +36,7 @@ def run_train(
 ) -> subprocess.CompletedProcess:
     """``python train.py <args>`` as a user runs it, in a subprocess: offline, the test session's
     model cache, one intra-op thread, no ``HYDRA_FULL_ERROR`` (so errors print their one line)."""
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PPO_LIGHTNING_CACHE": str(cache_dir),
-        "OMP_NUM_THREADS": "1",
-        **(env_extra or {}),
-    }
+    env = {**os.environ, **run_env(cache_dir), **(env_extra or {})}
     for k in ("HYDRA_FULL_ERROR", *env_drop):
         env.pop(k, None)
     return subprocess.run(
@@ -128,9 +132,7 @@ def _fork_rank(target, rank: int, world_size: int, port: int, log, cache_dir: Pa
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        if cache_dir is not None:
-            os.environ["PPO_LIGHTNING_CACHE"] = str(cache_dir)
+        os.environ.update(run_env(cache_dir))
         if world_size > 1:
             os.environ.update(
                 RANK=str(rank),
@@ -142,7 +144,7 @@ def _fork_rank(target, rank: int, world_size: int, port: int, log, cache_dir: Pa
                 MASTER_PORT=str(port),
             )
         os.environ.pop("HYDRA_FULL_ERROR", None)
-        torch.set_num_threads(1)  # as run_train's OMP_NUM_THREADS=1
+        torch.set_num_threads(1)  # OMP_NUM_THREADS is read at torch's import, long done here
         target()
         code = 0
     except SystemExit as e:
