@@ -36,6 +36,11 @@ class StageConfig:
     """Records per training batch per rank (a reward-model pair is two rows of its forward)."""
     shuffle: bool = True
     """Reshuffle the training records every epoch (in an order fixed by ``seed``)."""
+    group_by_length: bool = False
+    """Batch training records of similar length (sorted within mega-batches of 50 batches, the
+    batches in random order): each batch pads to its longest record, so less compute goes to
+    padding (25-30% less on the reviews recipe's stages). Every record is still seen once an
+    epoch; batches are no longer uniform over lengths."""
     num_workers: int = param(0, ge=0)
     """DataLoader workers."""
     val_batch_size: Optional[int] = param(None, ge=1)

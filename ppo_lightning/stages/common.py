@@ -131,15 +131,82 @@ class ShardSampler(DistributedSampler):
         return len(range(self.rank, len(self.dataset), self.num_replicas))
 
 
+class LengthGroupedSampler(DistributedSampler):
+    """This rank's share of the training records, in batches of records of similar length, so
+    that a batch padded to its longest record computes little on padding.
+
+    Each epoch: a permutation by ``seed`` and the epoch (``DistributedSampler``'s order and its
+    share per rank), cut into mega-batches of ``group`` batches; each mega-batch sorted by length
+    and cut into batches; the full batches in a random order, then the one short batch (so a
+    ``DataLoader`` of the same ``batch_size`` cuts exactly these batches). Every record is seen
+    once an epoch, as with ``shuffle``, and every rank gets as many batches. Sorting only within
+    a mega-batch keeps the batches' contents random beyond their length (Hugging Face's
+    ``group_by_length`` does the same, with 50). A ``DistributedSampler``, so Lightning leaves it
+    in place."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        group: int = 50,
+    ):
+        super().__init__(range(len(lengths)), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.lengths, self.batch_size, self.group = list(lengths), batch_size, group
+
+    def batches(self) -> list[list[int]]:
+        """This epoch's batches for this rank, in the order they are drawn."""
+        share = list(super().__iter__())
+        mega = self.batch_size * self.group
+        full, short = [], []
+        for s in range(0, len(share), mega):
+            chunk = sorted(share[s : s + mega], key=lambda i: -self.lengths[i])
+            for b in range(0, len(chunk), self.batch_size):
+                (full if len(chunk[b : b + self.batch_size]) == self.batch_size else short).append(
+                    chunk[b : b + self.batch_size]
+                )
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch + 1)
+            full = [full[i] for i in torch.randperm(len(full), generator=g).tolist()]
+        return full + short
+
+    def __iter__(self):
+        return iter([i for batch in self.batches() for i in batch])
+
+
+def example_length(example: Mapping[str, Any]) -> int:
+    """The longest token list of a tokenised example: the width its batch pads to (a reward-model
+    pair pads its chosen and rejected texts together)."""
+    return max(len(v) for v in example.values() if isinstance(v, list))
+
+
 def make_loader(
-    dataset: Dataset, batch_size: int, collate, *, train: bool, shuffle: bool, seed: int, num_workers: int, trainer=None
+    dataset: Dataset,
+    batch_size: int,
+    collate,
+    *,
+    train: bool,
+    shuffle: bool,
+    seed: int,
+    num_workers: int,
+    trainer=None,
+    lengths: Sequence[int] | None = None,
 ) -> DataLoader:
     """A loader that shards itself over DDP ranks, so it works whatever
-    ``trainer.use_distributed_sampler`` says; the training order is fixed by ``seed``."""
+    ``trainer.use_distributed_sampler`` says; the training order is fixed by ``seed``. With
+    ``lengths`` (training only), batches group records of similar length (``LengthGroupedSampler``)."""
     world = trainer.world_size if trainer is not None else 1
+    rank = trainer.global_rank if world > 1 else 0
     kwargs: dict[str, Any] = {}
-    if world > 1:
-        rank = trainer.global_rank
+    if train and lengths is not None:
+        kwargs["sampler"] = LengthGroupedSampler(
+            lengths, batch_size, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed
+        )
+    elif world > 1:
         if train:
             kwargs["sampler"] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
         else:
@@ -220,6 +287,7 @@ class StageDataModule(L.LightningDataModule):
             seed=c.seed,
             num_workers=c.num_workers,
             trainer=self.trainer,
+            lengths=[example_length(x) for x in self.train_examples] if c.group_by_length else None,
         )
 
     def val_dataloader(self):
