@@ -39,8 +39,10 @@ class StageConfig:
     group_by_length: bool = False
     """Batch training records of similar length (sorted within mega-batches of 50 batches, the
     batches in random order): each batch pads to its longest record, so less compute goes to
-    padding (25-30% less on the reviews recipe's stages). Every record is still seen once an
-    epoch; batches are no longer uniform over lengths."""
+    padding. Every record is still seen once an epoch, but a batch is no longer a random sample:
+    where length tracks content it holds one kind of record. The reviews recipe builds with it
+    (15-25% faster stages, the same table); math_chat (two- and three-step problems) and
+    calculator_tool (answers with and without a call) learned much worse with it, so they do not."""
     num_workers: int = param(0, ge=0)
     """DataLoader workers."""
     val_batch_size: Optional[int] = param(None, ge=1)

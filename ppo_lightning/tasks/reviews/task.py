@@ -63,6 +63,7 @@ def build_sft(tmp: Path, rng: random.Random, seed: int) -> None:
         lr=3e-3,
         max_length=32,
         seed=seed,
+        group_by_length=True,  # 15-25% less compute; the table holds (docs/usage.md)
         extra={"max_prompt_length": 8},
     )
     log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
@@ -89,6 +90,7 @@ def build_reward_model(tmp: Path, rng: random.Random, seed: int) -> list[dict]:
         lr=1e-3,
         max_length=32,
         seed=seed,
+        group_by_length=True,  # 15-25% less compute; the table holds (docs/usage.md)
     )
     log.info("reward model, round 1: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
     return pairs
@@ -121,6 +123,7 @@ def red_team(tmp: Path, current: Path, pairs: list[dict], rng: random.Random, se
             lr=3e-4,
             max_length=32,
             seed=seed,
+            group_by_length=True,  # 15-25% less compute; the table holds (docs/usage.md)
         )
         shutil.rmtree(current)
         current = tmp / f"reward_model_r{r}"
