@@ -70,12 +70,11 @@ def fit_stage(
     lr: float,
     max_length: int,
     seed: int,
-    group_by_length: bool = False,
     extra: dict | None = None,
 ) -> dict:
     """Train ``stage`` (sft | reward_model) from ``base_dir`` on in-memory ``records``; save it.
-    ``group_by_length``: ``task.group_by_length``, for a task whose records' lengths do not
-    track what they teach (see its docstring)."""
+    ``extra``: more of the stage's ``task.*`` keys (``group_by_length`` only where the records'
+    lengths do not tell what they teach apart: see its docstring)."""
     from ppo_lightning.config import OptimizerConfig
     from ppo_lightning.stages import STAGES
 
@@ -88,7 +87,6 @@ def fit_stage(
         "seed": seed,
         "batch_size": batch_size,
         "shuffle": True,
-        "group_by_length": group_by_length,
         "num_workers": 0,
         **(extra or {}),
     }

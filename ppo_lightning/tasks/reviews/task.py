@@ -28,6 +28,8 @@ from . import data as reviews
 log = logging.getLogger(__name__)
 
 BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=64)
+GROUPED = {"group_by_length": True}
+"""The stages batch reviews of similar length: 15-25% less compute, the same table (docs/usage.md)."""
 RED_TEAM_ROUNDS = 2  # rounds of online preference collection after the first reward model
 
 
@@ -63,8 +65,7 @@ def build_sft(tmp: Path, rng: random.Random, seed: int) -> None:
         lr=3e-3,
         max_length=32,
         seed=seed,
-        group_by_length=True,  # 15-25% less compute; the table holds (docs/usage.md)
-        extra={"max_prompt_length": 8},
+        extra={**GROUPED, "max_prompt_length": 8},
     )
     log.info("SFT: val/loss %.3f", sft.get("val/loss", float("nan")))
 
@@ -90,7 +91,7 @@ def build_reward_model(tmp: Path, rng: random.Random, seed: int) -> list[dict]:
         lr=1e-3,
         max_length=32,
         seed=seed,
-        group_by_length=True,  # 15-25% less compute; the table holds (docs/usage.md)
+        extra=GROUPED,
     )
     log.info("reward model, round 1: val/accuracy %.3f", rm.get("val/accuracy", float("nan")))
     return pairs
@@ -123,7 +124,7 @@ def red_team(tmp: Path, current: Path, pairs: list[dict], rng: random.Random, se
             lr=3e-4,
             max_length=32,
             seed=seed,
-            group_by_length=True,  # 15-25% less compute; the table holds (docs/usage.md)
+            extra=GROUPED,
         )
         shutil.rmtree(current)
         current = tmp / f"reward_model_r{r}"
