@@ -34,6 +34,12 @@ forward and backward alike), ``gflop`` the profiler's FLOP count of ``mm``/``add
 ``_scaled_dot_product*`` (~3% on medium) and in-place ``addmm_`` (TRL 1.16's chunked LM-head
 backward: ~10 GFLOP a completion on medium).
 
+The machine's limit: each child also measures the GFLOP/s of a 2048 x 2048 fp32 matmul on its own
+threads (``measure.gemm_peak_gflops``; both sides run fp32 on CPU), and the tables hold two MFUs
+against it: the matmul ops' own rate (how well the iteration's shapes use the kernels) and the
+iteration's (its counted matmul FLOPs over its unprofiled wall time: everything else counts
+against it too).
+
 The bound: with no overhead and no non-matmul ops, our iteration would take its matmul time,
 estimated as the unprofiled wall time x the profiled matmul fraction, so our speedup over TRL
 could be at most TRL's unprofiled wall / that.
@@ -74,6 +80,7 @@ from pathlib import Path
 
 from benchmarks.lib import cli
 from benchmarks.lib.grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
+from benchmarks.lib.measure import gemm_peak_gflops
 from benchmarks.lib.runner import ROOT, absolute, module_cmd
 from benchmarks.lib.workloads import WORKLOADS, build_models
 
@@ -311,6 +318,7 @@ def child(args) -> None:
         stdout_for_one_line()  # TRL's prints go to stderr; nothing is read from stdout here
         fn = child_trl_grpo if args.trainer == "grpo" else child_trl_ppo
     info = fn(args, w, Path(args.model_dir), its)
+    info["gemm_peak_gflops"] = gemm_peak_gflops("float32")  # on the threads the run had
     breakdown, table = its.analyse(args.top)
     name = f"{args.trainer}_{args.child}"
     out = Path(args.out)
@@ -345,6 +353,16 @@ def sec(x: float) -> str:
 def our_matmul_s(ours: dict) -> float:
     """Our matmul time in the unprofiled iteration: its wall x the profiled matmul fraction."""
     return ours["timed"]["wall_s"] * ours["profiled"]["matmul_s"] / ours["profiled"]["wall_s"]
+
+
+def mfu(v: dict) -> tuple[float, float] | None:
+    """A side's two MFUs against its ``gemm_peak_gflops``: its matmul ops' rate (profiled FLOPs
+    over those ops' time) and its iteration's (profiled FLOPs over the unprofiled wall time);
+    None for a result from before the peak was measured."""
+    peak, p = v.get("gemm_peak_gflops"), v["profiled"]
+    if not peak or not p["flop_op_s"]:
+        return None
+    return p["gflop"] / p["flop_op_s"] / peak, p["gflop"] / v["timed"]["wall_s"] / peak
 
 
 def summary(results: dict, workload) -> str:
@@ -398,6 +416,9 @@ def summary(results: dict, workload) -> str:
                     f"{v['profiled']['gflop'] / v['profiled']['flop_op_s']:.0f}" if v["profiled"]["flop_op_s"] else "-"
                 ),
             ),
+            ("GEMM peak GFLOP/s (2048^2, fp32, same threads)", lambda v: f"{v.get('gemm_peak_gflops', 0):.0f}"),
+            ("MFU of the matmul ops", lambda v: f"{mfu(v)[0]:.0%}" if mfu(v) else "-"),
+            ("MFU of the iteration", lambda v: f"{mfu(v)[1]:.0%}" if mfu(v) else "-"),
         ],
     )
     table(

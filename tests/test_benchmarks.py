@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.lib.workloads import WORKLOADS, build_tokenizer, make_prompts
 
@@ -182,3 +183,24 @@ def test_trl_sides_share_one_cpu_fp32_configuration(tmp_path, monkeypatch):
     for side in ("trl_ppo", "trl_grpo"):
         assert "cpu_fp32_config(" in (ROOT / "benchmarks" / "lib" / f"{side}.py").read_text()
     assert set(CPU_FP32) >= {"use_cpu", "bf16", "fp16", "gradient_checkpointing"}
+
+
+def test_the_gemm_peak_counts_flops_as_the_profiler_does_and_each_mfu_divides_by_it(monkeypatch):
+    """The MFU rows of ``benchmarks.profile_iteration``: the profiler counts a matmul as 2 n^3
+    FLOPs, the peak is that count over the best time of the same matmul, and the two MFUs divide
+    the iteration's matmul rate and its whole-iteration rate by the peak."""
+    from benchmarks.lib import measure
+    from benchmarks.profile_iteration import FLOP_OPS, mfu
+
+    n = 192
+    a = torch.randn(n, n)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+        torch.mm(a, a)
+    assert [e.flops for e in prof.events() if e.name in FLOP_OPS] == [2 * n**3]
+    assert measure.gemm_peak_gflops(n=n, repeats=2) > 0
+    times = iter([0.004, 0.002, 0.003])  # the repeats' times: the best is 2 ms
+    monkeypatch.setattr(measure, "timed", lambda fn: (fn(), next(times)))
+    assert measure.gemm_peak_gflops(n=n, repeats=3) == pytest.approx(2 * n**3 / 0.002 / 1e9)
+    v = {"gemm_peak_gflops": 80.0, "profiled": {"gflop": 60.0, "flop_op_s": 1.5}, "timed": {"wall_s": 3.0}}
+    assert mfu(v) == pytest.approx((0.5, 0.25))
+    assert mfu({**v, "gemm_peak_gflops": None}) is None  # a result from before the peak was measured

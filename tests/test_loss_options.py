@@ -338,16 +338,3 @@ def test_engine_mismatch_metrics_against_their_definitions():
     assert m["rollout/engine_ess"].item() == pytest.approx(
         sum(rho) ** 2 / (len(rho) * sum(x * x for x in rho)), rel=1e-5
     )
-
-
-def test_engine_correction_with_a_truncated_sampler_is_refused(tmp_path, cache_dir):
-    """vLLM's logprobs are of the truncated, renormalised distribution it sampled from; the
-    trainer's of the full one: with top-k, top-p or min-p the weights would hold the truncation."""
-    from ppo_lightning.config import validate
-    from ppo_lightning.config.errors import ConfigError
-    from tests.conftest import compose_cfg
-
-    cfg = compose_cfg(["ppo.engine_correction=token_mask", "sampling.top_p=0.9"], tmp_path, cache_dir)
-    with pytest.raises(ConfigError, match=r"^ppo.engine_correction=token_mask with sampling.top_p=0.9: "):
-        validate(cfg)
-    validate(compose_cfg(["ppo.engine_correction=token_mask"], tmp_path, cache_dir))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
@@ -198,3 +199,94 @@ def test_values_read_the_final_hidden_state_and_the_reference_has_no_hook(tiny_l
     ref = make_reference(policy.lm)
     assert not ref.get_output_embeddings()._forward_pre_hooks
     assert not any(isinstance(m, PolicyWithValueHead) for m in ref.modules())
+
+
+def _naive_kept(z: list[float], top_k: int, top_p: float, min_p: float, min_p_first: bool) -> dict[int, float]:
+    """The distribution a truncating sampler draws from, token by token in plain Python: tempered
+    logits ``z``, the ``top_k`` largest, then the smallest prefix (by probability) whose mass
+    before its last token is under ``top_p``, then the tokens at least ``min_p`` x the likeliest
+    (``min_p_first``: that cut first, as vLLM makes it); renormalised at every cut."""
+    import math
+
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    if min_p_first and min_p > 0.0:
+        order = [i for i in order if math.exp(z[i] - z[order[0]]) >= min_p]
+        min_p = 0.0
+    kept = order[:top_k] if top_k else order
+    norm = sum(math.exp(z[i]) for i in kept)
+    probs = {i: math.exp(z[i]) / norm for i in kept}
+    if top_p < 1.0:
+        mass, nucleus = 0.0, []
+        for i in kept:  # descending
+            if mass >= top_p:
+                break
+            nucleus.append(i)
+            mass += probs[i]
+        probs = {i: probs[i] / mass for i in nucleus}
+    if min_p > 0.0:
+        top = max(probs.values())
+        probs = {i: p for i, p in probs.items() if p >= min_p * top}
+        norm = sum(probs.values())
+        probs = {i: p / norm for i, p in probs.items()}
+    return probs
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p, min_p_first",
+    [(0, 1.0, 0.0, False), (5, 1.0, 0.0, False), (0, 0.7, 0.0, False), (8, 0.9, 0.1, False), (0, 0.8, 0.2, True)],
+    ids=["none", "k", "p", "kpm", "m_first_p"],
+)
+def test_truncated_logprobs_match_a_naive_truncation(tiny_lm_dir, top_k, top_p, min_p, min_p_first):
+    """``algo.rollout.truncated_logprobs`` (what an engine's logprobs are compared with under
+    top-k / top-p / min-p) against responses drawn and scored one token at a time in plain Python
+    from each row's own unpadded forward: left-padded prompts and right-padded responses of
+    several lengths, chunks of rows and padding removal, and a token outside the truncation
+    (the floor); in Hugging Face's order and in vLLM's (min-p first). With no truncation they are
+    ``forward_logprobs``."""
+    import math
+    import random
+
+    from ppo_lightning.algo.rollout import TRUNCATED_LOGPROB_FLOOR, forward_logprobs, truncated_logprobs
+    from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.models.policy import position_ids_from_mask
+
+    tok = load_tokenizer(str(tiny_lm_dir))
+    lm = load_causal_lm(str(tiny_lm_dir), tok).eval()
+    T, rng = 0.7, random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 6, 2, 5, 4)]
+    lengths = (6, 2, 5, 4, 6)
+    rows, want = [], []
+    for p, n in zip(prompts, lengths):
+        seq, lps = list(p), []
+        for _ in range(n):
+            with torch.no_grad():
+                z = (lm(torch.tensor([seq])).logits[0, -1] / T).tolist()
+            probs = _naive_kept(z, top_k, top_p, min_p, min_p_first)
+            ids, weights = zip(*probs.items())
+            t = rng.choices(ids, weights)[0]
+            seq.append(t)
+            lps.append(math.log(probs[t]))
+        rows.append((p, seq[len(p) :]))
+        want.append(lps)
+    if top_k:  # the last row's last token: one the truncation leaves out
+        with torch.no_grad():
+            z = (lm(torch.tensor([rows[-1][0] + rows[-1][1][:-1]])).logits[0, -1] / T).tolist()
+        outside = min(range(len(z)), key=lambda i: z[i])
+        rows[-1][1][-1], want[-1][-1] = outside, TRUNCATED_LOGPROB_FLOOR
+    P, R = max(len(p) for p, _ in rows), max(lengths)
+    qr = torch.full((len(rows), P + R), tok.pad_token_id)
+    mask = torch.zeros_like(qr)
+    for b, (p, r) in enumerate(rows):
+        qr[b, P - len(p) : P], qr[b, P : P + len(r)] = torch.tensor(p), torch.tensor(r)
+        mask[b, P - len(p) : P + len(r)] = 1
+    pos = position_ids_from_mask(mask)
+    params = SamplingParams(max_new_tokens=R, temperature=T, top_k=top_k, top_p=top_p, min_p=min_p)
+    assert params.truncates == (top_k > 0 or top_p < 1.0 or min_p > 0.0)
+    got = truncated_logprobs(lm, qr, mask, pos, P, params, chunk_size=2, remove_padding=True, min_p_first=min_p_first)
+    assert got.shape == (len(rows), R)
+    for b, lps in enumerate(want):
+        torch.testing.assert_close(got[b, : len(lps)], torch.tensor(lps), rtol=0, atol=2e-5)
+    if not params.truncates:
+        full, _ = forward_logprobs(None, lm, qr, mask, pos, P, T)
+        response = mask[:, P:].bool()
+        torch.testing.assert_close(got[response], full[response], rtol=0, atol=1e-5)

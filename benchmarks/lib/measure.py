@@ -1,5 +1,5 @@
 """Measurements the benchmarks share: memory (the process's peak RSS, a sampler of it, the kernel's
-high-water mark), the bytes tensors hold, wall time, medians."""
+high-water mark), the bytes tensors hold, wall time, the machine's matmul peak, medians."""
 
 from __future__ import annotations
 
@@ -128,6 +128,21 @@ def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tupl
     if sync:
         sync()
     return out, time.perf_counter() - t0
+
+
+def gemm_peak_gflops(dtype: str = "float32", n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of one ``n x n`` by ``n x n`` matmul in ``dtype``, on this machine at torch's
+    current thread count: the best of ``repeats`` after a warm-up, counted as the profiler counts
+    a matmul (2 n^3 FLOPs). The ceiling an iteration's matmuls are held against (its MFU): a GEMM
+    this size runs near the library's best, so what an iteration falls short of it is the
+    smaller, thinner shapes of its own matmuls plus the time it spends outside them."""
+    import torch
+
+    a = torch.randn(n, n).to(getattr(torch, dtype))
+    b = torch.randn(n, n).to(getattr(torch, dtype))
+    torch.mm(a, b)
+    best = min(timed(lambda: torch.mm(a, b))[1] for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
 
 
 # ----------------------------------------------------------------------------- medians

@@ -85,6 +85,8 @@ class Rollout(_Sequences):
     # (algorithm.PPO._old_logprobs_and_values): the first update reuses it, once
     collect_time_s: float = 0.0  # wall time of sampling, scoring and the rollout's forwards
     engine_logprobs: Tensor | None = None  # [B, R] an engine backend's logprobs of its samples (metrics)
+    sampling_logprobs: Tensor | None = None  # [B, R] the old policy's under the sampling's truncation
+    # (truncated_logprobs; logprobs when there is none): what engine_logprobs are compared with
     engine_weights: Tensor | None = None  # [B, R] ppo.engine_correction's weights of the policy loss
     turn_rewards: Tensor | None = None  # [B, R] multi-turn: each turn's EnvStep.reward on its last token
     episodes: "EpisodeBatch | None" = None  # multi-turn: the episodes as played (metrics, dumps)
@@ -230,6 +232,61 @@ def forward_logprobs(
         logp = head_outputs(out if lean else out[:, -(width + 1) : -1], lean, responses, temperature, False)[0]
         logps.append(pad_responses(logp, R))
     return torch.cat(logps), (torch.cat(values) if values else None)
+
+
+TRUNCATED_LOGPROB_FLOOR = -30.0
+"""``truncated_logprobs`` of a token outside the trainer's truncation (a tie at its boundary that
+the engine broke the other way): a finite floor, so the mismatch metrics stay finite and the
+token's correction weight is ~0."""
+
+
+@torch.no_grad()
+def truncated_logprobs(
+    lm,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    context_length: int,
+    params: SamplingParams,
+    chunk_size: int | None = None,
+    remove_padding: bool = True,
+    min_p_first: bool = False,
+) -> Tensor:
+    """Logprobs ``[B, R]`` of the response tokens under the distribution the sampler drew them
+    from, truncation included: logits / temperature, then top-k, top-p and min-p as the ``hf``
+    sampler applies them (``generation.hf.sampling_probs``; ``min_p_first``: in the engine's
+    order), renormalised over the tokens kept.
+
+    An engine reports its logprobs of that distribution (vLLM's ``processed_logprobs``), and
+    ``forward_logprobs`` gives the full softmax's: the two differ by the log of the mass the
+    truncation keeps, whatever the engine's numerics. The engine's mismatch and its correction
+    (``ppo.engine_correction``) compare these instead. One no-grad forward per chunk of
+    ``chunk_size`` rows, each on its ``padding_window``; the truncation one position's ``[V]``
+    row at a time per response column (``[rows, V]``)."""
+    from ppo_lightning.generation.hf import sampling_probs
+
+    B, R = query_responses.shape[0], query_responses.shape[1] - context_length
+    chunk_size = chunk_size or B
+    out = []
+    for s in range(0, B, chunk_size):
+        rows = (
+            query_responses[s : s + chunk_size],
+            attention_mask[s : s + chunk_size],
+            position_ids[s : s + chunk_size],
+        )
+        ids, mask, pos, P = unpadded(*rows, context_length) if remove_padding else (*rows, context_length)
+        width = ids.shape[1] - P
+        logits = lm(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **logits_to_keep(lm, width + 1)
+        ).logits[:, -(width + 1) : -1]
+        logp = torch.empty(ids.shape[0], width, device=ids.device)
+        for t in range(width):
+            z = logits[:, t]
+            probs = sampling_probs(z, params.temperature, params.top_k, params.top_p, params.min_p, min_p_first)
+            picked = probs.gather(-1, ids[:, P + t, None]).squeeze(-1)
+            logp[:, t] = (picked / probs.sum(-1)).log().clamp(min=TRUNCATED_LOGPROB_FLOOR)
+        out.append(pad_responses(logp, R))
+    return torch.cat(out)
 
 
 # ----------------------------------------------------------------------------- decoding

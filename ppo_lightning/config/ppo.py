@@ -129,8 +129,10 @@ class PPOConfig(_MovedPPOKeys):
     and ms-swift expose it). ``token_truncate``: ``min(rho, cap)``; ``token_mask``: ``rho``, or 0
     past the cap; ``sequence_*``: the same on the response's product of ratios, for every token
     of it. ``none``: no weights. With the ``hf`` backend there is no engine, and no weights. The
-    mismatch is logged either way (``rollout/engine_*``). Refused with ``sampling.top_k``,
-    ``top_p`` or ``min_p``: the engine's logprobs are of its truncated distribution."""
+    mismatch is logged either way (``rollout/engine_*``). Under ``sampling.top_k``, ``top_p``
+    or ``min_p`` the engine reports logprobs of its truncated, renormalised distribution, so
+    ``pi_old`` is taken under the same truncation (``algo.rollout.truncated_logprobs``: one more
+    no-grad forward a rollout) and the ratio holds the mismatch, not the truncation."""
     engine_correction_cap: float = param(2.0, gt=1)
     """The cap ``C`` of ``ppo.engine_correction`` (and of ``rollout/engine_capped_frac``)."""
     max_grad_norm: float = 1.0

@@ -275,22 +275,6 @@ def _check_precision(cfg) -> None:
         )
 
 
-def _check_engine_correction(cfg) -> None:
-    p, s = cfg.ppo, cfg.sampling
-    truncation = [
-        f"{k}={v}"
-        for k, v, off in (("top_k", s.top_k, 0), ("top_p", s.top_p, 1.0), ("min_p", s.min_p, 0.0))
-        if v != off
-    ]
-    if p.engine_correction != "none" and truncation:
-        raise ConfigError(
-            f"ppo.engine_correction={p.engine_correction} with sampling.{', sampling.'.join(truncation)}: the "
-            "engine reports logprobs of its truncated, renormalised distribution and the trainer of the full "
-            "one, so the weights would hold the truncation, not the mismatch; sample from the full "
-            "distribution (sampling.top_k=0 sampling.top_p=1.0 sampling.min_p=0) or set ppo.engine_correction=none"
-        )
-
-
 def _check_lora_reference(cfg) -> None:
     lora = cfg.model.lora
     if lora.r > 0 and (cfg.ref.name_or_path is not None or cfg.ref.dtype is not None):
@@ -435,7 +419,6 @@ RULES = (
     _check_env,
     _check_reward_normalization,
     _check_precision,
-    _check_engine_correction,
     _check_lora_reference,
     _check_strategy,
 )

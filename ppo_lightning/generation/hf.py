@@ -89,15 +89,26 @@ def sample_next_token(
 
 
 def sampling_probs(
-    logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    min_p_first: bool = False,
 ) -> Tensor:
     """The distribution each token is drawn from ``[B, V]``: ``logits`` after temperature, top-k,
     top-p and min-p, in Hugging Face's order of logits processors (``generate``'s
     ``_get_logits_processor``), float32; min-p's probabilities are not renormalised (the draw
-    does not need it)."""
+    does not need it). ``min_p_first``: min-p before top-k and top-p, vLLM's order (its sampler
+    applies the argmax-invariant processors first); the two differ only with top-p and min-p
+    both set, where min-p first leaves top-p a renormalised distribution to count mass in."""
     logits = logits.float()
     if temperature != 1.0:  # x / 1.0 is x: skip the kernel
         logits = logits / temperature
+    if min_p_first and min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+        min_p = 0.0
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

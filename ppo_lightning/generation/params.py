@@ -41,6 +41,11 @@ class SamplingParams:
     """Rows sampled per call (bounds the KV cache); null = the whole batch. A seeded run draws
     other tokens with another value (the random stream is consumed in another order)."""
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k, top-p or min-p cut the distribution the tokens are drawn from."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
     @classmethod
     def from_config(cls, cfg, tokenizer) -> "SamplingParams":
         """The run's sampling: the ``sampling.*`` node (``config.SamplingConfig``), its stop token

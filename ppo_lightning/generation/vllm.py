@@ -112,6 +112,7 @@ class VLLMBackend:
     """
 
     samples_live_module = False
+    min_p_first = True  # vLLM's sampler: min-p before top-k / top-p (truncated_logprobs follows it)
     preflight = staticmethod(require_vllm)  # factory.check_inputs: before any model loads
 
     def __init__(

@@ -112,9 +112,12 @@ def engine_mismatch(r: Rollout, cap: float) -> dict[str, Tensor]:
     it sampled (kernels, precision, batching): the mean absolute logprob difference, the KL
     ``E_engine[log pi_engine - log pi_old]`` (k1 over the sampled tokens), the share of tokens
     whose ratio ``pi_old / pi_engine`` passes ``ppo.engine_correction_cap``, and the ratios'
-    normalised effective sample size ``(sum rho)^2 / (n sum rho^2)`` (1: no mismatch)."""
+    normalised effective sample size ``(sum rho)^2 / (n sum rho^2)`` (1: no mismatch). Both sides
+    are of the distribution sampled from: under top-k / top-p / min-p, the trainer's logprobs
+    under the same truncation (``Rollout.sampling_logprobs``)."""
     mask = r.response_mask
-    log_rho = (r.logprobs - r.engine_logprobs) * mask
+    old = r.sampling_logprobs if getattr(r, "sampling_logprobs", None) is not None else r.logprobs
+    log_rho = (old - r.engine_logprobs) * mask
     rho = torch.exp(log_rho.clamp(max=20.0)) * mask
     n = mask.sum().clamp(min=1)
     return {
