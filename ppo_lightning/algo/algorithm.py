@@ -60,6 +60,34 @@ from ppo_lightning.algo.rollout import (
 )
 
 
+def engine_view(r: Rollout, s: Samples, lm, sampling, sampler, c) -> None:
+    """An engine backend's own view of its samples, into ``r``: its logprobs (each turn's, in
+    place, for episodes; None with the ``hf`` backend, and then nothing else), the old policy's
+    logprobs of the same distribution (the old logprobs, or under the sampling's top-k / top-p /
+    min-p when it truncates: ``truncated_logprobs``, one more no-grad forward, in the engine's
+    order), and ``ppo.engine_correction``'s weights from the two. Runs in the rollout's context
+    (weights gathered, the update's numerics)."""
+    r.engine_logprobs = sampler.sampled_logprobs if r.episodes is None else r.episodes.engine_logprobs
+    if r.engine_logprobs is None:
+        return
+    r.sampling_logprobs = r.logprobs
+    if sampling.truncates:
+        r.sampling_logprobs = truncated_logprobs(
+            lm,
+            s.query_responses,
+            s.attention_mask,
+            s.position_ids,
+            s.context_length,
+            sampling,
+            c.rollout_forward_batch_size,
+            c.remove_padding,
+            getattr(sampler, "min_p_first", False),
+        )
+    r.engine_weights = engine_weights(
+        r.sampling_logprobs, r.engine_logprobs, r.response_mask, c.engine_correction, c.engine_correction_cap
+    )
+
+
 @dataclasses.dataclass
 class Learned:
     """What ``learn`` did: per-minibatch statistics, and the updates it skipped."""
@@ -128,17 +156,7 @@ class PPO:
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
             r = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, kl_estimator=self.kl_estimator, cfg=c)
-            # an engine's own view of its samples (each turn's, in place, for episodes), or None
-            r.engine_logprobs = self.sampler.sampled_logprobs if r.episodes is None else r.episodes.engine_logprobs
-            if r.engine_logprobs is not None:  # the engine sampled: its distribution, not quite pi_old
-                r.sampling_logprobs = self._sampling_logprobs(samples, r.logprobs)
-                r.engine_weights = engine_weights(
-                    r.sampling_logprobs,
-                    r.engine_logprobs,
-                    r.response_mask,
-                    c.engine_correction,
-                    c.engine_correction_cap,
-                )
+            engine_view(r, samples, self.policy.lm, self.sampling, self.sampler, c)
         r.first_forward, r.collect_time_s = first_forward, time.perf_counter() - t0
         r.reward_logs, r.records = reward_logs, (prompts, columns) if prompts is not None else None
         return r
@@ -168,25 +186,6 @@ class PPO:
             c.remove_padding,
         )
         return logprobs, values, None
-
-    def _sampling_logprobs(self, s: Samples, logprobs: Tensor) -> Tensor:
-        """The old policy's logprobs of the distribution the engine sampled: ``logprobs`` where the
-        sampling truncates nothing, else under the same top-k / top-p / min-p
-        (``truncated_logprobs``: one more no-grad forward), as the engine reports its own."""
-        if not self.sampling.truncates:
-            return logprobs
-        c = self.cfg
-        return truncated_logprobs(
-            self.policy.lm,
-            s.query_responses,
-            s.attention_mask,
-            s.position_ids,
-            s.context_length,
-            self.sampling,
-            c.rollout_forward_batch_size,
-            c.remove_padding,
-            getattr(self.sampler, "min_p_first", False),
-        )
 
     def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
         c = self.cfg
