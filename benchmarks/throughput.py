@@ -21,6 +21,10 @@ function reward (``benchmarks/lib/grpo_workload.py``) instead of the reward mode
     python -m benchmarks.throughput --workload tiny --trainer grpo
     python -m benchmarks.throughput --workload medium --trainer grpo --prompts 8 --generations 4
 
+``--override KEY=VALUE`` (repeatable) adds a Hydra override last, e.g.
+``--override trainer.precision=bf16-mixed`` for the update and the rollout's forwards under bf16
+autocast.
+
 ``--backend hf|vllm`` picks the generation backend (``generation=<backend>``; default hf).
 A backend whose ``conf/generation/<backend>.yaml`` does not exist, or that cannot be built here,
 stops the run with "generation=<backend> not available".
@@ -64,6 +68,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, help="--trainer grpo: prompts per iteration (default 8)")
     ap.add_argument("--generations", type=int, help="--trainer grpo: completions per prompt (default 4)")
     ap.add_argument("--iterations", type=int, help="iterations (default: the workload's)")
+    ap.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Hydra override of the run's config, last (repeatable; e.g. trainer.precision=bf16-mixed)",
+    )
     args = ap.parse_args()
     if args.trainer == "ppo" and (args.prompts or args.generations):
         ap.error("--prompts and --generations need --trainer grpo (PPO takes the workload's shape)")
@@ -84,8 +95,9 @@ def main() -> None:
             args.generations or DEFAULT_GENERATIONS,
             args.iterations,
             args.backend,
+            overrides=args.override,
         )
-        result = {"impl": "ppo_lightning", "workload": w.name, **run}
+        result = {"impl": "ppo_lightning", "workload": w.name, **run, "overrides": args.override}
         if args.compare_generate:
             result.update(compare_generate(w, model_root, args.repeats))
     result["peak_rss_mb"] = peak_rss_mb()

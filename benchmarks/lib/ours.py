@@ -147,11 +147,13 @@ def run_ppo(
     iterations: int | None = None,
     backend: str = "hf",
     callbacks: Sequence[L.Callback] = (),
+    overrides: Sequence[str] = (),
 ) -> dict:
     """One timed ``trainer.fit`` of the workload: PPO (``trainer_kind="ppo"``, the workload's
     shape) or GRPO (``"grpo"``, ``prompts`` x ``generations`` completions per iteration).
     ``callbacks`` join the Trainer's after the timers (``benchmarks.profile_iteration`` profiles
-    one iteration with one)."""
+    one iteration with one); ``overrides`` (Hydra's, e.g. ``trainer.precision=bf16-mixed``) go
+    last."""
     from ppo_lightning.jobs.factory import build
 
     iterations = iterations or w.iterations
@@ -166,6 +168,7 @@ def run_ppo(
     if backend != "hf":
         backend_available(backend)
         extra.append(f"generation={backend}")
+    extra += overrides
     try:
         cfg = compose(w, policy_dir, reward_dir, prompts_file, out_dir, extra=tuple(extra), reward=reward)
         module, datamodule, trainer = build(cfg)
