@@ -186,6 +186,28 @@ def pad_responses(x: Tensor | None, width: int) -> Tensor | None:
     return x if x is None or x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
+def row_chunks(
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    context_length: int,
+    chunk_size: int | None,
+    remove_padding: bool,
+):
+    """The rows in chunks of ``chunk_size`` (None: one chunk), each ``(query_responses,
+    attention_mask, position_ids, context_length)`` cut to its ``padding_window`` when
+    ``remove_padding``: what the rollout's no-grad forwards run on."""
+    B = query_responses.shape[0]
+    chunk_size = chunk_size or B
+    for s in range(0, B, chunk_size):
+        rows = (
+            query_responses[s : s + chunk_size],
+            attention_mask[s : s + chunk_size],
+            position_ids[s : s + chunk_size],
+        )
+        yield unpadded(*rows, context_length) if remove_padding else (*rows, context_length)
+
+
 @torch.no_grad()
 def forward_logprobs(
     policy: PolicyWithValueHead | None,
@@ -207,16 +229,11 @@ def forward_logprobs(
     Logits are divided by the sampling temperature before the log-softmax, so the logprobs are
     those of the distribution the tokens were sampled from ([N+] detail).
     """
-    B, R = query_responses.shape[0], query_responses.shape[1] - context_length
-    chunk_size = chunk_size or B
+    R = query_responses.shape[1] - context_length
     logps, values = [], []
-    for s in range(0, B, chunk_size):
-        rows = (
-            query_responses[s : s + chunk_size],
-            attention_mask[s : s + chunk_size],
-            position_ids[s : s + chunk_size],
-        )
-        ids, mask, pos, P = unpadded(*rows, context_length) if remove_padding else (*rows, context_length)
+    for ids, mask, pos, P in row_chunks(
+        query_responses, attention_mask, position_ids, context_length, chunk_size, remove_padding
+    ):
         if policy is not None:
             logp, _, v = policy.score_responses(ids, mask, pos, P, temperature, head_chunk, entropy_grad=False)
             if v is not None:  # a policy without a value head (critic-free estimators) gives none
@@ -265,16 +282,11 @@ def truncated_logprobs(
     row at a time per response column (``[rows, V]``)."""
     from ppo_lightning.generation.hf import sampling_probs
 
-    B, R = query_responses.shape[0], query_responses.shape[1] - context_length
-    chunk_size = chunk_size or B
+    R = query_responses.shape[1] - context_length
     out = []
-    for s in range(0, B, chunk_size):
-        rows = (
-            query_responses[s : s + chunk_size],
-            attention_mask[s : s + chunk_size],
-            position_ids[s : s + chunk_size],
-        )
-        ids, mask, pos, P = unpadded(*rows, context_length) if remove_padding else (*rows, context_length)
+    for ids, mask, pos, P in row_chunks(
+        query_responses, attention_mask, position_ids, context_length, chunk_size, remove_padding
+    ):
         width = ids.shape[1] - P
         logits = lm(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **logits_to_keep(lm, width + 1)

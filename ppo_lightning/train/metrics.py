@@ -116,8 +116,7 @@ def engine_mismatch(r: Rollout, cap: float) -> dict[str, Tensor]:
     are of the distribution sampled from: under top-k / top-p / min-p, the trainer's logprobs
     under the same truncation (``Rollout.sampling_logprobs``)."""
     mask = r.response_mask
-    old = r.sampling_logprobs if getattr(r, "sampling_logprobs", None) is not None else r.logprobs
-    log_rho = (old - r.engine_logprobs) * mask
+    log_rho = (r.sampling_logprobs - r.engine_logprobs) * mask
     rho = torch.exp(log_rho.clamp(max=20.0)) * mask
     n = mask.sum().clamp(min=1)
     return {
