@@ -15,12 +15,15 @@ most 8 x 456 = 3648 tokens):
 * ``padded``: ``ppo.remove_padding=false ppo.micro_batch_size=8``: every forward the whole width;
 * ``unpadded``: ``ppo.micro_batch_size=8``: each micro-batch on its rows' window;
 * ``token_budget``: ``ppo.micro_batch_tokens=3648``: rows sorted by length and grouped under the
-  budget, each group on its window.
+  budget, each group on its window;
+* ``shared_prompt``: ``ppo.micro_batch_size=8`` with ``ppo.shared_prompt_forward`` (the default
+  where groups exist): minibatches of two whole groups, each micro-batch one group on its window,
+  its prompt encoded once and its 8 completions attending to its keys and values.
 
 Printed, one JSON line: per variant the median seconds per epoch over ``--rounds`` alternating
 rounds, the ratio to ``padded`` (per round, then the median), and the token positions its
 forwards computed; and two floors: the real tokens (no padding at all) and the real tokens
-with each prompt once per group (what ``ppo.shared_prompt_forward`` would leave).
+with each prompt once per group (what ``ppo.shared_prompt_forward`` can reach).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ VARIANTS = {
     "padded": dict(remove_padding=False, micro_batch_size=8),
     "unpadded": dict(micro_batch_size=8),
     "token_budget": dict(micro_batch_tokens=8 * (PROMPT_TOKENS[1] + RESPONSE_TOKENS[1])),
+    "shared_prompt": dict(micro_batch_size=8, num_generations=GROUP),
 }
+SHARED = {"shared_prompt"}  # variants that encode each prompt once per group (ppo.shared_prompt_forward)
 
 
 def build_rollout(seed: int = 0):
@@ -89,36 +94,42 @@ class _OneProcess:
 
 def epoch(policy, r, variant: dict, seed: int) -> dict:
     """One pass over the rows in shuffled minibatches: forward and backward of every micro-batch."""
-    from ppo_lightning.algo.algorithm import micro_batches, policy_forward
+    from ppo_lightning.algo.algorithm import micro_batches, minibatch_rows, policy_forward
+    from ppo_lightning.algo.rollout import ForwardLayout
     from ppo_lightning.config import PPOConfig
 
+    name, variant = variant
     cfg = PPOConfig(minibatch_size=MINIBATCH, **variant)
+    layout = ForwardLayout(cfg.remove_padding, name in SHARED)
     computed = 0
 
     def run():
         nonlocal computed
-        for idx in torch.randperm(r.batch_size, generator=torch.Generator().manual_seed(seed)).split(MINIBATCH):
+        for idx in minibatch_rows(r.batch_size, cfg, layout.shared_prompt, torch.Generator().manual_seed(seed)):
             parts, _ = micro_batches(r.index(idx), cfg, _OneProcess())
             for part in parts:
-                entropy, values, logp = policy_forward(
-                    policy, part, 1.0, cfg.lm_head_chunk_size, False, cfg.remove_padding
-                )
+                entropy, values, logp = policy_forward(policy, part, 1.0, cfg.lm_head_chunk_size, False, layout)
                 mask = part.response_mask
                 ((logp * mask).sum() + (values * mask).pow(2).sum()).div(mask.sum()).backward()
-                computed += part.batch_size * _width(part, cfg.remove_padding)
+                computed += _computed(part, layout)
         policy.zero_grad(set_to_none=True)
 
     _, seconds = timed(run)
     return {"epoch_s": seconds, "tokens_computed": computed}
 
 
-def _width(part, remove_padding: bool) -> int:
+def _computed(part, layout) -> int:
+    """The token positions a micro-batch's forward computes: rows x its window's width, or with
+    each prompt once, the distinct prompts' columns once and every row's response columns."""
     from ppo_lightning.algo.rollout import padding_window
+    from ppo_lightning.models.shared_prompt import prompt_groups
 
-    if not remove_padding:
-        return part.query_responses.shape[1]
-    start, stop = padding_window(part.attention_mask, part.context_length)
-    return stop - start
+    ids, mask, P = part.query_responses, part.attention_mask, part.context_length
+    start, stop = padding_window(mask, P) if layout.remove_padding else (0, ids.shape[1])
+    groups = prompt_groups(ids[:, start:stop], mask[:, start:stop], P - start) if layout.shared_prompt else None
+    if groups is None:
+        return part.batch_size * (stop - start)
+    return len(groups[0]) * (P - start) + part.batch_size * (stop - P)
 
 
 def main() -> None:
@@ -131,9 +142,11 @@ def main() -> None:
     r, prompt_lens, response_lens = build_rollout()
     with tempfile.TemporaryDirectory() as root:
         policy = build_policy(Path(root))
-        epoch(policy, r, VARIANTS["padded"], seed=0)  # warm-up: allocator, kernels
+        epoch(policy, r, ("padded", VARIANTS["padded"]), seed=0)  # warm-up: allocator, kernels
         results = alternate(
-            {name: (lambda k, v=v: epoch(policy, r, v, seed=k)) for name, v in VARIANTS.items()}, args.rounds, abba=True
+            {name: (lambda k, v=(name, v): epoch(policy, r, v, seed=k)) for name, v in VARIANTS.items()},
+            args.rounds,
+            abba=True,
         )
     real = int(prompt_lens.sum() + response_lens.sum())
     out = {

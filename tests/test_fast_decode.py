@@ -12,9 +12,11 @@ from transformers import AutoModelForCausalLM, DynamicCache, GPT2LMHeadModel, Ll
 
 from ppo_lightning.generation.fast_decode import decoder_for, supports_fast_decode
 from ppo_lightning.models.lora import DisabledAdapters
-from ppo_lightning.models.policy import load_causal_lm, load_tokenizer, model_class, position_ids_from_mask
+from ppo_lightning.models.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
+from ppo_lightning.models.signature import model_class
 from ppo_lightning.models.lora import underlying
-from ppo_lightning.generation.hf import _cache_kwarg, generate
+from ppo_lightning.generation.hf import generate
+from ppo_lightning.models.signature import cache_kwarg
 from ppo_lightning.models.tiny import causal_lm_config
 from tests.helpers import greedy_by_full_forward
 
@@ -80,7 +82,7 @@ def test_decode_step_logits_equal_the_model_forward(lm_and_tok, model, padded):
     B, P = ids.shape
     steps = 10
     tokens = torch.randint(0, 256, (B, steps), generator=torch.Generator().manual_seed(0))
-    cache_kw = _cache_kwarg(lm)  # transformers >= 5.24: cache=; earlier: past_key_values=
+    cache_kw = cache_kwarg(lm)  # transformers >= 5.24: cache=; earlier: past_key_values=
     with torch.inference_mode():
         caches = [DynamicCache(config=lm.config), DynamicCache(config=lm.config)]
         pos = position_ids_from_mask(am)

@@ -122,7 +122,15 @@ def _algo(advantage: str, agg: str, kl_in: str):
     from ppo_lightning.algo.algorithm import PPO
     from ppo_lightning.generation import SamplingParams
 
-    cfg = PPOConfig(advantage=advantage, loss_agg=agg, kl_in=kl_in, num_generations=2, ent_coef=0.01, kl_coef=0.1)
+    cfg = PPOConfig(
+        advantage=advantage,
+        loss_agg=agg,
+        kl_in=kl_in,
+        num_generations=2,
+        ent_coef=0.01,
+        kl_coef=0.1,
+        shared_prompt_forward=False,  # no policy here: nothing to encode
+    )
     return PPO(None, None, None, None, cfg, SamplingParams(max_new_tokens=R), None, None), cfg
 
 

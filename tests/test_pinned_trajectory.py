@@ -18,7 +18,18 @@ import pytest
 from tests.conftest import compose_cfg, read_metrics
 
 PINNED = Path(__file__).parent / "pinned"
-RUNS = {"ppo": [], "grpo": ["ppo.advantage=grpo", "ppo.num_generations=4", "ppo.kl_in=loss", "ppo.kl_coef=0.04"]}
+RUNS = {
+    "ppo": [],
+    # each row encodes its prompt, and minibatches are shuffled rows, as when the pin was recorded
+    # (tests/test_shared_prompt.py: encoding each prompt once gives the same update)
+    "grpo": [
+        "ppo.advantage=grpo",
+        "ppo.num_generations=4",
+        "ppo.kl_in=loss",
+        "ppo.kl_coef=0.04",
+        "ppo.shared_prompt_forward=false",
+    ],
+}
 SHORT = [
     "data.batch_size=8",
     "ppo.minibatch_size=4",

@@ -14,6 +14,7 @@ to Lightning's hooks: ``collect`` in ``on_train_batch_start``, ``learn`` in ``tr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections import defaultdict
@@ -40,8 +41,10 @@ from ppo_lightning.config import PPOConfig
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.algo.kl import build_kl_controller
 from ppo_lightning.models.policy import PolicyWithValueHead
+from ppo_lightning.models.shared_prompt import unsupported as shared_prompt_unsupported
 from ppo_lightning.rewards import pop_reward_logs
 from ppo_lightning.algo.rollout import (
+    ForwardLayout,
     PolicyOutput,
     Prompts,
     Rollout,
@@ -58,6 +61,9 @@ from ppo_lightning.algo.rollout import (
     truncated_logprobs,
     unpadded,
 )
+
+
+log = logging.getLogger(__name__)
 
 
 def engine_view(r: Rollout, s: Samples, lm, sampling, sampler, c) -> None:
@@ -123,6 +129,7 @@ class PPO:
         self.kl_estimator = kl_estimator_for(cfg.kl_in, cfg.kl_estimator)  # null: per placement
         self.reward_norm: tuple[float, float] | None = None  # set by the module: configured, fitted or restored
         self.generator: torch.Generator | None = None
+        self.layout = ForwardLayout(cfg.remove_padding, shares_prompts(cfg, policy))
 
     # ------------------------------------------------------------------------- part 1: collect
     def collect(self, batch: dict) -> Rollout:
@@ -150,7 +157,7 @@ class PPO:
                 self.ref_lm,
                 forward_chunk_size=c.rollout_forward_batch_size,
                 head_chunk=c.lm_head_chunk_size,
-                remove_padding=c.remove_padding,
+                layout=self.layout,
             )
             reward_logs = pop_reward_logs(self.reward_fn)  # log_metric calls of the reward functions
             logprobs, values, first_forward = self._old_logprobs_and_values(samples)
@@ -183,14 +190,14 @@ class PPO:
             self.sampling.temperature,
             c.rollout_forward_batch_size,
             c.lm_head_chunk_size,
-            c.remove_padding,
+            self.layout,
         )
         return logprobs, values, None
 
     def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
         c = self.cfg
         return policy_forward(
-            self.policy, mb, self.sampling.temperature, c.lm_head_chunk_size, c.ent_coef > 0, c.remove_padding
+            self.policy, mb, self.sampling.temperature, c.lm_head_chunk_size, c.ent_coef > 0, self.layout
         )
 
     # ------------------------------------------------------------------------- part 2: learn
@@ -217,12 +224,11 @@ class PPO:
         return Learned(stats, skipped, nonfinite)
 
     def _minibatches(self, r: Rollout) -> Iterator[Rollout]:
-        """One epoch's minibatches: shuffled rows, or the whole rollout when one covers it."""
-        mbs = self.cfg.minibatch_size
-        if mbs >= r.batch_size:
+        """One epoch's minibatches (``minibatch_rows``), or the whole rollout when one covers it."""
+        if self.cfg.minibatch_size >= r.batch_size:
             yield r
             return
-        for idx in torch.randperm(r.batch_size, generator=self.generator, device=r.scores.device).split(mbs):
+        for idx in minibatch_rows(r.batch_size, self.cfg, self.layout.shared_prompt, self.generator, r.scores.device):
             yield r.index(idx)
 
     def _update(self, mb: Rollout, opt, first_forward: PolicyOutput | None) -> tuple[dict | None, str | None]:
@@ -333,16 +339,46 @@ class PPO:
         return self.sampler.sync_weights()
 
 
+def minibatch_rows(rows: int, c: PPOConfig, whole_groups: bool, generator, device=None) -> list[Tensor]:
+    """One epoch's minibatches of ``c.minibatch_size`` rows out of ``rows``: shuffled rows, or with
+    ``whole_groups`` (prompts encoded once per group) shuffled whole groups of ``num_generations``
+    consecutive rows, since a minibatch of random rows holds few rows of one prompt and shares little."""
+    if whole_groups:
+        n = c.num_generations
+        groups = torch.randperm(rows // n, generator=generator, device=device)
+        order = (groups[:, None] * n + torch.arange(n, device=device)).flatten()
+    else:
+        order = torch.randperm(rows, generator=generator, device=device)
+    return list(order.split(c.minibatch_size))
+
+
+def shares_prompts(c: PPOConfig, policy: PolicyWithValueHead) -> bool:
+    """``ppo.shared_prompt_forward`` resolved for this run: whether each distinct prompt is
+    encoded once per forward (``models.shared_prompt``). ``auto`` turns it on wherever it
+    applies: groups of ``num_generations > 1``, minibatches of whole groups, no gradient
+    checkpointing (``true`` where one of these fails is refused by ``config.rules``), and an
+    architecture it is tested on (any other: a warning, and each row encodes its prompt)."""
+    n = c.num_generations
+    if c.shared_prompt_forward is False or n == 1 or c.minibatch_size % n or policy.checkpointing:
+        return False
+    why = shared_prompt_unsupported(policy.lm)
+    if why is not None:
+        log.warning("ppo.shared_prompt_forward: %s; every row encodes its prompt itself", why)
+        return False
+    return True
+
+
 def policy_forward(
-    policy, mb: Rollout | Samples, temperature: float, head_chunk: int | None, entropy_grad: bool, remove_padding: bool
+    policy, mb: Rollout | Samples, temperature: float, head_chunk: int | None, entropy_grad: bool, layout: ForwardLayout
 ) -> PolicyOutput:
     """Entropies, values and logprobs of the responses ``[B, R]`` at the sampling temperature
     (as the rollout's logprobs), the LM head in chunks of ``head_chunk`` (``ppo.lm_head_chunk_size``);
-    on the rows' ``padding_window`` with ``remove_padding`` (zeros past the longest response)."""
+    laid out as ``layout`` says (on the rows' ``padding_window``: zeros past the longest
+    response; each prompt once)."""
     rows = (mb.query_responses, mb.attention_mask, mb.position_ids)
-    ids, mask, pos, P = unpadded(*rows, mb.context_length) if remove_padding else (*rows, mb.context_length)
+    ids, mask, pos, P = unpadded(*rows, mb.context_length) if layout.remove_padding else (*rows, mb.context_length)
     logp, entropy, values = policy.score_responses(
-        ids, mask, pos, P, temperature, head_chunk, entropy_grad=entropy_grad
+        ids, mask, pos, P, temperature, head_chunk, entropy_grad=entropy_grad, shared=layout.shared_prompt
     )
     R = mb.responses.shape[1]
     return pad_responses(entropy, R), pad_responses(values, R), pad_responses(logp, R)

@@ -29,8 +29,9 @@ from ppo_lightning.algo.advantages import (
 )
 from ppo_lightning.algo.kl import kl_k1, kl_penalty
 from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows
-from ppo_lightning.generation.hf import logits_to_keep
+from ppo_lightning.models.signature import logits_to_keep
 from ppo_lightning.models.lean_head import head_outputs, lean_head, use_lean_head
+from ppo_lightning.models.shared_prompt import prompt_groups, shared_prompt_forward
 from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
 from ppo_lightning.rewards.base import Normalization, RewardInputs, normalized
 
@@ -120,6 +121,17 @@ class Rollout(_Sequences):
 
 
 # ----------------------------------------------------------------------------- scoring forwards
+@dataclasses.dataclass(frozen=True)
+class ForwardLayout:
+    """How a scoring forward lays out its rows, each way giving the same numbers for less work:
+    cut to the columns they use (``remove_padding``: ``padding_window``), and each distinct prompt
+    encoded once, its responses attending to its keys and values (``shared_prompt``:
+    ``models.shared_prompt``; ``ppo.shared_prompt_forward``, resolved by ``PPO``)."""
+
+    remove_padding: bool = True
+    shared_prompt: bool = False
+
+
 def padding_window(attention_mask: Tensor, context_length: int) -> tuple[int, int]:
     """``(start, stop)``: the columns of a ``[B, T]`` batch that hold a real token in some row.
     Left of ``start`` every row's prompt is padding, right of ``stop`` every row's response has
@@ -219,12 +231,12 @@ def forward_logprobs(
     temperature: float,
     chunk_size: int | None = None,
     head_chunk: int | None = None,
-    remove_padding: bool = True,
+    layout: ForwardLayout = ForwardLayout(),
 ) -> tuple[Tensor, Tensor | None]:
     """Logprobs of the response tokens (and values, when ``policy`` is given), in row chunks of
-    ``chunk_size``, each on its ``padding_window`` (``remove_padding``); with ``head_chunk``, the
-    LM head in chunks of that many positions (``lean_head``, when the head allows it;
-    ``ppo.lm_head_chunk_size``).
+    ``chunk_size``, each laid out as ``layout`` says (on its ``padding_window``, each prompt once);
+    with ``head_chunk``, the LM head in chunks of that many positions (``lean_head``, when the
+    head allows it; ``ppo.lm_head_chunk_size``).
 
     Logits are divided by the sampling temperature before the log-softmax, so the logprobs are
     those of the distribution the tokens were sampled from ([N+] detail).
@@ -232,23 +244,34 @@ def forward_logprobs(
     R = query_responses.shape[1] - context_length
     logps, values = [], []
     for ids, mask, pos, P in row_chunks(
-        query_responses, attention_mask, position_ids, context_length, chunk_size, remove_padding
+        query_responses, attention_mask, position_ids, context_length, chunk_size, layout.remove_padding
     ):
         if policy is not None:
-            logp, _, v = policy.score_responses(ids, mask, pos, P, temperature, head_chunk, entropy_grad=False)
+            logp, _, v = policy.score_responses(
+                ids, mask, pos, P, temperature, head_chunk, entropy_grad=False, shared=layout.shared_prompt
+            )
             if v is not None:  # a policy without a value head (critic-free estimators) gives none
                 values.append(pad_responses(v, R))
             logps.append(pad_responses(logp, R))
             continue
-        responses, width = ids[:, P:], ids.shape[1] - P
-        lean = use_lean_head(lm, head_chunk)
-        with lean_head(lm, responses, temperature, head_chunk) if lean else nullcontext():
-            out = lm(
-                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **logits_to_keep(lm, width + 1)
-            ).logits
-        logp = head_outputs(out if lean else out[:, -(width + 1) : -1], lean, responses, temperature, False)[0]
-        logps.append(pad_responses(logp, R))
+        logps.append(pad_responses(_lm_logprobs(lm, ids, mask, pos, P, temperature, head_chunk, layout), R))
     return torch.cat(logps), (torch.cat(values) if values else None)
+
+
+def _lm_logprobs(lm, ids: Tensor, mask: Tensor, pos: Tensor, P: int, temperature: float, head_chunk, layout) -> Tensor:
+    """``forward_logprobs`` of a bare LM (the reference) on one chunk of rows."""
+    responses, width = ids[:, P:], ids.shape[1] - P
+    lean = use_lean_head(lm, head_chunk)
+    groups = prompt_groups(ids, mask, P) if layout.shared_prompt and width > 1 else None
+    if groups is not None:
+        spec = (temperature, head_chunk) if lean else None
+        out, _ = shared_prompt_forward(lm, ids, mask, pos, P, groups, spec)
+        return head_outputs(out, lean, responses, temperature, False)[0]
+    with lean_head(lm, responses, temperature, head_chunk) if lean else nullcontext():
+        out = lm(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **logits_to_keep(lm, width + 1))
+    return head_outputs(out.logits if lean else out.logits[:, -(width + 1) : -1], lean, responses, temperature, False)[
+        0
+    ]
 
 
 TRUNCATED_LOGPROB_FLOOR = -30.0
@@ -595,11 +618,11 @@ def sample_and_score(
     *,
     forward_chunk_size: int | None = None,
     head_chunk: int | None = None,
-    remove_padding: bool = True,
+    layout: ForwardLayout = ForwardLayout(),
 ) -> Samples:
     """Sample responses to left-padded ``prompts`` through ``sampler`` (the policy's backend, as
-    its params say); reference logprobs (in row chunks of ``forward_chunk_size``, each on its
-    ``padding_window`` with ``remove_padding``, the LM head in chunks of ``head_chunk``) and ``scorer``'s scores for them. With episodes (an ``env``), each
+    its params say); reference logprobs (in row chunks of ``forward_chunk_size``, each laid out as
+    ``layout`` says, the LM head in chunks of ``head_chunk``) and ``scorer``'s scores for them. With episodes (an ``env``), each
     prompt record is played out as a multi-turn episode instead (``envs.EpisodeRunner``, from the
     prompts as written and their columns): the response holds every turn, the environment's
     tokens attended to but out of ``response_mask``."""
@@ -623,7 +646,7 @@ def sample_and_score(
         params.temperature,
         forward_chunk_size,
         head_chunk,
-        remove_padding,
+        layout,
     )
     keep = scorer.kept(scored, contains_eos, params.stop_at_eos)
     response_mask = s.response_mask if keep.all() else s.response_mask * keep[:, None]

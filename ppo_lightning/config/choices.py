@@ -118,6 +118,7 @@ ENGINE_CORRECTIONS = (
     "sequence_truncate",
     "sequence_mask",
 )  # ppo.engine_correction
+SHARED_PROMPT_FORWARD = ("auto", True, False)  # ppo.shared_prompt_forward
 DTYPES = ("float32", "bfloat16", "float16")  # model.dtype, ref.dtype, reward.dtype (policy.TORCH_DTYPES)
 VALUE_HEAD_INITS = ("zeros", "reward_model")  # model.value_head_init
 TINY_ARCHITECTURES = ("gpt2", "llama", "qwen2", "gpt_neox")  # model.build_tiny.arch

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from ppo_lightning.config import choices
 from ppo_lightning.config.compat import _MovedPPOKeys
@@ -113,6 +113,18 @@ class PPOConfig(_MovedPPOKeys):
     right of the longest response are cut, so a micro-batch costs its longest row, not the
     rollout's width. The same logprobs, values and gradients to float32 rounding (test);
     false runs every forward on the whole ``[B, T]``."""
+    shared_prompt_forward: Any = param("auto", choices=choices.SHARED_PROMPT_FORWARD)
+    """Encode each distinct prompt once per forward (``models/shared_prompt.py``): the prompts of
+    a forward's rows run once, and their ``num_generations`` responses attend to the cached keys
+    and values. The same logprobs, values and gradients to float32 rounding (test), for
+    ``(n - 1) / n`` less work on prompt tokens in the rollout's scoring forwards and in every
+    update's forward and backward. Minibatches then hold whole groups (shuffled groups, not
+    shuffled rows; ``micro_batch_size`` best a multiple of ``num_generations``; token-budget
+    micro-batches sort rows by length and share little). ``auto``: on wherever it applies
+    (``num_generations > 1``, ``minibatch_size`` a multiple of it, no
+    ``model.gradient_checkpointing``, whose forward returns no cache, and an architecture it is
+    tested on: GPT-2, Llama, Qwen2, GPT-NeoX; any other warns); ``true``: on, refused where one of
+    the first three fails; ``false``: each row encodes its own prompt."""
     micro_batch_tokens: Optional[int] = param(None, ge=1)
     """Dynamic micro-batches: a minibatch's rows sorted by length (their ``padding_window`` width)
     and grouped so that each group's rows x width stays within this many tokens (a row longer

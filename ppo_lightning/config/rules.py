@@ -236,6 +236,25 @@ def _check_minibatch(cfg) -> None:
         )
 
 
+def _check_shared_prompt(cfg) -> None:
+    """``ppo.shared_prompt_forward=true`` where it cannot apply (``auto`` turns it off there)."""
+    p = cfg.ppo
+    if p.shared_prompt_forward is not True:
+        return
+    key = "ppo.shared_prompt_forward=true"
+    if p.num_generations == 1:
+        raise ConfigError(f"{key}: ppo.num_generations=1 repeats no prompt; set ppo.num_generations > 1, or auto")
+    if p.minibatch_size % p.num_generations:
+        raise ConfigError(
+            f"{key}: ppo.minibatch_size={p.minibatch_size} must hold whole groups of ppo.num_generations="
+            f"{p.num_generations}; set ppo.minibatch_size to a multiple of it, or auto"
+        )
+    if cfg.model.get("gradient_checkpointing"):
+        raise ConfigError(
+            f"{key}: model.gradient_checkpointing=true gives no KV cache to share; set one of them false, or auto"
+        )
+
+
 def _check_estimator(cfg) -> None:
     p = cfg.ppo
     spec = choices.ESTIMATORS.spec(p.advantage)
@@ -415,6 +434,7 @@ RULES = (
     _check_pass_term,
     _warn_ignored,
     _check_minibatch,
+    _check_shared_prompt,
     _check_estimator,
     _check_env,
     _check_reward_normalization,

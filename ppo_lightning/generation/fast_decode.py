@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppo_lightning.models.policy import model_class
+from ppo_lightning.models.signature import model_class
 
 from ppo_lightning.models.lora import underlying
 

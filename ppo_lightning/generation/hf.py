@@ -11,8 +11,6 @@ is the low-level function its tests and the sampler benchmarks call.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from contextlib import contextmanager
 
 import torch
@@ -22,7 +20,8 @@ from torch import Tensor, nn
 from ppo_lightning.generation.fast_decode import decoder_for
 from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.generation.stops import StopChecker
-from ppo_lightning.models.policy import model_class, position_ids_from_mask
+from ppo_lightning.models.policy import position_ids_from_mask
+from ppo_lightning.models.signature import cache_kwarg, logits_to_keep
 from ppo_lightning.models.weights import is_sharded
 
 
@@ -125,24 +124,6 @@ def sampling_probs(
     return probs
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_params(cls: type) -> frozenset[str]:
-    """The argument names of a model class's ``forward`` (``inspect.signature`` costs ~30 us: once
-    per class, not per call)."""
-    return frozenset(inspect.signature(cls.forward).parameters)
-
-
-def _cache_kwarg(lm) -> str:
-    """transformers >= 5.24 names the KV cache argument ``cache``; earlier, ``past_key_values``."""
-    return "cache" if "cache" in _forward_params(model_class(lm)) else "past_key_values"
-
-
-def logits_to_keep(lm, n: int) -> dict:
-    """``logits_to_keep=n`` where the model takes it: the LM head then runs on the last ``n``
-    positions only (the logits of the prompt are never used)."""
-    return {"logits_to_keep": n} if "logits_to_keep" in _forward_params(model_class(lm)) else {}
-
-
 def generate(
     lm,
     input_ids: Tensor,
@@ -236,7 +217,7 @@ def _prefill(lm, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int,
     from transformers import DynamicCache
 
     B, P = input_ids.shape
-    cache_kw = _cache_kwarg(lm)
+    cache_kw = cache_kwarg(lm)
     cache = DynamicCache(config=lm.config)
     full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device)
     full_mask[:, :P] = attention_mask

@@ -43,7 +43,12 @@ def _logp_and_entropy(hidden: Tensor, tokens: Tensor, weight: Tensor, bias: Tens
     """``log softmax(z)[token]`` and the entropy of ``softmax(z)``, ``z = (hidden W^T + b) / T``,
     in float32, with exactly the plain path's operations (``PPO._policy_forward``,
     ``logprobs_from_logits``, ``entropy_from_logits`` below)."""
-    z = F.linear(hidden, weight, bias)
+    return logp_and_entropy_of_logits(F.linear(hidden, weight, bias), tokens, temperature)
+
+
+def logp_and_entropy_of_logits(z: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """``_logp_and_entropy`` from the head's logits ``z``: divided by the temperature, in float32
+    (also the first response position of ``shared_prompt``, whose logits come whole)."""
     if temperature != 1.0:
         z = z / temperature
     z = z.float()

@@ -25,7 +25,7 @@ from torch import nn
 
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.models.lean_head import head_outputs, lean_head, use_lean_head
-from ppo_lightning.models.lora import underlying
+from ppo_lightning.models.shared_prompt import prompt_groups, shared_prompt_forward
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 DEFAULT_PAD_TOKEN = "<|pad|>"
@@ -260,6 +260,7 @@ class PolicyWithValueHead(nn.Module):
         position_ids: torch.Tensor,
         context_length: int,
         lean: tuple[torch.Tensor, float, int] | None = None,
+        shared: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and values at the positions that predict response tokens (values None without
         a value head).
@@ -269,39 +270,51 @@ class PolicyWithValueHead(nn.Module):
         ``P-1 .. T-2``. Returns ``logits [B, R, V]`` (raw; divide by temperature for logprobs)
         and ``values [B, R]`` (V of the state before each response token). With ``lean =
         (responses, temperature, chunk)`` the head runs in chunks (``lean_head``) and the first
-        tensor is ``[B, R, 2]``: the responses' tempered logprobs and entropies.
+        tensor is ``[B, R, 2]``: the responses' tempered logprobs and entropies. ``shared``: rows
+        that hold the same prompt encode it once (``shared_prompt``; the same numbers).
         """
         R = input_ids.shape[1] - context_length
-        kwargs = {"logits_to_keep": R + 1} if self._keep_kw else {}
         head = self.lm.get_output_embeddings() if self._hooked and self.v_head is not None else None
+        groups = None
+        if shared and R > 1 and (self.v_head is None or head is not None):
+            groups = prompt_groups(input_ids, attention_mask, context_length)
         if head is not None:
             head.catch_input, head.head_input = True, None
         try:
-            with lean_head(self.lm, *lean) if lean is not None else nullcontext():
-                out = self.lm(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    output_hidden_states=self.v_head is not None and head is None,
-                    use_cache=False,
-                    **kwargs,
-                )
+            if groups is not None:
+                args = (input_ids, attention_mask, position_ids, context_length, groups)
+                logits, hidden = shared_prompt_forward(self.lm, *args, lean[1:] if lean else None, head)
+            else:
+                logits, hidden = self._one_pass(input_ids, attention_mask, position_ids, R, lean, head)
         finally:
             if head is not None:
-                head.catch_input = False
-        logits = out.logits if lean is not None else out.logits[:, -(R + 1) : -1]  # [B, R, V] (or [B, R, 2])
+                head.catch_input, head.head_input = False, None  # do not hold the graph past this call
         if self.v_head is None:  # no critic: the LM alone
             return logits, None
-        if head is not None:
-            hidden, head.head_input = head.head_input, None  # do not hold the graph past this call
-        else:
-            hidden = out.hidden_states[-1]
-        hidden = hidden[:, -(R + 1) : -1]  # [B, R, H]: the states before each response token
         # The value is a regression target: computed in float32 whatever the LM's precision. Autocast
         # would run the linear layer in bf16 even on float32 inputs, and bf16-true stores it in bf16.
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             values = F.linear(hidden.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
         return logits, values  # [B, R, V], [B, R]
+
+    def _one_pass(self, input_ids, attention_mask, position_ids, R: int, lean, head):
+        """``forward``'s outputs from one LM call over the whole ``[B, T]``: the head's output and
+        (with a value head) the final hidden states at the ``R`` positions before each response token."""
+        kwargs = {"logits_to_keep": R + 1} if self._keep_kw else {}
+        with lean_head(self.lm, *lean) if lean is not None else nullcontext():
+            out = self.lm(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                output_hidden_states=self.v_head is not None and head is None,
+                use_cache=False,
+                **kwargs,
+            )
+        logits = out.logits if lean is not None else out.logits[:, -(R + 1) : -1]  # [B, R, V] (or [B, R, 2])
+        if self.v_head is None:
+            return logits, None
+        hidden = head.head_input if head is not None else out.hidden_states[-1]
+        return logits, hidden[:, -(R + 1) : -1]  # [B, R, H]: the states before each response token
 
     def score_responses(
         self,
@@ -312,6 +325,7 @@ class PolicyWithValueHead(nn.Module):
         temperature: float,
         chunk: int | None = None,
         entropy_grad: bool = True,
+        shared: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(logprobs, entropy, values)`` ``[B, R]`` of the response tokens ``input_ids[:,
         context_length:]`` under the policy at ``temperature`` (values None without a value head).
@@ -320,13 +334,12 @@ class PolicyWithValueHead(nn.Module):
         the LM's head allows it (``lean_head.unsupported``); else, and with None, the plain head's
         ``[B, R, V]`` logits. ``entropy_grad=False`` keeps the plain path's entropy out of the
         graph (a monitor: no softmax kept for the backward); the lean path's costs nothing extra.
+        ``shared``: each distinct prompt encoded once (``shared_prompt``).
         """
         responses = input_ids[:, context_length:]
-        lean = use_lean_head(self.lm, chunk)
-        out, values = self(
-            input_ids, attention_mask, position_ids, context_length, (responses, temperature, chunk) if lean else None
-        )
-        logprobs, entropy = head_outputs(out, lean, responses, temperature, entropy_grad=entropy_grad)
+        lean = (responses, temperature, chunk) if use_lean_head(self.lm, chunk) else None
+        out, values = self(input_ids, attention_mask, position_ids, context_length, lean, shared)
+        logprobs, entropy = head_outputs(out, lean is not None, responses, temperature, entropy_grad=entropy_grad)
         return logprobs, entropy, values
 
 
@@ -362,21 +375,6 @@ def context_length(config) -> int | None:
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: the first real token is position 0 ([N+] detail)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-# ----------------------------------------------------------------------------- what a module really is
-def model_class(lm: nn.Module) -> type:
-    """The class whose ``forward`` a call to ``lm`` runs (its signature says which keyword
-    arguments the model takes; ``fast_decode`` accepts exact classes only): ``underlying(lm)``'s,
-    and for a module FSDP2 has sharded the class it was (``fully_shard`` swaps in a subclass
-    ``FSDP<Name>(FSDPModule, <Name>)`` that adds hooks and no computation)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    lm = underlying(lm)
-    cls = type(lm)
-    if isinstance(lm, FSDPModule) and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
-        return cls.__bases__[-1]
-    return cls
 
 
 # ----------------------------------------------------------------------------- save / load
