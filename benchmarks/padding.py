@@ -18,7 +18,9 @@ most 8 x 456 = 3648 tokens):
   budget, each group on its window;
 * ``shared_prompt``: ``ppo.micro_batch_size=8`` with ``ppo.shared_prompt_forward`` (the default
   where groups exist): minibatches of two whole groups, each micro-batch one group on its window,
-  its prompt encoded once and its 8 completions attending to its keys and values.
+  its prompt encoded once and its 8 completions attending to its keys and values;
+* ``shared_prompt_token_budget``: both: minibatches of two whole groups, rows sorted by
+  response length under the budget (each distinct prompt counted once in a micro-batch's cost).
 
 Printed, one JSON line: per variant the median seconds per epoch over ``--rounds`` alternating
 rounds, the ratio to ``padded`` (per round, then the median), and the token positions its
@@ -48,8 +50,14 @@ VARIANTS = {
     "unpadded": dict(micro_batch_size=8),
     "token_budget": dict(micro_batch_tokens=8 * (PROMPT_TOKENS[1] + RESPONSE_TOKENS[1])),
     "shared_prompt": dict(micro_batch_size=8, num_generations=GROUP),
+    "shared_prompt_token_budget": dict(
+        micro_batch_tokens=8 * (PROMPT_TOKENS[1] + RESPONSE_TOKENS[1]), num_generations=GROUP
+    ),
 }
-SHARED = {"shared_prompt"}  # variants that encode each prompt once per group (ppo.shared_prompt_forward)
+SHARED = {
+    "shared_prompt",
+    "shared_prompt_token_budget",
+}  # variants that encode each prompt once per group (ppo.shared_prompt_forward)
 
 
 def build_rollout(seed: int = 0):
@@ -106,7 +114,7 @@ def epoch(policy, r, variant: dict, seed: int) -> dict:
     def run():
         nonlocal computed
         for idx in minibatch_rows(r.batch_size, cfg, layout.shared_prompt, torch.Generator().manual_seed(seed)):
-            parts, _ = micro_batches(r.index(idx), cfg, _OneProcess())
+            parts, _ = micro_batches(r.index(idx), cfg, _OneProcess(), layout.shared_prompt)
             for part in parts:
                 entropy, values, logp = policy_forward(policy, part, 1.0, cfg.lm_head_chunk_size, False, layout)
                 mask = part.response_mask

@@ -41,6 +41,7 @@ from ppo_lightning.config import PPOConfig
 from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.algo.kl import build_kl_controller
 from ppo_lightning.models.policy import PolicyWithValueHead
+from ppo_lightning.models.shared_prompt import prompt_groups
 from ppo_lightning.models.shared_prompt import unsupported as shared_prompt_unsupported
 from ppo_lightning.rewards import pop_reward_logs
 from ppo_lightning.algo.rollout import (
@@ -250,7 +251,7 @@ class PPO:
             if LOSS_AGGREGATIONS.spec(c.loss_agg).global_tokens
             else mb.response_mask.sum()
         )
-        parts, order = micro_batches(mb, c, self.runtime)
+        parts, order = micro_batches(mb, c, self.runtime, self.layout.shared_prompt)
         stats: dict[str, Tensor] = {}
         new_logps = []
         opt.zero_grad()
@@ -384,13 +385,19 @@ def policy_forward(
     return pad_responses(entropy, R), pad_responses(values, R), pad_responses(logp, R)
 
 
-def micro_batches(mb: Rollout, c: PPOConfig, runtime) -> tuple[list[Rollout], Tensor | None]:
+def micro_batches(
+    mb: Rollout, c: PPOConfig, runtime, shared_prompt: bool = False
+) -> tuple[list[Rollout], Tensor | None]:
     """The micro-batches of a minibatch, and the row order they hold it in (None: in order).
     ``ppo.micro_batch_tokens``: rows by length, longest first, in groups within the budget
-    (``token_budget_groups``), as many on every rank; ``micro_batch_size``: consecutive rows."""
+    (``token_budget_groups``; with ``shared_prompt``, by response length, each distinct prompt
+    counted once), as many on every rank; ``micro_batch_size``: consecutive rows."""
     if c.micro_batch_tokens is not None:
-        starts, stops = row_windows(mb.attention_mask, mb.context_length)
-        groups = token_budget_groups(starts, stops, c.micro_batch_tokens)
+        P = mb.context_length
+        starts, stops = row_windows(mb.attention_mask, P)
+        groups = prompt_groups(mb.query_responses, mb.attention_mask, P) if shared_prompt else None
+        prompts = None if groups is None else groups[1].tolist()
+        groups = token_budget_groups(starts, stops, c.micro_batch_tokens, prompts, P)
         groups = [g.to(mb.scores.device) for g in split_to(groups, runtime.max_over_ranks(len(groups)))]
         return [mb.index(g) for g in groups], torch.cat(groups)
     size = c.micro_batch_size if c.micro_batch_size and c.micro_batch_size < mb.batch_size else mb.batch_size

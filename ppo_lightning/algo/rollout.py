@@ -162,16 +162,32 @@ def row_windows(attention_mask: Tensor, context_length: int) -> tuple[list[int],
     return starts.tolist(), stops.tolist()
 
 
-def token_budget_groups(starts: list[int], stops: list[int], budget: int) -> list[Tensor]:
+def token_budget_groups(
+    starts: list[int], stops: list[int], budget: int, prompts: list[int] | None = None, context_length: int = 0
+) -> list[Tensor]:
     """Rows grouped for dynamic micro-batches: sorted by width (``stop - start``), longest first,
-    each group taking the next rows while its ``rows x (max stop - min start)`` (the tokens its
-    ``padding_window`` forward computes) stays within ``budget``. A row wider than the budget
-    forms a group alone. Returns each group's row indices."""
-    order = sorted(range(len(starts)), key=lambda i: (starts[i] - stops[i], i))
+    each group taking the next rows while the tokens its forward computes stay within ``budget``:
+    ``rows x (max stop - min start)`` on its ``padding_window``. A row wider than the budget forms
+    a group alone. Returns each group's row indices.
+
+    With ``prompts`` (each row's prompt, ``shared_prompt``: each distinct prompt encoded once),
+    rows are sorted by response length and a group costs ``distinct prompts x (context_length -
+    min start) + rows x (max stop - context_length)``: rows of one length from several groups
+    share a micro-batch, each prompt still encoded once in it."""
+    if prompts is None:
+        order = sorted(range(len(starts)), key=lambda i: (starts[i] - stops[i], i))
+    else:
+        order = sorted(range(len(starts)), key=lambda i: (-stops[i], prompts[i], i))
+
+    def cost(rows: list[int], lo: int, hi: int) -> int:
+        if prompts is None:
+            return len(rows) * (hi - lo)
+        return len({prompts[i] for i in rows}) * (context_length - lo) + len(rows) * (hi - context_length)
+
     groups, current, lo, hi = [], [], 0, 0
     for i in order:
         new_lo, new_hi = (min(lo, starts[i]), max(hi, stops[i])) if current else (starts[i], stops[i])
-        if current and (len(current) + 1) * (new_hi - new_lo) > budget:
+        if current and cost([*current, i], new_lo, new_hi) > budget:
             groups.append(current)
             current, new_lo, new_hi = [], starts[i], stops[i]
         current.append(i)
