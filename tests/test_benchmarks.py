@@ -41,6 +41,41 @@ def test_byte_workloads_keep_their_prompts():
 
 
 @pytest.mark.slow
+def test_a_workload_that_stops_at_eos_spreads_its_lengths_around_the_baked_in_mean(tmp_path):
+    """``bake_eos_rate`` on a small Qwen2-shaped word model (as ``gsm8k_like``'s, narrower): every
+    prompt has its own length, and 256 completions sampled by the ``hf`` backend stop at EOS with
+    a mean length within 20% of ``eos_mean_tokens``, spread from a few tokens to the maximum."""
+    import dataclasses
+
+    from benchmarks.lib.workloads import build_models, prompt_lengths, tokenizer_dir
+    from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.generation.hf import generate
+    from ppo_lightning.models.policy import load_causal_lm, load_tokenizer
+
+    w = dataclasses.replace(
+        WORKLOADS["gsm8k_like"], name="eos", n_layer=1, n_embd=32, vocab_size=2000, eos_mean_tokens=12
+    )
+    w = dataclasses.replace(w, prompt_tokens=30, prompt_tokens_min=10, response_tokens=64)
+    policy_dir, _ = build_models(w, tmp_path)
+    tok = load_tokenizer(str(tokenizer_dir(policy_dir)))
+    assert [len(x) for x in tok(make_prompts(w))["input_ids"]] == prompt_lengths(w)
+    assert len(set(prompt_lengths(w))) > 10 and min(prompt_lengths(w)) >= 10 and max(prompt_lengths(w)) <= 30
+    enc = tok(make_prompts(w)[:4], return_tensors="pt", padding=True)
+    params = SamplingParams(max_new_tokens=w.response_tokens, temperature=1.0)
+    _, mask = generate(
+        load_causal_lm(str(policy_dir), tok),
+        enc.input_ids.repeat_interleave(64, 0),
+        enc.attention_mask.repeat_interleave(64, 0),
+        params,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )
+    lengths = mask.sum(1).float()
+    assert abs(lengths.mean().item() - 12) < 12 * 0.2, lengths.mean()
+    assert lengths.min() <= 3 and lengths.max() >= 40
+
+
 def test_gpu_check_smoke_on_cpu():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run(

@@ -141,3 +141,29 @@ def test_a_run_with_the_lean_head_gives_the_plain_runs_metrics(tmp_path, cache_d
         assert (len(chunk_calls) > 0) == (name == "lean")
     helpers.assert_same_metrics(runs["plain"], runs["lean"])
     assert runs["lean"][0]["policy/approxkl_avg"] == pytest.approx(runs["plain"][0]["policy/approxkl_avg"], abs=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_the_lean_head_computes_the_real_response_tokens_only(arch, chunk_calls):
+    """Responses that end at 7, 3 and 1 tokens (right padding after): the lean head's chunks
+    cover the 11 real positions, not 3 x 7, and logprobs, entropies and every gradient of a loss
+    on the real positions equal the plain head's there; the padded positions read 0."""
+    ids, am, pos, P = _batch()
+    am[1, P + 3 :], am[2, P + 1 :] = 0, 0
+    real = am[:, P:].bool()
+    results = []
+    for chunk in (None, 4):
+        policy = PolicyWithValueHead(_lm(arch), value_head=True)
+        nn.init.normal_(policy.v_head.weight, std=0.1)
+        logp, ent, values = policy.score_responses(ids, am, pos, P, 0.7, chunk)
+        w = torch.linspace(-1, 1, logp.numel()).view_as(logp)
+        ((w * real * logp).sum() + (w.flip(0) * real * ent).sum() + (w * real * values).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        results.append((logp.detach(), ent.detach(), grads))
+    assert sorted(chunk_calls) == [3, 3, 4, 4, 4, 4]  # 11 positions: 4 + 4 + 3, forward and recomputed
+    (lp0, e0, g0), (lp1, e1, g1) = results
+    torch.testing.assert_close(lp1[real], lp0[real], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(e1[real], e0[real], rtol=1e-5, atol=1e-6)
+    assert not lp1[~real].any() and not e1[~real].any()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -43,6 +43,14 @@ class PerfTotals(L.Callback):
         self.per_iteration.append(dict(m))
 
 
+def mean_response_tokens(w: Workload, totals: PerfTotals) -> float:
+    """The mean completion length of the run: ``response_tokens``, or for a workload whose
+    completions stop at EOS, the iterations' mean ``rollout/response_length``."""
+    if not w.stops_at_eos:
+        return w.response_tokens
+    return sum(float(m["rollout/response_length"]) for m in totals.per_iteration) / len(totals.per_iteration)
+
+
 def workload_overrides(
     w: Workload,
     policy_dir: Path,
@@ -68,7 +76,7 @@ def workload_overrides(
         f"ppo.minibatch_size={w.minibatch_size}",
         f"ppo.ppo_epochs={w.ppo_epochs}",
         f"sampling.max_new_tokens={w.response_tokens}",
-        "sampling.stop_at_eos=false",
+        f"sampling.stop_at_eos={str(w.stops_at_eos).lower()}",  # else full length: EOS an ordinary token
         f"trainer.max_steps={w.iterations}",
         "trainer.enable_progress_bar=false",
         "trainer.enable_model_summary=false",
@@ -176,7 +184,7 @@ def run_ppo(
         if backend == "hf":
             raise
         sys.exit(f"generation={backend} not available: {type(e).__name__}: {e}")
-    totals = PerfTotals(w.response_tokens)
+    totals = PerfTotals(None if w.stops_at_eos else w.response_tokens)
     trainer.callbacks.append(totals)
     trainer.callbacks.extend(callbacks)
     t0 = time.perf_counter()
@@ -188,7 +196,7 @@ def run_ppo(
     result = {
         "episodes": episodes,
         "episodes_per_s": episodes / total,
-        "generated_tokens_per_s": episodes * w.response_tokens / total,
+        "generated_tokens_per_s": episodes * mean_response_tokens(w, totals) / total,
         "rollout_s": totals.rollout_s,
         "update_s": totals.update_s,
         "total_s": total,

@@ -41,14 +41,16 @@ def vllm_env(kv_cache_gib: int) -> None:
 
 class PhaseTimer:
     """Times the trainer's rollout (``_generate_and_score_completions``) and ``generate`` calls,
-    and checks that every completion is full length."""
+    and checks that every completion is full length (``response_tokens``; None: completions stop
+    at EOS, and their tokens are counted)."""
 
-    def __init__(self, response_tokens: int):
+    def __init__(self, response_tokens: int | None):
         self.response_tokens = response_tokens
         self.rollout_s = 0.0
         self.generate_s = 0.0
         self.rollouts = 0
         self.completions = 0
+        self.completion_tokens = 0
         self.per_iteration: list[float] = []
 
     def install(self, trainer) -> None:
@@ -69,9 +71,10 @@ class PhaseTimer:
             completion_ids, logprobs = generate(*args, **kwargs)
             self.generate_s += time.perf_counter() - t0
             lengths = {len(ids) for ids in completion_ids}
-            if lengths != {self.response_tokens}:
+            if self.response_tokens is not None and lengths != {self.response_tokens}:
                 raise RuntimeError(f"completion lengths {sorted(lengths)}, expected all {self.response_tokens}")
             self.completions += len(completion_ids)
+            self.completion_tokens += sum(len(ids) for ids in completion_ids)
             return completion_ids, logprobs
 
         # instance attributes: the trainer calls both through self
@@ -95,18 +98,22 @@ def build_trainer(
     texts = make_prompts(w)
     check_tokens(w, tokenizer, tokenizer(texts)["input_ids"])  # as TRL tokenises
     rows = prompts * generations
+    # one generation batch of P x G rows is one optimizer step: one micro-batch, or where the
+    # workload's logits would not fit (Qwen2's vocabulary), micro-batches of one group each
+    micro = generations if w.stops_at_eos else rows
     config = cpu_fp32_config(
         GRPOConfig,
         out_dir / "trl-output",
-        per_device_train_batch_size=rows,  # one generation batch of P x G rows ...
-        gradient_accumulation_steps=1,  # ... is one micro-batch and one optimizer step
-        steps_per_generation=1,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=rows // micro,
+        steps_per_generation=rows // micro,
         num_iterations=1,  # one pass over it
         num_generations=generations,
         max_steps=iterations,
         max_completion_length=w.response_tokens,
-        # EOS never sampled: full-length completions (vLLM's SamplingParams calls it min_tokens)
-        generation_kwargs={"min_tokens" if use_vllm else "min_new_tokens": w.response_tokens},
+        # full-length completions, EOS never sampled (vLLM's SamplingParams calls it min_tokens),
+        # unless the workload's completions stop at EOS
+        generation_kwargs={} if w.stops_at_eos else {"min_tokens" if use_vllm else "min_new_tokens": w.response_tokens},
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -131,9 +138,9 @@ def build_trainer(
         train_dataset=Dataset.from_dict({"prompt": texts}),
         processing_class=tokenizer,
     )
-    assert config.generation_batch_size == rows and config.steps_per_generation == 1
+    assert config.generation_batch_size == rows and config.steps_per_generation == rows // micro
     assert trainer.ref_model is not None and trainer.beta == BETA
-    timer = PhaseTimer(w.response_tokens)
+    timer = PhaseTimer(None if w.stops_at_eos else w.response_tokens)
     timer.install(trainer)
     return trainer, timer
 
@@ -171,7 +178,7 @@ def train(w: Workload, trainer, timer: PhaseTimer, prompts: int, generations: in
         "completions_per_s": completions / total_s,
         "episodes": completions,
         "episodes_per_s": completions / total_s,
-        "generated_tokens_per_s": completions * w.response_tokens / total_s,
+        "generated_tokens_per_s": timer.completion_tokens / total_s,
         "rollout_s": timer.rollout_s,
         "update_s": total_s - timer.rollout_s,
         "generate_s": timer.generate_s,

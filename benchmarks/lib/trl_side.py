@@ -45,13 +45,16 @@ def cpu_fp32_config(config_cls, output_dir: Path, **kwargs):
 
 
 def check_tokens(w: Workload, tokenizer, prompt_ids: list[list[int]]) -> None:
-    """The workload's tokenizer has a pad distinct from EOS, and every prompt is exactly
-    ``w.prompt_tokens`` tokens (so nothing is padded)."""
+    """The workload's tokenizer has a pad distinct from EOS, and every prompt has its
+    ``prompt_lengths`` tokens (``w.prompt_tokens`` each, so nothing is padded, unless the workload
+    spreads them)."""
+    from benchmarks.lib.workloads import prompt_lengths
+
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise RuntimeError("the workload's tokenizer must have a pad token distinct from EOS")
-    bad = [len(ids) for ids in prompt_ids if len(ids) != w.prompt_tokens]
+    bad = [(len(ids), n) for ids, n in zip(prompt_ids, prompt_lengths(w)) if len(ids) != n]
     if bad:
-        raise RuntimeError(f"prompts must be {w.prompt_tokens} tokens, got lengths {bad[:5]}")
+        raise RuntimeError(f"prompts must have the workload's lengths; (got, wanted): {bad[:5]}")
 
 
 def stdout_for_one_line():

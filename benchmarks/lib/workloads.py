@@ -51,6 +51,13 @@ class Workload:
     vocab_size: int | None = None  # None: byte-level; else a word-level vocabulary of this size
     n_positions: int = 256  # position embeddings (at least prompt + response)
     arch: str = "gpt2"  # ppo_lightning.models.tiny.causal_lm_config's architectures (word vocabularies: gpt2 or qwen2)
+    prompt_tokens_min: int | None = None  # prompts of prompt_tokens_min..prompt_tokens tokens (None: all prompt_tokens)
+    eos_mean_tokens: int | None = None  # completions stop at EOS, drawn at 1/this a token (None: full length)
+
+    @property
+    def stops_at_eos(self) -> bool:
+        """Whether completions end at EOS (lengths spread up to ``response_tokens``), not at the maximum."""
+        return self.eos_mean_tokens is not None
 
     @property
     def iterations(self) -> int:
@@ -125,6 +132,28 @@ WORKLOADS = {
         n_positions=512,
         arch="qwen2",
     ),
+    # RL from verifiable rewards in GSM8K's shape: prompts of 100-200 tokens (a chat template and a
+    # word problem), completions that stop at EOS anywhere up to 256 tokens (geometric, mean 96,
+    # from an EOS logit baked into the weights: bake_eos_rate), a Qwen2-shaped model with Qwen2's
+    # vocabulary size and 4 narrow layers. GRPO: 8 prompts x 8 generations an iteration.
+    "gsm8k_like": Workload(
+        "gsm8k_like",
+        n_layer=4,
+        n_head=4,
+        n_embd=256,
+        num_prompts=64,
+        prompt_tokens=200,
+        response_tokens=256,
+        rollout_batch=8,
+        ppo_epochs=1,
+        num_minibatches=1,
+        episodes=8,
+        vocab_size=151936,
+        n_positions=512,
+        arch="qwen2",
+        prompt_tokens_min=100,
+        eos_mean_tokens=96,
+    ),
 }
 
 
@@ -177,18 +206,26 @@ def build_tokenizer(w: Workload):
     return build_word_tokenizer(w.vocab_size)
 
 
-def make_prompts(w: Workload, seed: int = 0) -> list[str]:
-    """``num_prompts`` prompts of exactly ``prompt_tokens`` tokens each for the workload's tokenizer.
+def prompt_lengths(w: Workload, seed: int = 0) -> list[int]:
+    """Each prompt's token count: ``prompt_tokens``, or uniform in ``prompt_tokens_min..prompt_tokens``."""
+    if w.prompt_tokens_min is None:
+        return [w.prompt_tokens] * w.num_prompts
+    rng = random.Random(seed + 1)
+    return [rng.randint(w.prompt_tokens_min, w.prompt_tokens) for _ in range(w.num_prompts)]
 
-    Byte vocabulary: ASCII strings of ``prompt_tokens`` bytes (one token per byte). Word
-    vocabulary: ``prompt_tokens`` words drawn uniformly from the vocabulary's words.
+
+def make_prompts(w: Workload, seed: int = 0) -> list[str]:
+    """``num_prompts`` prompts of ``prompt_lengths`` tokens each for the workload's tokenizer.
+
+    Byte vocabulary: ASCII strings of that many bytes (one token per byte). Word vocabulary:
+    that many words drawn uniformly from the vocabulary's words.
     """
     rng = random.Random(seed)
     if w.vocab_size is None:
         letters = "abcdefghijklmnopqrstuvwxyz "
-        return ["".join(rng.choice(letters) for _ in range(w.prompt_tokens)) for _ in range(w.num_prompts)]
+        return ["".join(rng.choice(letters) for _ in range(n)) for n in prompt_lengths(w, seed)]
     n_words = w.vocab_size - 3
-    return [" ".join(word(rng.randrange(n_words)) for _ in range(w.prompt_tokens)) for _ in range(w.num_prompts)]
+    return [" ".join(word(rng.randrange(n_words)) for _ in range(n)) for n in prompt_lengths(w, seed)]
 
 
 # ----------------------------------------------------------------------------- models
@@ -233,4 +270,38 @@ def _save_word_model(path: Path, w: Workload, n_positions: int, reward: bool, se
     config.vocab_size = w.vocab_size
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
-    return save_random_model(path, config, tokenizer, seed, classifier=reward)
+    if w.stops_at_eos and not reward:
+        config.tie_word_embeddings = False  # the EOS logit's head row is the policy's own (bake_eos_rate)
+    edit = (lambda lm: bake_eos_rate(lm, tokenizer, w)) if w.stops_at_eos and not reward else None
+    return save_random_model(path, config, tokenizer, seed, classifier=reward, edit=edit)
+
+
+EOS_CHANNEL_SCALE = 30.0
+"""The residual stream's value on its EOS channel (``bake_eos_rate``), against ~0.02 x sqrt(width)
+on the others: it dominates every RMSNorm, so the final norm's output there is ~sqrt(width)
+whatever the token, and the EOS logit is one number."""
+
+
+def bake_eos_rate(lm, tokenizer, w: Workload) -> None:
+    """Make the random policy ``lm`` sample EOS with probability ``1 / w.eos_mean_tokens`` at
+    every position, at temperature 1, so completion lengths spread geometrically up to
+    ``response_tokens`` on any sampler that stops at EOS (both sides of a comparison draw from the
+    same distribution). The last hidden channel carries a constant: every token's embedding has
+    ``EOS_CHANNEL_SCALE`` there, and the head reads it for EOS alone, with the weight that one
+    forward says gives EOS the wanted share of the softmax against the other tokens' logits.
+    The model keeps its shape and cost; its other logits stay near-uniform, as a random model's."""
+    import math
+
+    import torch
+
+    d, eos = lm.config.hidden_size - 1, tokenizer.eos_token_id
+    with torch.no_grad():
+        lm.get_input_embeddings().weight[:, d] = EOS_CHANNEL_SCALE
+        head = lm.get_output_embeddings().weight
+        head[:, d] = 0.0
+        head[eos] = 0.0
+        ids = torch.tensor([tokenizer(make_prompts(w)[0])["input_ids"]])
+        hidden = lm.eval()(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]  # the final norm's output
+        others = torch.logsumexp(hidden @ head.T, dim=-1)  # every logit but EOS's (0 here: exp(0) is 1 of ~150k)
+        p = 1.0 / w.eos_mean_tokens
+        head[eos, d] = (others.mean() + math.log(p / (1 - p))) / hidden[:, d].mean()

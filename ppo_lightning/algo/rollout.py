@@ -279,11 +279,12 @@ def _lm_logprobs(lm, ids: Tensor, mask: Tensor, pos: Tensor, P: int, temperature
     responses, width = ids[:, P:], ids.shape[1] - P
     lean = use_lean_head(lm, head_chunk)
     groups = prompt_groups(ids, mask, P) if layout.shared_prompt and width > 1 else None
+    real = mask[:, P:]  # the lean head computes the real response tokens only
     if groups is not None:
-        spec = (temperature, head_chunk) if lean else None
+        spec = (temperature, head_chunk, real) if lean else None
         out, _ = shared_prompt_forward(lm, ids, mask, pos, P, groups, spec)
         return head_outputs(out, lean, responses, temperature, False)[0]
-    with lean_head(lm, responses, temperature, head_chunk) if lean else nullcontext():
+    with lean_head(lm, responses, temperature, head_chunk, real) if lean else nullcontext():
         out = lm(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **logits_to_keep(lm, width + 1))
     return head_outputs(out.logits if lean else out.logits[:, -(width + 1) : -1], lean, responses, temperature, False)[
         0

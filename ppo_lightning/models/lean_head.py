@@ -58,34 +58,44 @@ def logp_and_entropy_of_logits(z: Tensor, tokens: Tensor, temperature: float) ->
 
 
 def chunked_logp_and_entropy(
-    hidden: Tensor, tokens: Tensor, head: nn.Linear, temperature: float, chunk: int
+    hidden: Tensor, tokens: Tensor, head: nn.Linear, temperature: float, chunk: int, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(logp, entropy)`` ``[B, R]`` of ``tokens [B, R]`` under ``head`` applied to ``hidden
-    [B, R, H]``, ``chunk`` positions at a time; with gradients, each chunk is checkpointed."""
+    [B, R, H]``, ``chunk`` positions at a time; with gradients, each chunk is checkpointed. With
+    ``mask [B, R]``, only its positions are computed (the real response tokens: a batch's
+    responses end at different lengths, and past its end a row is padding) and the rest are 0."""
     B, R, H = hidden.shape
     flat_h, flat_t = hidden.reshape(B * R, H), tokens.reshape(B * R)
+    keep = None if mask is None else mask.reshape(B * R).nonzero().squeeze(1)
+    if keep is not None:
+        flat_h, flat_t = flat_h[keep], flat_t[keep]
     grad = torch.is_grad_enabled()
-    logps, entropies = [], []
-    for s in range(0, B * R, chunk):
+    logps, entropies = [flat_h.new_zeros(0, dtype=torch.float32)], [flat_h.new_zeros(0, dtype=torch.float32)]
+    for s in range(0, flat_h.shape[0], chunk):
         args = (flat_h[s : s + chunk], flat_t[s : s + chunk], head.weight, head.bias, temperature)
         lp, ent = checkpoint(_logp_and_entropy, *args, use_reentrant=False) if grad else _logp_and_entropy(*args)
         logps.append(lp)
         entropies.append(ent)
-    return torch.cat(logps).view(B, R), torch.cat(entropies).view(B, R)
+    logp, entropy = torch.cat(logps), torch.cat(entropies)
+    if keep is not None:
+        zeros = logp.new_zeros(B * R)
+        logp, entropy = zeros.scatter(0, keep, logp), zeros.scatter(0, keep, entropy)
+    return logp.view(B, R), entropy.view(B, R)
 
 
 @contextmanager
-def lean_head(lm: nn.Module, responses: Tensor, temperature: float, chunk: int):
+def lean_head(lm: nn.Module, responses: Tensor, temperature: float, chunk: int, mask: Tensor | None = None):
     """While inside, ``lm``'s forward returns ``[B, R, 2]`` = ``(logp, entropy)`` of ``responses
-    [B, R]`` in place of its logits. The LM must be called so that its head sees the positions
-    that predict the responses as its input's last ``R + 1`` (``logits_to_keep=R + 1``, or the
-    whole sequence): the last one predicts nothing and is dropped."""
+    [B, R]`` in place of its logits (0 where ``mask``, the real response tokens, is 0). The LM
+    must be called so that its head sees the positions that predict the responses as its input's
+    last ``R + 1`` (``logits_to_keep=R + 1``, or the whole sequence): the last one predicts
+    nothing and is dropped."""
     head = lm.get_output_embeddings()
     R = responses.shape[1]
 
     def forward(hidden: Tensor) -> Tensor:
         h = hidden[:, -(R + 1) : -1]
-        return torch.stack(chunked_logp_and_entropy(h, responses, head, temperature, chunk), dim=-1)
+        return torch.stack(chunked_logp_and_entropy(h, responses, head, temperature, chunk, mask), dim=-1)
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) still run
     try:

@@ -259,7 +259,7 @@ class PolicyWithValueHead(nn.Module):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         context_length: int,
-        lean: tuple[torch.Tensor, float, int] | None = None,
+        lean: tuple[torch.Tensor, float, int, torch.Tensor] | None = None,
         shared: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits and values at the positions that predict response tokens (values None without
@@ -269,8 +269,9 @@ class PolicyWithValueHead(nn.Module):
         Position ``t`` predicts token ``t + 1``, so the response is scored by positions
         ``P-1 .. T-2``. Returns ``logits [B, R, V]`` (raw; divide by temperature for logprobs)
         and ``values [B, R]`` (V of the state before each response token). With ``lean =
-        (responses, temperature, chunk)`` the head runs in chunks (``lean_head``) and the first
-        tensor is ``[B, R, 2]``: the responses' tempered logprobs and entropies. ``shared``: rows
+        (responses, temperature, chunk, mask)`` the head runs in chunks on ``mask``'s positions
+        (``lean_head``) and the first tensor is ``[B, R, 2]``: the responses' tempered logprobs
+        and entropies. ``shared``: rows
         that hold the same prompt encode it once (``shared_prompt``; the same numbers).
         """
         R = input_ids.shape[1] - context_length
@@ -337,7 +338,8 @@ class PolicyWithValueHead(nn.Module):
         ``shared``: each distinct prompt encoded once (``shared_prompt``).
         """
         responses = input_ids[:, context_length:]
-        lean = (responses, temperature, chunk) if use_lean_head(self.lm, chunk) else None
+        real = attention_mask[:, context_length:]  # the lean head computes these positions only
+        lean = (responses, temperature, chunk, real) if use_lean_head(self.lm, chunk) else None
         out, values = self(input_ids, attention_mask, position_ids, context_length, lean, shared)
         logprobs, entropy = head_outputs(out, lean is not None, responses, temperature, entropy_grad=entropy_grad)
         return logprobs, entropy, values

@@ -76,13 +76,14 @@ def shared_prompt_forward(
     position_ids: Tensor,
     context_length: int,
     groups: tuple[Tensor, Tensor],
-    lean: tuple[float, int] | None = None,
+    lean: tuple[float, int, Tensor | None] | None = None,
     head: nn.Module | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The LM head's output at the ``R`` positions that predict the response tokens
     ``input_ids[:, context_length:]``: ``[B, R, V]`` logits, or with ``lean = (temperature,
-    chunk)`` the lean head's ``[B, R, 2]`` tempered logprobs and entropies; and, when ``head``
-    catches its input (the value head's hook), the final hidden states there ``[B, R, H]``.
+    chunk, mask)`` the lean head's ``[B, R, 2]`` tempered logprobs and entropies; and, when ``head``
+    catches its input (the value head's hook), the final hidden states there ``[B, R, H]``. The
+    lean head's ``(temperature, chunk, mask)`` computes ``mask``'s positions only (None: all).
     ``groups``: ``prompt_groups`` of the rows. Needs ``R >= 2``."""
     from transformers import DynamicCache
 
@@ -100,7 +101,8 @@ def shared_prompt_forward(
     h0 = _caught(head)
     cache.batch_select_indices(inverse)  # each row its prompt's keys and values; the backward sums a group's
     responses = input_ids[:, P:]
-    with lean_head(lm, responses[:, 1:], *lean) if lean is not None else nullcontext():
+    rest_lean = None if lean is None else (lean[0], lean[1], None if lean[2] is None else lean[2][:, 1:])
+    with lean_head(lm, responses[:, 1:], *rest_lean) if lean is not None else nullcontext():
         rest = lm(
             input_ids=responses,
             attention_mask=attention_mask,

@@ -137,12 +137,15 @@ def causal_lm_config(arch: str, n_layer: int, n_head: int, n_embd: int, n_positi
     raise ValueError(f"arch={arch!r}: choose one of {ARCHITECTURES}")
 
 
-def save_random_model(path: str | os.PathLike, config, tokenizer, seed: int = 0, classifier: bool = False) -> Path:
+def save_random_model(
+    path: str | os.PathLike, config, tokenizer, seed: int = 0, classifier: bool = False, edit=None
+) -> Path:
     """Write a model of ``config`` initialised from ``seed`` (a causal LM, or with ``classifier`` a
     sequence classifier: ``config.num_labels`` outputs) and ``tokenizer`` to ``path``, atomically
-    (``atomic_build``); a ``path`` that already holds a model is kept as it is. Every randomly
-    initialised model here goes through it: ``model=tiny``'s, the tests', the benchmarks', the
-    recipes' base models."""
+    (``atomic_build``); a ``path`` that already holds a model is kept as it is. ``edit(model)``,
+    when given, changes the weights before they are written (a benchmark's baked-in EOS rate).
+    Every randomly initialised model here goes through it: ``model=tiny``'s, the tests', the
+    benchmarks', the recipes' base models."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     def build(tmp: Path) -> None:
@@ -150,6 +153,8 @@ def save_random_model(path: str | os.PathLike, config, tokenizer, seed: int = 0,
         model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
         if not classifier:
             model.generation_config.pad_token_id = tokenizer.pad_token_id
+        if edit is not None:
+            edit(model)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
