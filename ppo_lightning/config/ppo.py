@@ -177,7 +177,8 @@ class PPOConfig(_MovedPPOKeys):
     vocabularies: on a Qwen2-vocabulary workload (151,936 entries, 8 x 256 response tokens) the
     peak fell from 5.6 to 3.1 GB for 12% more update time; the small workload's time and memory
     did not change (docs/scaling.md, Memory switches). Used by the update, the rollout's old and reference
-    logprobs and evaluation, whenever the head is a plain linear layer (else the plain head).
+    logprobs and evaluation, whenever the head is a plain linear layer (else the plain head). It
+    computes the real response tokens only, not the padding after a row's end (reads 0).
     null: the whole ``[batch, response, vocab]`` logits at once."""
     fuse_rollout_forward: bool = True
     """When one minibatch is the whole batch, the rollout's old-policy forward runs with gradients
