@@ -22,7 +22,10 @@ its ``TrainingArguments``: ``benchmarks.lib.trl_side.cpu_fp32_config``'s, as TRL
   keeps ``generate`` from sampling EOS at all (HF's ``MinNewTokensLengthLogitsProcessor`` sets its
   logit to -inf); the script checks every completion is full length. ppo_lightning's side
   (``sampling.stop_at_eos=false``) samples EOS as an ordinary token instead: the same shapes and
-  compute, a distribution that differs by one token's probability;
+  compute, a distribution that differs by one token's probability. A workload whose completions
+  stop at EOS (``gsm8k_like``) sets no minimum: both sides stop at EOS, and their completion
+  tokens are counted; TRL then trains in micro-batches of one group (``generations`` rows, one
+  optimizer step per iteration still), since the whole batch's Qwen2 logits do not fit;
 * loss: ``loss_type="grpo"`` (each completion's token mean, then the mean over completions;
   our ``ppo.loss_agg=seq_mean_token_mean``), ``scale_rewards="group"``, clip epsilon 0.2,
   ``beta = grpo_workload.BETA`` with TRL's k3 KL estimate in the loss (``ppo.kl_in=loss``,

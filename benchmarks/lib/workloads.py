@@ -15,7 +15,9 @@ Two vocabularies (``Workload.vocab_size``):
 * ``151936``: Qwen2's vocabulary size, on a Qwen2 architecture (``Workload.arch``) with few, narrow
   layers, so that it runs on a CPU while its logits (``[8, 256, 151936]`` float32: 1.2 GB a
   tensor) dominate memory as they do on the real model. ``qwen2``: what ``ppo.lm_head_chunk_size``
-  (the lean LM head) is for.
+  (the lean LM head) is for. ``gsm8k_like``: the same vocabulary in RL-from-verifiable-rewards
+  shapes, prompts of 100-200 tokens (``prompt_tokens_min``) and completions that stop at EOS
+  (``eos_mean_tokens``, baked into the weights by ``bake_eos_rate``).
 """
 
 from __future__ import annotations
