@@ -15,7 +15,7 @@ from ppo_lightning.models.lora import DisabledAdapters
 from ppo_lightning.models.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
 from ppo_lightning.models.signature import model_class
 from ppo_lightning.models.lora import underlying
-from ppo_lightning.generation.hf import generate
+from ppo_lightning.generation.hf import generate, sample_next_token
 from ppo_lightning.models.signature import cache_kwarg
 from ppo_lightning.models.tiny import causal_lm_config
 from tests.helpers import greedy_by_full_forward
@@ -126,6 +126,70 @@ def test_generate_draws_the_same_tokens_with_and_without_the_fast_path(any_lm, l
         )
     assert torch.equal(out[True][0], out[False][0])
     assert torch.equal(out[True][1], out[False][1])
+
+
+def naive_sampling(lm, ids, am, n: int, stops: set[int], seed: int, pad: int, **params):
+    """The sampler written plainly: the whole batch through the model's full forward (no cache)
+    every step, one uniform per row a step from ``seed``'s generator, a row's tokens kept until
+    its first stop; ``(tokens [B, m], mask [B, m])``, ``m`` the step where the last row stopped."""
+    g = torch.Generator().manual_seed(seed)
+    B = ids.shape[0]
+    tokens, mask = torch.full((B, n), pad), torch.zeros(B, n)
+    live = [True] * B
+    for t in range(n):
+        u = torch.rand(B, generator=g, dtype=torch.float64)
+        logits = lm(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)).logits[:, -1]
+        for b in range(B):
+            if live[b]:
+                tokens[b, t] = sample_next_token(logits[b : b + 1], uniforms=u[b : b + 1], **params)[0]
+                mask[b, t] = 1.0
+                live[b] = int(tokens[b, t]) not in stops
+        if not any(live):
+            return tokens[:, : t + 1], mask[:, : t + 1]
+        ids = torch.cat([ids, tokens[:, t : t + 1]], 1)
+        am = torch.cat([am, torch.ones_like(am[:, :1])], 1)
+    return tokens, mask
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["lean-step", "model-forward"])
+def test_rows_that_stop_leave_the_decode_batch_and_every_token_is_the_plain_loops(
+    any_lm, lm_and_tok, fast, monkeypatch
+):
+    """A quarter of the vocabulary stops a row, so rows end at different steps and leave the
+    decode batch (the step's batch shrinks); each row's tokens and mask are still the plain
+    full-batch loop's, token for token, since every step draws a uniform for every row."""
+    from ppo_lightning.generation import hf
+
+    lm, tok = any_lm, lm_and_tok[1]
+    enc = tok(PROMPTS * 2, return_tensors="pt", padding=True)
+    stops = tuple(range(0, 256, 4))
+    params = dict(temperature=0.9, top_k=60)
+    batch_sizes = []
+    step = hf._Decode.step
+    monkeypatch.setattr(
+        hf._Decode, "step", lambda self, token, *a: batch_sizes.append(len(token)) or step(self, token, *a)
+    )
+    with torch.inference_mode():
+        want = naive_sampling(
+            lm, enc.input_ids, enc.attention_mask, 16, {tok.eos_token_id, *stops}, 3, tok.pad_token_id, **params
+        )
+    got = generate(
+        lm,
+        enc.input_ids,
+        enc.attention_mask,
+        max_new_tokens=16,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        stop_token_ids=stops,
+        generator=torch.Generator().manual_seed(3),
+        fast_decode=fast,
+        **params,
+    )
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    lengths = want[1].sum(1)
+    assert len(set(lengths.tolist())) > 2  # rows stopped at different steps
+    assert batch_sizes == sorted(batch_sizes, reverse=True) and batch_sizes[-1] < len(PROMPTS) * 2
+    assert batch_sizes == [int((lengths > t + 1).sum()) for t in range(len(batch_sizes))]
 
 
 def test_gpt2_variants_the_lean_step_does_not_cover_are_declined(lm_and_tok):

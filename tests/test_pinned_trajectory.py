@@ -1,9 +1,12 @@
 """The single-turn trajectory, pinned: short PPO and GRPO runs give the metrics recorded in
 ``tests/pinned/<name>.json``, every metric that is not a wall-clock time, to 1e-4 relative (clip fractions to 0.02).
 
-The files were recorded on commit 4db251b, before multi-turn episodes existed, so they hold the
-promise that the single-turn run (``env=none``) did not move when episodes arrived, and keep it
-through refactors. A change that is meant to alter the trajectory records them again
+The files were first recorded on commit 4db251b, before multi-turn episodes existed, and held the
+promise that the single-turn run (``env=none``) did not move when episodes arrived and through the
+re-housing. They were recorded again when the ``hf`` sampler moved from an exponential race (a
+uniform per vocabulary entry) to an inverse-CDF draw (one uniform per row), which changes every
+seeded sample; they keep the trajectory through later refactors. A change that is meant to alter
+the trajectory records them again
 (``PPO_LIGHTNING_REPIN=1 pytest tests/test_pinned_trajectory.py``) and says why in its commit.
 """
 

@@ -22,7 +22,7 @@ from ppo_lightning.models.lean_head import entropy_from_logits, logprobs_from_lo
 from ppo_lightning.algo.stats import explained_variance, masked_mean, masked_sum, masked_var, whiten
 from ppo_lightning.algo.kl import AdaptiveKLController, FixedKLController, build_kl_controller
 from ppo_lightning.generation import StopChecker
-from ppo_lightning.generation.hf import sample_next_token
+from ppo_lightning.generation.hf import CDF_BLOCK, inverse_cdf, sample_next_token
 
 F64 = torch.float64
 
@@ -521,6 +521,43 @@ def test_temperature_matches_softmax_of_scaled_logits(temperature):
     tokens = _draw(logits, 40_000, seed=5, temperature=temperature)
     expected = torch.softmax(logits.double() / temperature, -1)
     torch.testing.assert_close(_freqs(tokens, 5), expected, atol=0.015, rtol=0)
+
+
+def _vocab_with_holes(B: int, seed: int) -> torch.Tensor:
+    """``[B, V]`` probabilities over three and a half ``CDF_BLOCK``s, with tokens of probability 0
+    scattered, a whole block of them, and the last token's block short."""
+    V = 3 * CDF_BLOCK + CDF_BLOCK // 2 + 5
+    probs = torch.softmax(randn(B, V, seed=seed, dtype=torch.float32) * 3, -1)
+    probs[:, ::7] = 0.0
+    probs[:, CDF_BLOCK : 2 * CDF_BLOCK] = 0.0
+    return probs
+
+
+def test_the_inverse_cdf_draw_is_the_search_over_the_whole_row():
+    """The two-level search lands on the token a float64 running sum over the whole row gives,
+    for uniforms from 0 to the largest below 1, and never on a token of probability 0."""
+    probs = _vocab_with_holes(64, seed=36)
+    u = torch.rand(64, generator=torch.Generator().manual_seed(7), dtype=F64)
+    u[0], u[1] = 0.0, 1.0 - 2.0**-53
+    cdf = probs.double().cumsum(-1)
+    want = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    want[1] = int(probs[1].nonzero().max())  # u -> 1: the last token of positive probability
+    got = inverse_cdf(probs, u)
+    assert got.tolist() == want.tolist()
+    assert (probs.gather(1, got[:, None]) > 0).all()
+
+
+def test_the_inverse_cdf_draw_has_the_rows_distribution_across_blocks():
+    probs = _vocab_with_holes(1, seed=37)[0]
+    n = 100_000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(8), dtype=F64)
+    freqs = _freqs(torch.cat([inverse_cdf(probs.expand(10_000, -1), c) for c in u.split(10_000)]), probs.shape[0])
+    assert freqs[probs == 0].sum() == 0
+    p = probs.double() / probs.double().sum()
+    kept = p > 0
+    chi2 = (n * (freqs[kept] - p[kept]) ** 2 / p[kept]).sum().item()
+    dof = int(kept.sum()) - 1
+    assert abs(chi2 - dof) < 5 * math.sqrt(2 * dof), (chi2, dof)  # chi-square: mean dof, sd sqrt(2 dof)
 
 
 # ============================================================================ mask after EOS

@@ -115,6 +115,14 @@ class KVDecoder:
             self.key_mask = torch.ones(B, 1, 1, P + max_new_tokens, dtype=torch.bool, device=attention_mask.device)
             self.key_mask[:, 0, 0, :P] = attention_mask.bool()
 
+    def keep(self, rows: Tensor) -> None:
+        """Keep the buffers of ``rows`` (indices into the batch) alone, in that order: rows that
+        stopped sampling leave the batch, and later steps compute only the others."""
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask.index_select(0, rows)
+
 
 class GPT2Decoder(KVDecoder):
     """``GPT2LMHeadModel``: learned positions, ``Conv1D`` layers (``addmm``), one fused q/k/v

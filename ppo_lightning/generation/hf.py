@@ -73,18 +73,62 @@ def sample_next_token(
     generator: torch.Generator | None = None,
     greedy: bool = False,
     min_p: float = 0.0,
+    uniforms: Tensor | None = None,
 ) -> Tensor:
     """Sample one token per row from ``logits [B, V]`` after temperature, top-k, top-p and min-p
-    (``sampling_probs``)."""
+    (``sampling_probs``), by inverse CDF from one uniform per row: ``uniforms [B]`` float64 in
+    [0, 1), drawn from ``generator`` when not given (``_sample_loop`` draws them for every row of
+    its chunk, so a row's token does not depend on which other rows are still sampling)."""
     if greedy:
         return logits.argmax(-1)
     probs = sampling_probs(logits, temperature, top_k, top_p, min_p)
-    # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a draw from p (each p_i / E_i is
-    # the inverse of an Exp(p_i) arrival time; the first arrival is i with probability p_i).
-    # -log(U) with U ~ U[0, 1) is Exp(1); U = 0 gives +inf, so that token cannot win. Same
-    # distribution as torch.multinomial, ~3x cheaper per decode step on CPU.
-    race = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)
-    return probs.div_(race.log_().neg_()).argmax(-1)
+    if uniforms is None:
+        uniforms = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64, device=probs.device)
+    return inverse_cdf(probs, uniforms)
+
+
+CDF_BLOCK = 1024
+"""Tokens per block of ``inverse_cdf``'s two-level search (a row's vocabulary in ~150 blocks for
+Qwen2's): small enough that the per-block cumulative sum is cheap, large enough that the block
+sums are few."""
+
+
+def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """The token ``i`` of each row of ``probs [B, V]`` (non-negative, any total) where ``u x total``
+    falls in ``[cdf[i-1], cdf[i])``: a draw from ``probs / total`` for ``u = uniforms [B]``.
+
+    Why not ``torch.multinomial``, or an exponential race (``argmax p / E``)? Both consume ``V``
+    random numbers a row, and at Qwen2's vocabulary drawing them costs as much as the LM head's
+    matmul; this takes one a row. Why two levels? A float32 running sum over 150k entries loses
+    a small token's width to rounding near the top (spacing 6e-8 against widths of 1e-6), and a
+    float64 one over the whole row is a slow sequential scan on CPU. So: block sums (a vectorised
+    reduction), a float64 running sum over the blocks to pick one, then a float64 running sum
+    inside that block alone, with the position in the block rescaled to that block's own total.
+    A token of probability 0 (cut by top-k, top-p or min-p) is never drawn: each search returns
+    the first entry whose running sum exceeds the target, and the target stays below the total."""
+    B, V = probs.shape
+    bs = min(CDF_BLOCK, V)
+    whole = V // bs * bs
+    sums = probs[:, :whole].view(B, V // bs, bs).sum(-1)
+    if whole < V:
+        sums = torch.cat([sums, probs[:, whole:].sum(-1, keepdim=True)], 1)
+    sums = sums.double()
+    cdf = sums.cumsum(-1)  # [B, blocks]
+    target = _below(uniforms.unsqueeze(1) * cdf[:, -1:], cdf[:, -1:])  # [B, 1]
+    block = torch.searchsorted(cdf, target, right=True)  # [B, 1]: a block of positive mass
+    mass = sums.gather(1, block)
+    into = (target - (cdf.gather(1, block) - mass)) / mass  # the target's place in its block, ~[0, 1)
+    index = block * bs + torch.arange(bs, device=probs.device)  # [B, bs]
+    inside = index < V  # the last block may be short
+    within = probs.gather(1, index.clamp_max(V - 1)).masked_fill_(~inside, 0.0).cumsum(-1, dtype=torch.float64)
+    target = _below(into.clamp_min(0.0) * within[:, -1:], within[:, -1:])
+    return (block * bs + torch.searchsorted(within, target, right=True)).squeeze(1)
+
+
+def _below(x: Tensor, total: Tensor) -> Tensor:
+    """``x`` capped at the float just below ``total``: rounding can carry ``u x total`` up to the
+    total, where a search would land past the last token of positive probability."""
+    return torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
 
 
 def sampling_probs(
@@ -210,81 +254,103 @@ def _sampling_mode(lm):
         lm.train(was_training)
 
 
-def _prefill(lm, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, fast_decode: bool):
-    """The prompt's forward into a fresh KV cache: ``(logits [B, V] of the first response token,
-    next_pos [B, 1], step)``, where ``step(token, t, next_pos)`` feeds token ``t`` and gives the
-    next logits (through the lean ``fast_decode`` step where the model has one)."""
-    from transformers import DynamicCache
+class _Decode:
+    """One chunk's decoding state: the prompt's forward into a fresh KV cache (the prefill), then
+    ``step(token, t, position)``, which feeds token ``t`` of the rows still sampling and returns
+    their next logits (through the lean ``fast_decode`` step where the model has one, else the
+    model's forward on the cache), and ``keep(rows)``, which drops the other rows' state.
 
-    B, P = input_ids.shape
-    cache_kw = cache_kwarg(lm)
-    cache = DynamicCache(config=lm.config)
-    full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device)
-    full_mask[:, :P] = attention_mask
-    position_ids = position_ids_from_mask(attention_mask)
-    next_pos = position_ids[:, -1:] + 1  # [B, 1]
-    keep = logits_to_keep(lm, 1)
-    out = lm(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=True,
-        **{cache_kw: cache},
-        **keep,
-    )
-    decoder = decoder_for(lm, cache, attention_mask, max_new_tokens) if fast_decode else None
+    ``logits [B, V]`` (the first response token's) and ``next_pos [B, 1]`` are the prefill's."""
 
-    def step(token: Tensor, t: int, next_pos: Tensor) -> Tensor:
-        if decoder is not None:
-            return decoder.step(token, next_pos[:, 0])
-        return lm(
-            input_ids=token[:, None],
-            attention_mask=full_mask[:, : P + t + 1],
-            position_ids=next_pos,
+    def __init__(self, lm, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, fast_decode: bool):
+        from transformers import DynamicCache
+
+        B, P = input_ids.shape
+        self.lm, self.P, self.cache_kw = lm, P, cache_kwarg(lm)
+        self.cache = DynamicCache(config=lm.config)
+        self.full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device)
+        self.full_mask[:, :P] = attention_mask
+        position_ids = position_ids_from_mask(attention_mask)
+        self.next_pos = position_ids[:, -1:] + 1  # [B, 1]
+        out = lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             use_cache=True,
-            **{cache_kw: cache},
+            **{self.cache_kw: self.cache},
+            **logits_to_keep(lm, 1),
+        )
+        self.logits = out.logits[:, -1, :]
+        self.decoder = decoder_for(lm, self.cache, attention_mask, max_new_tokens) if fast_decode else None
+
+    def step(self, token: Tensor, t: int, position: Tensor) -> Tensor:
+        if self.decoder is not None:
+            return self.decoder.step(token, position[:, 0])
+        return self.lm(
+            input_ids=token[:, None],
+            attention_mask=self.full_mask[:, : self.P + t + 1],
+            position_ids=position,
+            use_cache=True,
+            **{self.cache_kw: self.cache},
         ).logits[:, -1, :]
 
-    return out.logits[:, -1, :], next_pos, step
+    def keep(self, rows: Tensor) -> None:
+        """Keep the state of ``rows`` (indices into the current batch) alone, in that order."""
+        if self.decoder is not None:
+            self.decoder.keep(rows)
+        else:
+            self.cache.batch_select_indices(rows)
+            self.full_mask = self.full_mask[rows]
 
 
 def _sample_loop(
     lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast_decode, tokenizer
 ):
     """One chunk of rows: the prefill, then a token a step until every row has stopped (with
-    ``stop_at_eos``) or ``max_new_tokens``; ``(responses [B, n], response_mask [B, n])``."""
+    ``stop_at_eos``) or ``max_new_tokens``; ``(responses [B, n], response_mask [B, n])``.
+
+    A row that stops leaves the decode batch (``_Decode.keep``): the steps after it run on the
+    rows still sampling, so a batch whose completions end at EOS anywhere up to the maximum costs
+    the sum of its lengths, not rows x the longest. Every step still draws a uniform for each of
+    the chunk's rows and hands each live row its own, so the tokens a seed gives do not depend on
+    when the other rows stopped."""
     max_new_tokens, stop_at_eos = params.max_new_tokens, params.stop_at_eos
     stops = StopChecker(eos_token_id, params.stop_token_ids, params.stop_strings, tokenizer) if stop_at_eos else None
     B, device = input_ids.shape[0], input_ids.device
-    logits, next_pos, step = _prefill(lm, input_ids, attention_mask, max_new_tokens, fast_decode)
+    state = _Decode(lm, input_ids, attention_mask, max_new_tokens, fast_decode)
+    logits, position = state.logits, state.next_pos
     responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
     stopped_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # each row's first stop
-    limits = None  # each row's own limit (an episode's room left); an ended row's position stays put
+    limits = None  # each row's own limit (an episode's room left)
     if params.row_max_new_tokens is not None and stop_at_eos:
         limits = torch.tensor(params.row_max_new_tokens, dtype=torch.long, device=device)
+    rows = torch.arange(B, device=device)  # the chunk's rows still sampling, in the decode batch's order
     n = 0
     for t in range(max_new_tokens):
+        uniforms = None
+        if not params.greedy:
+            uniforms = torch.rand(B, generator=generator, dtype=torch.float64, device=device)[rows]
         token = sample_next_token(
-            logits, params.temperature, params.top_k, params.top_p, generator, params.greedy, params.min_p
+            logits, params.temperature, params.top_k, params.top_p, None, params.greedy, params.min_p, uniforms
         )
-        if stop_at_eos:
-            token = token.masked_fill(finished, pad_token_id)
-        responses[:, t] = token
+        responses[rows, t] = token
         n = t + 1
-        if stop_at_eos:  # a stop ending at this token, in a row still running
-            now = stops.at_last(responses[:, :n]) & ~finished
-            if limits is not None:  # a row at its own limit ends here too, this token its last
-                now |= (limits <= n) & ~finished
-            stopped_at = torch.where(now, t, stopped_at)
-            finished |= now
-            # .all() syncs with the device; on GPU checking every few steps would save a little
-            if bool(finished.all()):
-                break
-        if t + 1 == max_new_tokens:
+        if stop_at_eos:  # a stop ending at this token, or a row at its own limit: this token its last
+            now = stops.at_last(responses[rows, max(0, n - stops.window) : n])
+            if limits is not None:
+                now |= limits[rows] <= n
+            # .any() syncs with the device; on GPU checking every few steps would save a little
+            if bool(now.any()):
+                stopped_at[rows[now]] = t
+                live = (~now).nonzero()[:, 0]
+                if live.numel() == 0:
+                    break
+                rows, token, position = rows[live], token[live], position[live]
+                state.keep(live)
+        if n == max_new_tokens:
             break
-        logits = step(token, t, next_pos)
-        next_pos = next_pos + 1 if limits is None else next_pos + (~finished).long()[:, None]
+        logits = state.step(token, t, position)
+        position = position + 1
     responses = responses[:, :n]
     if stop_at_eos:  # 1 up to and including the first stop
         response_mask = (torch.arange(n, device=device)[None, :] <= stopped_at[:, None]).to(torch.float32)
