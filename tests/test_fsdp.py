@@ -90,6 +90,7 @@ def test_fsdp_cpu_shards_and_matches_ddp_cpu(cache_dir, tmp_path):
             "optimizer.lr=1e-3",
             *steps,
             f"hydra.run.dir={per_token}",
+            "ppo.micro_batch_tokens=56",  # the updates micro-batched as above: only the rollout differs
             "+trainer.strategy.gather_for_rollout=false",
             "export_dir=null",
         ],

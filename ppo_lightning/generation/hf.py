@@ -4,8 +4,9 @@
 its own to sync. The sampling loop (``generate``) runs the prompt through the model's forward,
 then one token at a time through the model's forward or, for an exact GPT-2, Llama, Qwen2 or
 GPT-NeoX, the lean step of ``fast_decode.py``; temperature, top-k, top-p and min-p shape the
-draw; a row stops at EOS, at a stop token, or at the token that completes a stop string, and
-everything after the first stop is masked (``stops.py``: stop strings are matched on the decoded text). Callers go through ``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself
+draw (``inverse_cdf``, one uniform a row); a row stops at EOS, at a stop token, or at the token
+that completes a stop string, then leaves the decode batch, and everything after the first stop
+is masked (``stops.py``: stop strings are matched on the decoded text). Callers go through ``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself
 is the low-level function its tests and the sampler benchmarks call.
 """
 
@@ -107,7 +108,10 @@ def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     A token of probability 0 (cut by top-k, top-p or min-p) is never drawn: each search returns
     the first entry whose running sum exceeds the target, and the target stays below the total."""
     B, V = probs.shape
-    bs = min(CDF_BLOCK, V)
+    if V <= CDF_BLOCK:  # one block: the row's own running sum (a few ops, for small vocabularies)
+        cdf = probs.cumsum(-1, dtype=torch.float64)
+        return torch.searchsorted(cdf, _below(uniforms.unsqueeze(1) * cdf[:, -1:], cdf[:, -1:]), right=True)[:, 0]
+    bs = CDF_BLOCK
     whole = V // bs * bs
     sums = probs[:, :whole].view(B, V // bs, bs).sum(-1)
     if whole < V:
@@ -128,7 +132,7 @@ def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
 def _below(x: Tensor, total: Tensor) -> Tensor:
     """``x`` capped at the float just below ``total``: rounding can carry ``u x total`` up to the
     total, where a search would land past the last token of positive probability."""
-    return torch.minimum(x, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.minimum(x, torch.nextafter(total, total.new_zeros(())))
 
 
 def sampling_probs(
