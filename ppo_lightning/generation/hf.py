@@ -6,8 +6,9 @@ then one token at a time through the model's forward or, for an exact GPT-2, Lla
 GPT-NeoX, the lean step of ``fast_decode.py``; temperature, top-k, top-p and min-p shape the
 draw (``inverse_cdf``, one uniform a row); a row stops at EOS, at a stop token, or at the token
 that completes a stop string, then leaves the decode batch, and everything after the first stop
-is masked (``stops.py``: stop strings are matched on the decoded text). Callers go through ``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself
-is the low-level function its tests and the sampler benchmarks call.
+is masked (``stops.py``: stop strings are matched on the decoded text). Callers go through
+``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself is the low-level function
+its tests and the sampler benchmarks call.
 """
 
 from __future__ import annotations
@@ -259,33 +260,38 @@ def _sampling_mode(lm):
 
 
 class _Decode:
-    """One chunk's decoding state: the prompt's forward into a fresh KV cache (the prefill), then
-    ``step(token, t, position)``, which feeds token ``t`` of the rows still sampling and returns
-    their next logits (through the lean ``fast_decode`` step where the model has one, else the
-    model's forward on the cache), and ``keep(rows)``, which drops the other rows' state.
+    """One chunk's decoding state: ``prefill`` runs the prompt through the model's forward into a
+    fresh KV cache; then ``step(token, t, position)`` feeds token ``t`` of the rows still sampling
+    and returns their next logits (through the lean ``fast_decode`` step where the model has one,
+    else the model's forward on the cache), and ``keep(rows)`` drops the other rows' state."""
 
-    ``logits [B, V]`` (the first response token's) and ``next_pos [B, 1]`` are the prefill's."""
+    def __init__(self, lm, max_new_tokens: int, fast_decode: bool):
+        self.lm, self.max_new_tokens, self.fast_decode = lm, max_new_tokens, fast_decode
+        self.cache_kw = cache_kwarg(lm)
 
-    def __init__(self, lm, input_ids: Tensor, attention_mask: Tensor, max_new_tokens: int, fast_decode: bool):
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """``(logits [B, V] of the first response token, its position [B, 1])``."""
         from transformers import DynamicCache
 
-        B, P = input_ids.shape
-        self.lm, self.P, self.cache_kw = lm, P, cache_kwarg(lm)
-        self.cache = DynamicCache(config=lm.config)
-        self.full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device)
-        self.full_mask[:, :P] = attention_mask
+        B, self.P = input_ids.shape
+        self.cache = DynamicCache(config=self.lm.config)
+        self.full_mask = torch.ones(
+            B, self.P + self.max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device
+        )
+        self.full_mask[:, : self.P] = attention_mask
         position_ids = position_ids_from_mask(attention_mask)
-        self.next_pos = position_ids[:, -1:] + 1  # [B, 1]
-        out = lm(
+        out = self.lm(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
             **{self.cache_kw: self.cache},
-            **logits_to_keep(lm, 1),
+            **logits_to_keep(self.lm, 1),
         )
-        self.logits = out.logits[:, -1, :]
-        self.decoder = decoder_for(lm, self.cache, attention_mask, max_new_tokens) if fast_decode else None
+        self.decoder = None
+        if self.fast_decode:
+            self.decoder = decoder_for(self.lm, self.cache, attention_mask, self.max_new_tokens)
+        return out.logits[:, -1, :], position_ids[:, -1:] + 1
 
     def step(self, token: Tensor, t: int, position: Tensor) -> Tensor:
         if self.decoder is not None:
@@ -321,8 +327,8 @@ def _sample_loop(
     max_new_tokens, stop_at_eos = params.max_new_tokens, params.stop_at_eos
     stops = StopChecker(eos_token_id, params.stop_token_ids, params.stop_strings, tokenizer) if stop_at_eos else None
     B, device = input_ids.shape[0], input_ids.device
-    state = _Decode(lm, input_ids, attention_mask, max_new_tokens, fast_decode)
-    logits, position = state.logits, state.next_pos
+    state = _Decode(lm, max_new_tokens, fast_decode)
+    logits, position = state.prefill(input_ids, attention_mask)
     responses = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     stopped_at = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)  # each row's first stop
     limits = None  # each row's own limit (an episode's room left)
