@@ -7,7 +7,6 @@ the same path in a subprocess.
 from __future__ import annotations
 
 import json
-import logging
 import runpy
 import sys
 import time
@@ -15,6 +14,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import rebind_log_streams
 
 SMALL = [
     "experiment=tiny_char",
@@ -30,23 +30,9 @@ SMALL = [
 ]
 
 
-def _rebind_log_streams() -> None:
-    """Loggers created during an earlier test hold that test's (now closed) captured stderr. A
-    handler's ``flush`` may be bound to it too: transformers' default handler sets
-    ``_default_handler.flush = sys.stderr.flush`` at its first import (``utils/logging.py``), so
-    the stream and that binding both move to this test's stderr."""
-    for logger in [logging.getLogger(), *map(logging.getLogger, list(logging.root.manager.loggerDict))]:
-        for h in logger.handlers:
-            if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
-                h.stream = sys.stderr  # setStream would flush the closed one
-            bound = h.__dict__.get("flush")  # an instance attribute shadowing StreamHandler.flush
-            if bound is not None and getattr(getattr(bound, "__self__", None), "closed", False):
-                h.flush = sys.stderr.flush
-
-
 def run_main(args: list[str], tmp_path, cache_dir, monkeypatch, capfd) -> tuple[int, str]:
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    _rebind_log_streams()
+    rebind_log_streams()
     monkeypatch.setattr(
         sys, "argv", ["train.py", *SMALL, f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={cache_dir}", *args]
     )
@@ -175,7 +161,7 @@ def test_the_default_job_checks_its_inputs_before_building_the_recipe(case, tmp_
         "bad range": "ppo.clip=0.0: must be > 0",
     }[case]
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    _rebind_log_streams()
+    rebind_log_streams()
     monkeypatch.setattr(
         sys, "argv", ["train.py", f"hydra.run.dir={tmp_path / 'run'}", f"paths.cache_dir={empty_cache}", *args]
     )

@@ -116,6 +116,7 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
         timeout=1200,
         env_extra={"HOME": str(home), "NETRC": str(home / ".netrc")},
         env_drop=("WANDB_MODE", "WANDB_API_KEY"),
+        interpreter=True,  # the README's command, from a new interpreter
     )
     assert p.returncode == 0, p.stderr[-4000:]
     assert "reviews: held-out prompts, before and after PPO" in p.stdout
@@ -167,6 +168,7 @@ def test_a_copy_of_the_arithmetic_task_runs_under_its_new_name_and_raises_accura
         ],
         cache_dir,
         env_extra={"PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), os.environ.get("PYTHONPATH", "")])},
+        interpreter=True,  # the copied task is found on PYTHONPATH, as a user's is
     )
     assert p.returncode == 0, p.stderr[-4000:]
     assert "my_tasks.countdown: held-out prompts, before and after PPO" in p.stdout

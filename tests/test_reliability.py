@@ -145,22 +145,11 @@ def test_sigterm_from_outside_stops_a_long_run_within_seconds(tmp_path, cache_di
     mid-PPO. The run stops within seconds, exits non-zero, and its checkpoint holds every
     iteration it logged (before, ``last.ckpt`` was the periodic one and the exit status 0)."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    from tests.helpers import ROOT
+    from tests.helpers import start_train
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PPO_LIGHTNING_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *FAST, "trainer.max_steps=2000", "export_dir=null", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_train([*FAST, "trainer.max_steps=2000", "export_dir=null", f"hydra.run.dir={tmp_path}"], cache_dir)
     metrics = tmp_path / "metrics.csv"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) > 12):  # header + 12 iterations
@@ -182,23 +171,12 @@ def test_sigterm_during_the_recipe_build_leaves_no_temporary_directory(tmp_path)
     ``reviews-<key>.tmp-*`` in the cache. Now the build's ``finally`` removes it, and the job exits
     143 within seconds, saying that no checkpoint was written."""
     import signal
-    import subprocess
-    import sys
     import time
 
-    from tests.helpers import ROOT
+    from tests.helpers import start_train
 
     cache = tmp_path / "cache"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_train([f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"], None)
     deadline = time.monotonic() + 300
     while not list(cache.glob("*.tmp-*")):
         assert proc.poll() is None and time.monotonic() < deadline, "the build never started"
