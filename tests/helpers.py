@@ -53,9 +53,13 @@ def run_train(
             text=True,
             timeout=timeout,
         )
-    proc = start_train(args, cache_dir, env_extra, env_drop)
-    out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(["train.py", *args], proc.returncode, out, err)
+    return ForkedRun(args, train_env(cache_dir, env_extra, env_drop)).result(timeout)
+
+
+def run_module(module: str, args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m <module> <args>`` with environment ``env``, in a forked process as
+    ``run_train``'s, its result as ``subprocess.run``'s."""
+    return ForkedRun(args, env, module).result(timeout)
 
 
 def train_env(cache_dir: Path | None, env_extra: dict | None = None, env_drop: tuple[str, ...] = ()) -> dict[str, str]:
@@ -69,39 +73,40 @@ def train_env(cache_dir: Path | None, env_extra: dict | None = None, env_drop: t
 
 def start_train(
     args: list[str], cache_dir: Path | None, env_extra: dict | None = None, env_drop: tuple[str, ...] = ()
-) -> "ForkedTrain":
+) -> "ForkedRun":
     """``train.py <args>`` started in a forked process (``run_train``'s), returned at once: for
     the tests that signal a run from outside."""
-    return ForkedTrain(args, train_env(cache_dir, env_extra, env_drop))
+    return ForkedRun(args, train_env(cache_dir, env_extra, env_drop))
 
 
-class ForkedTrain:
-    """``train.py <args>`` in a child forked from this process, with the part of
-    ``subprocess.Popen`` the tests use: ``pid``, ``poll``, ``send_signal``, ``communicate``
-    (text stdout and stderr) and ``returncode`` (``-N`` when signal N killed it).
+class ForkedRun:
+    """``train.py <args>`` (or ``python -m <module> <args>``) in a child forked from this
+    process, with the part of ``subprocess.Popen`` the tests use: ``pid``, ``poll``,
+    ``send_signal``, ``communicate`` (text stdout and stderr) and ``returncode`` (``-N`` when
+    signal N killed it).
 
     The child starts as a new interpreter would, but for the imports: its own environment and
     working directory (the repository), stdout and stderr on files of its own, default SIGTERM and
     SIGINT handling, Python's default warning filters, no logging handlers but those its run sets
-    up, no Hydra state, one intra-op thread. It runs ``train.py`` as ``__main__``, runs the exit
-    handlers registered during its run (W&B's, logging's), and leaves with ``os._exit``, so none
-    of pytest's state or teardown runs in it."""
+    up, no Hydra state, one intra-op thread. It runs the script or module as ``__main__``, runs the
+    exit handlers registered during its run (W&B's, logging's), and leaves with ``os._exit``, so
+    none of pytest's state or teardown runs in it."""
 
-    def __init__(self, args: list[str], env: dict[str, str]):
+    def __init__(self, args: list[str], env: dict[str, str], module: str | None = None):
         import tempfile
 
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError("a process group is live in the test process: a forked run would inherit it")
-        self.args = ["train.py", *args]
+        self.args = ["-m", module, *args] if module else ["train.py", *args]
         self.returncode: int | None = None
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
         if self.pid == 0:
-            _run_train_main(args, env, self._out, self._err)  # never returns
+            _run_main(module, args, env, self._out, self._err)  # never returns
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -130,6 +135,10 @@ class ForkedTrain:
             time.sleep(0.05)
         return self._read()
 
+    def result(self, timeout: float | None = None) -> subprocess.CompletedProcess:
+        out, err = self.communicate(timeout)
+        return subprocess.CompletedProcess(self.args, self.returncode, out, err)
+
     def _read(self) -> tuple[str, str]:
         texts = []
         for f in (self._out, self._err):
@@ -138,8 +147,9 @@ class ForkedTrain:
         return texts[0], texts[1]
 
 
-def _run_train_main(args: list[str], env: dict[str, str], out, err) -> None:
-    """In ``ForkedTrain``'s child: set the process up as a fresh one and run ``train.py``."""
+def _run_main(module: str | None, args: list[str], env: dict[str, str], out, err) -> None:
+    """In ``ForkedRun``'s child: set the process up as a fresh one and run ``train.py`` (or
+    ``module``) as ``__main__``."""
     import atexit
     import logging
     import runpy
@@ -171,8 +181,12 @@ def _run_train_main(args: list[str], env: dict[str, str], out, err) -> None:
         os.environ.update(env)
         os.chdir(ROOT)
         torch.set_num_threads(1)  # OMP_NUM_THREADS is read at torch's import, long done here
-        sys.argv = [str(ROOT / "train.py"), *args]
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        if module is None:
+            sys.argv = [str(ROOT / "train.py"), *args]
+            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        else:
+            sys.argv = [module, *args]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.lib.workloads import WORKLOADS, build_tokenizer, make_prompts
+from tests.helpers import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,27 +77,8 @@ def test_a_workload_that_stops_at_eos_spreads_its_lengths_around_the_baked_in_me
 
 def test_gpu_check_smoke_on_cpu():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.gpu_check",
-            "--device",
-            "cpu",
-            "--workload",
-            "tiny",
-            "--iterations",
-            "1",
-            "--repeats",
-            "1",
-        ],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    args = ["--device", "cpu", "--workload", "tiny", "--iterations", "1", "--repeats", "1"]
+    p = run_module("benchmarks.gpu_check", args, env)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["device"] == "cpu" and r["workload"] == "tiny" and r["iterations"] == 1
