@@ -212,13 +212,15 @@ def test_clip_fractions_split_the_clipped_tokens_by_side():
 
 
 # ----------------------------------------------------------------------------- across ranks
-def _token_mean_worker(rank: int, world: int, port: int, out: str) -> None:
-    """One rank: a linear per-token loss under DDP on this rank's rows, whose masks hold a
-    different number of tokens on each rank; writes the averaged gradient of each aggregation."""
+def _token_mean_worker(out: str) -> None:
+    """One rank (``fork_ranks`` sets torchrun's environment): a linear per-token loss under DDP
+    on this rank's rows, whose masks hold a different number of tokens on each rank; writes the
+    averaged gradient of each aggregation."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(3, 1))
     x, mask = _RANK_X[rank], _RANK_MASK[rank]
@@ -246,14 +248,10 @@ def test_token_mean_global_is_the_token_mean_of_every_ranks_tokens(tmp_path):
     """Two gloo ranks with 9 and 3 response tokens, DDP averaging the gradients: with
     ``token_mean_global`` the gradient is that of the token mean over all 12 tokens on one
     process; the per-rank ``token_mean`` weighs each of rank 1's tokens 3x as much instead."""
-    import socket
+    from tests.helpers import fork_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_token_mean_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    p = fork_ranks(lambda: _token_mean_worker(str(tmp_path)), 2, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:]
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)  # the same init as the ranks'
