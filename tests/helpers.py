@@ -159,8 +159,10 @@ def _run_main(module: str | None, args: list[str], env: dict[str, str], out, err
 
     code = 1
     try:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # under xdist, fd 0 carries the worker's messages
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
+        sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         atexit._clear()  # the test process's exit handlers are not this run's
