@@ -136,8 +136,7 @@ def test_a_run_that_encodes_each_prompt_once_equals_the_run_that_repeats_them(
     rows), in micro-batches of two whole groups or under a token budget: ``true`` against
     ``false``, with a critic and without, the lean head, LoRA. The same weights to 1e-5 and the
     same metrics."""
-    from ppo_lightning.algo import rollout
-    from ppo_lightning.models import policy
+    from ppo_lightning.models import shared_prompt
 
     common = ["data.batch_size=4", "ppo.num_generations=4", "ppo.minibatch_size=16", *overrides]
     calls = []
@@ -146,8 +145,8 @@ def test_a_run_that_encodes_each_prompt_once_equals_the_run_that_repeats_them(
         calls.append(args[1].shape[0])  # its rows
         return shared_prompt_forward(*args, **kwargs)
 
-    for module in (policy, rollout):  # the policy's forwards, and the bare reference's
-        monkeypatch.setattr(module, "shared_prompt_forward", counted)
+    # the policy's forwards and the bare reference's, through their one dispatch (response_outputs)
+    monkeypatch.setattr(shared_prompt, "shared_prompt_forward", counted)
     base = run_two_iterations(tmp_path, cache_dir, "repeated", [*common, "ppo.shared_prompt_forward=false"])
     assert not calls
     shared = run_two_iterations(tmp_path, cache_dir, "shared", [*common, "ppo.shared_prompt_forward=true"])

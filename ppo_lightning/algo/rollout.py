@@ -14,7 +14,6 @@ Everything after the first EOS is masked out of every loss and statistic ([N+] d
 from __future__ import annotations
 
 import dataclasses
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -30,8 +29,8 @@ from ppo_lightning.algo.advantages import (
 from ppo_lightning.algo.kl import kl_k1, kl_penalty
 from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows
 from ppo_lightning.models.signature import logits_to_keep
-from ppo_lightning.models.lean_head import head_outputs, lean_head, use_lean_head
-from ppo_lightning.models.shared_prompt import prompt_groups, shared_prompt_forward
+from ppo_lightning.models.lean_head import head_outputs, use_lean_head
+from ppo_lightning.models.shared_prompt import prompt_groups, response_outputs
 from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
 from ppo_lightning.rewards.base import Normalization, RewardInputs, normalized
 
@@ -279,16 +278,9 @@ def _lm_logprobs(lm, ids: Tensor, mask: Tensor, pos: Tensor, P: int, temperature
     responses, width = ids[:, P:], ids.shape[1] - P
     lean = use_lean_head(lm, head_chunk)
     groups = prompt_groups(ids, mask, P) if layout.shared_prompt and width > 1 else None
-    real = mask[:, P:]  # the lean head computes the real response tokens only
-    if groups is not None:
-        spec = (temperature, head_chunk, real) if lean else None
-        out, _ = shared_prompt_forward(lm, ids, mask, pos, P, groups, spec)
-        return head_outputs(out, lean, responses, temperature, False)[0]
-    with lean_head(lm, responses, temperature, head_chunk, real) if lean else nullcontext():
-        out = lm(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, **logits_to_keep(lm, width + 1))
-    return head_outputs(out.logits if lean else out.logits[:, -(width + 1) : -1], lean, responses, temperature, False)[
-        0
-    ]
+    spec = (responses, temperature, head_chunk, mask[:, P:]) if lean else None  # real response tokens only
+    out, _ = response_outputs(lm, ids, mask, pos, P, groups, spec)
+    return head_outputs(out, lean, responses, temperature, False)[0]
 
 
 TRUNCATED_LOGPROB_FLOOR = -30.0

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import os
 import socket
-from contextlib import nullcontext
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -24,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ppo_lightning.config.errors import ConfigError
-from ppo_lightning.models.lean_head import head_outputs, lean_head, use_lean_head
-from ppo_lightning.models.shared_prompt import prompt_groups, shared_prompt_forward
+from ppo_lightning.models.lean_head import head_outputs, use_lean_head
+from ppo_lightning.models.shared_prompt import prompt_groups, response_outputs
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 DEFAULT_PAD_TOKEN = "<|pad|>"
@@ -212,7 +210,6 @@ class PolicyWithValueHead(nn.Module):
             self.v_head = nn.Linear(hidden, 1, dtype=torch.float32)
             nn.init.zeros_(self.v_head.weight)  # V(s) = 0 at the start ([N+] value head init)
             nn.init.zeros_(self.v_head.bias)
-        self._keep_kw = "logits_to_keep" in inspect.signature(lm.forward).parameters
         # The value head reads the LM head's input: the final (normed) hidden state, at exactly
         # the positions the LM head runs on. Caught by a pre-hook, which is ~7% cheaper than
         # output_hidden_states=True (every layer's states kept); that is the fallback.
@@ -271,8 +268,9 @@ class PolicyWithValueHead(nn.Module):
         and ``values [B, R]`` (V of the state before each response token). With ``lean =
         (responses, temperature, chunk, mask)`` the head runs in chunks on ``mask``'s positions
         (``lean_head``) and the first tensor is ``[B, R, 2]``: the responses' tempered logprobs
-        and entropies. ``shared``: rows
-        that hold the same prompt encode it once (``shared_prompt``; the same numbers).
+        and entropies. ``shared``: rows that hold the same prompt encode it once
+        (``shared_prompt``; the same numbers). One dispatch for the policy and the reference:
+        ``shared_prompt.response_outputs``.
         """
         R = input_ids.shape[1] - context_length
         head = self.lm.get_output_embeddings() if self._hooked and self.v_head is not None else None
@@ -282,11 +280,8 @@ class PolicyWithValueHead(nn.Module):
         if head is not None:
             head.catch_input, head.head_input = True, None
         try:
-            if groups is not None:
-                args = (input_ids, attention_mask, position_ids, context_length, groups)
-                logits, hidden = shared_prompt_forward(self.lm, *args, lean[1:] if lean else None, head)
-            else:
-                logits, hidden = self._one_pass(input_ids, attention_mask, position_ids, R, lean, head)
+            args = (input_ids, attention_mask, position_ids, context_length, groups, lean, head)
+            logits, hidden = response_outputs(self.lm, *args, hidden=self.v_head is not None)
         finally:
             if head is not None:
                 head.catch_input, head.head_input = False, None  # do not hold the graph past this call
@@ -297,25 +292,6 @@ class PolicyWithValueHead(nn.Module):
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             values = F.linear(hidden.float(), self.v_head.weight.float(), self.v_head.bias.float()).squeeze(-1)
         return logits, values  # [B, R, V], [B, R]
-
-    def _one_pass(self, input_ids, attention_mask, position_ids, R: int, lean, head):
-        """``forward``'s outputs from one LM call over the whole ``[B, T]``: the head's output and
-        (with a value head) the final hidden states at the ``R`` positions before each response token."""
-        kwargs = {"logits_to_keep": R + 1} if self._keep_kw else {}
-        with lean_head(self.lm, *lean) if lean is not None else nullcontext():
-            out = self.lm(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                output_hidden_states=self.v_head is not None and head is None,
-                use_cache=False,
-                **kwargs,
-            )
-        logits = out.logits if lean is not None else out.logits[:, -(R + 1) : -1]  # [B, R, V] (or [B, R, 2])
-        if self.v_head is None:
-            return logits, None
-        hidden = head.head_input if head is not None else out.hidden_states[-1]
-        return logits, hidden[:, -(R + 1) : -1]  # [B, R, H]: the states before each response token
 
     def score_responses(
         self,

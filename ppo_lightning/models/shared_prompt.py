@@ -120,3 +120,44 @@ def shared_prompt_forward(
     if hidden is not None:
         hidden = torch.cat([h0[:, -1:][inverse], hidden[:, -R:-1]], 1)
     return out, hidden
+
+
+def response_outputs(
+    lm: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    context_length: int,
+    groups: tuple[Tensor, Tensor] | None = None,
+    lean: tuple[Tensor, float, int, Tensor | None] | None = None,
+    head: nn.Module | None = None,
+    hidden: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The LM's outputs at the ``R`` positions that predict the response tokens
+    ``input_ids[:, context_length:]``, for the policy and the reference alike: ``[B, R, V]``
+    logits, or with ``lean = (responses, temperature, chunk, mask)`` the lean head's ``[B, R, 2]``
+    tempered logprobs and entropies; and with ``hidden`` the final hidden states there
+    ``[B, R, H]`` (``head``'s caught input where it catches, else the model's last hidden
+    states), else None. ``groups`` (``prompt_groups``, ``R >= 2``): each prompt encoded once
+    (``shared_prompt_forward``, the same numbers; ``hidden`` then needs ``head``). Otherwise one
+    call over the whole ``[B, T]``, its head on the last ``R + 1`` positions where the model
+    takes ``logits_to_keep``."""
+    if groups is not None:
+        return shared_prompt_forward(
+            lm, input_ids, attention_mask, position_ids, context_length, groups, lean[1:] if lean else None, head
+        )
+    R = input_ids.shape[1] - context_length
+    with lean_head(lm, *lean) if lean is not None else nullcontext():
+        out = lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=hidden and head is None,
+            use_cache=False,
+            **logits_to_keep(lm, R + 1),
+        )
+    logits = out.logits if lean is not None else out.logits[:, -(R + 1) : -1]  # [B, R, V] (or [B, R, 2])
+    if not hidden:
+        return logits, None
+    states = head.head_input if head is not None else out.hidden_states[-1]
+    return logits, states[:, -(R + 1) : -1]  # [B, R, H]: the states before each response token
