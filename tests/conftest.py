@@ -24,13 +24,14 @@ CONF = ROOT / "conf"
 
 
 LONGEST_FIRST = (
-    "test_recipes.py",
-    "test_math_chat.py",
-    "test_reliability.py",
     "test_reliability_distributed.py",
-    "test_calculator_tool.py",
+    "test_recipes.py",
+    "test_reliability.py",
+    "test_estimators.py",
+    "test_config.py",
+    "test_padding.py",
+    "test_multiturn_train.py",
     "test_fsdp.py",
-    "test_ddp.py",
     "test_vllm_distributed.py",  # make test-vllm: beside test_vllm.py, which must come last
 )
 """The test files that take longest (``pytest --durations=0``), longest first. ``make test`` runs
@@ -39,9 +40,22 @@ collection order: starting with the longest files leaves only short ones to fill
 so no worker runs a long file alone while the other is idle (longest-processing-time first)."""
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--demos",
+        action="store_true",
+        help="also run the documented demos end to end (tests marked demo: make test-demos)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    if not config.getoption("--demos"):
+        skip = pytest.mark.skip(reason="a documented demo end to end, minutes of CPU: make test-demos (pytest --demos)")
+        for item in items:
+            if "demo" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -68,29 +68,49 @@ def test_the_reward_reads_the_last_answer_of_the_conversation():
     assert c.tool_calls([good, good[-1:]]) == [1.0, 0.0]
 
 
-@pytest.mark.slow
-def test_calculator_tool_learns_to_call_the_tool(tmp_path, cache_dir, capsys):
-    """``python train.py experiment=calculator_tool`` for 4 of its 12 iterations (about 3 minutes,
-    most of it the SFT warm start): before RL the greedy policy answers in its head and is almost
-    never right; after, it calls the calculator and is right much more often, while without the
-    tool it stays wrong. The table, eval.json and the curve are written."""
+def run_calculator_tool(tmp_path, cache_dir, iterations: int, every: int, capsys) -> dict:
+    """``python train.py experiment=calculator_tool`` for ``iterations`` iterations, evaluated
+    every ``every``, in this process: the recipe builds into ``cache_dir``, and the table with its
+    row without the tool, eval.json and the curve are written. Returns eval.json."""
     from ppo_lightning.jobs.run import train
     from tests.conftest import compose_cfg
 
     run = tmp_path / "run"
-    cfg = compose_cfg(
-        ["trainer.max_steps=4", "eval.every_n_iterations=2", "logger=csv", "trainer.enable_progress_bar=false"],
-        run,
-        cache_dir,
-        experiment="calculator_tool",
-    )
+    overrides = [f"trainer.max_steps={iterations}", f"eval.every_n_iterations={every}", "logger=csv"]
+    cfg = compose_cfg([*overrides, "trainer.enable_progress_bar=false"], run, cache_dir, experiment="calculator_tool")
     train(cfg)
     out = capsys.readouterr().out
     assert "calculator_tool: held-out prompts, before and after PPO" in out and "without the tool" in out
     result = json.loads((run / "eval.json").read_text())
+    assert [c["step"] for c in result["curve"]] == list(range(0, iterations + 1, every))
+    assert (run / "eval_curve.png").exists()
+    return result
+
+
+@pytest.mark.slow
+def test_calculator_tool_builds_trains_and_reports_at_a_small_scale(tmp_path, capsys, monkeypatch):
+    """The whole job, its recipe built small (20 SFT steps on the transcripts of 600 problems, 200
+    RL problems): the build, the evaluations with the tool and the accuracy without it before and
+    after, and the report. The demo at full size is ``test_calculator_tool_learns_to_call_the_tool``."""
+    from ppo_lightning.tasks.calculator_tool import task
+
+    for name, value in {"SFT_STEPS": 20, "SFT_PROBLEMS": 600, "N_PROBLEMS": 200}.items():
+        monkeypatch.setattr(task, name, value)
+    result = run_calculator_tool(tmp_path, tmp_path / "cache", 2, 1, capsys)
+    assert set(result["before"]) == {*task.ROWS, task.WITHOUT_TOOL} == set(result["after"])
+    assert 0 <= result["without_tool"]["before"] <= 1 and 0 <= result["without_tool"]["after"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_calculator_tool_learns_to_call_the_tool(tmp_path, cache_dir, capsys):
+    """``python train.py experiment=calculator_tool`` for 4 of its 12 iterations (about 3 minutes,
+    most of it the SFT warm start): before RL the greedy policy answers in its head and is almost
+    never right; after, it calls the calculator and is right much more often, while without the
+    tool it stays wrong."""
+    result = run_calculator_tool(tmp_path, cache_dir, 4, 2, capsys)
     before, after = result["before"], result["after"]
     assert before["accuracy with the tool (greedy)"] < 0.1 and before["tool calls per episode"] < 0.2
     assert after["accuracy with the tool (greedy)"] > before["accuracy with the tool (greedy)"] + 0.3, (before, after)
     assert after["tool calls per episode"] > 0.8
     assert result["without_tool"]["after"] < 0.1
-    assert (run / "eval_curve.png").exists()

@@ -109,27 +109,45 @@ def test_the_eval_report_is_the_first_and_last_evaluation_and_the_curve(tmp_path
     assert eval_report(history[1:], rows, None).startswith("no before/after table: it needs the evaluation before")
 
 
-@pytest.mark.slow
-def test_math_chat_builds_evaluates_and_raises_three_step_accuracy(tmp_path, cache_dir, capsys):
-    """``python train.py experiment=math_chat`` for 6 of its 30 iterations (about 2 minutes, most
-    of it the SFT warm start): the recipe builds its SFT policy, the held-out problems are
-    evaluated before, at iteration 3 and after, and the table, eval.json and the curve's PNG are
-    written beside metrics.csv. The third step already pays by then (docs/usage.md: 0.88 at iteration 5)."""
+def run_math_chat(tmp_path, cache_dir, iterations: int, every: int) -> dict:
+    """``python train.py experiment=math_chat`` for ``iterations`` iterations, evaluated every
+    ``every``, in this process: the recipe builds into ``cache_dir``, the table is printed, and
+    eval.json, the curve's PNG and metrics.csv are written beside each other. Returns eval.json."""
     from ppo_lightning.jobs.run import train
     from tests.conftest import compose_cfg
 
     run = tmp_path / "run"
-    cfg = compose_cfg(
-        ["trainer.max_steps=6", "eval.every_n_iterations=3", "logger=csv", "trainer.enable_progress_bar=false"],
-        run,
-        cache_dir,
-        experiment="math_chat",
-    )
+    overrides = [f"trainer.max_steps={iterations}", f"eval.every_n_iterations={every}", "logger=csv"]
+    cfg = compose_cfg([*overrides, "trainer.enable_progress_bar=false"], run, cache_dir, experiment="math_chat")
     train(cfg)
-    assert "math_chat: held-out prompts, before and after PPO" in capsys.readouterr().out
     result = json.loads((run / "eval.json").read_text())
-    assert [c["step"] for c in result["curve"]] == [0, 3, 6]
+    assert [c["step"] for c in result["curve"]] == list(range(0, iterations + 1, every))
+    assert (run / "eval_curve.png").exists() and (run / "metrics.csv").exists()
+    return result
+
+
+@pytest.mark.slow
+def test_math_chat_builds_trains_and_reports_at_a_small_scale(tmp_path, capsys, monkeypatch):
+    """The whole job, its recipe built small (20 SFT steps on 2000 answers, 200 problems): every
+    part the demo runs, the build, the evaluations before, during and after, and the report. The
+    demo at full size is ``test_math_chat_builds_evaluates_and_raises_three_step_accuracy``."""
+    from ppo_lightning.tasks.math_chat import task
+
+    for name, value in {"SFT_STEPS": 20, "SFT_EXAMPLES": 2000, "N_PROBLEMS": 200}.items():
+        monkeypatch.setattr(task, name, value)
+    result = run_math_chat(tmp_path, tmp_path / "cache", iterations=2, every=1)
+    assert "math_chat: held-out prompts, before and after PPO" in capsys.readouterr().out
+    assert set(result["before"]) == set(task.ROWS) == set(result["after"])
+    assert len(list((tmp_path / "cache").glob("math_chat-*/DONE"))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_math_chat_builds_evaluates_and_raises_three_step_accuracy(tmp_path, cache_dir):
+    """``python train.py experiment=math_chat`` for 6 of its 30 iterations (about 5 minutes on one
+    core, most of it the SFT warm start): the held-out problems are evaluated before, at iteration
+    3 and after, and the third step already pays by then (docs/usage.md: 0.88 at iteration 5)."""
+    result = run_math_chat(tmp_path, cache_dir, iterations=6, every=3)
     before, after = result["before"], result["after"]
     assert after["  three-step problems"] > before["  three-step problems"] + 0.1, (before, after)
     assert after["format (greedy)"] >= 0.95
-    assert (run / "eval_curve.png").exists() and (run / "metrics.csv").exists()

@@ -105,22 +105,79 @@ def test_sft_then_reward_model_then_ppo_each_from_the_last_ones_output(review_fi
     assert len(read_metrics(tmp_path / "ppo" / "metrics.csv")) == 3
 
 
-def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir):
-    """``python train.py`` with a short schedule: builds the recipe, trains, prints the table, and
-    writes an offline W&B run with the samples table (nobody is logged in here)."""
+def run_default_job(tmp_path, cache_dir, iterations: int, interpreter: bool) -> dict:
+    """``python train.py`` with a short schedule: builds the recipe into ``cache_dir``, trains,
+    prints the table, and writes an offline W&B run with the samples table (nobody is logged in
+    here) and metrics.csv. Returns eval.json."""
     home = tmp_path / "home"
     home.mkdir()
     p = run_train(
-        [*QUIET, "trainer.max_steps=60", f"hydra.run.dir={tmp_path / 'run'}"],
+        [*QUIET, f"trainer.max_steps={iterations}", f"hydra.run.dir={tmp_path / 'run'}"],
         cache_dir,
         timeout=1200,
         env_extra={"HOME": str(home), "NETRC": str(home / ".netrc")},
         env_drop=("WANDB_MODE", "WANDB_API_KEY"),
-        interpreter=True,  # the README's command, from a new interpreter
+        interpreter=interpreter,
     )
     assert p.returncode == 0, p.stderr[-4000:]
     assert "reviews: held-out prompts, before and after PPO" in p.stdout
-    result = json.loads((tmp_path / "run" / "eval.json").read_text())
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    assert list(runs[0].glob("files/media/table/samples_*.table.json"))
+    assert (tmp_path / "run" / "metrics.csv").exists()
+    return json.loads((tmp_path / "run" / "eval.json").read_text())
+
+
+SMALL_REVIEWS = {
+    "N_PROMPTS": 200,
+    "N_EVAL_PROMPTS": 64,
+    "SFT_REVIEWS": 1000,
+    "SFT_STEPS": 20,
+    "RM_PAIRS": 500,
+    "DRIFT_PROMPTS": 256,
+    "RM_STEPS": 20,
+    "RED_TEAM_ROUNDS": 1,
+    "RED_TEAM_ITERATIONS": 2,
+    "RED_TEAM_SAMPLES": 256,
+    "RED_TEAM_STEPS": 10,
+}
+"""The reviews recipe built small: every stage of its build runs, each for a few steps."""
+
+
+@pytest.fixture(scope="module")
+def small_reviews_cache(tmp_path_factory):
+    """A cache directory that holds only the reviews recipe built small (``small_reviews``), shared
+    by this file's tests that run the reviews task: the first builds it, the others find it."""
+    return tmp_path_factory.mktemp("small_reviews_cache")
+
+
+@pytest.fixture
+def small_reviews(monkeypatch, small_reviews_cache):
+    """The reviews task builds with ``SMALL_REVIEWS``, into ``small_reviews_cache`` (never the
+    session's cache: the build's cache key does not see these values). A run forked from this
+    process (``run_train``) inherits them."""
+    from ppo_lightning.tasks.reviews import task
+
+    for name, value in SMALL_REVIEWS.items():
+        monkeypatch.setattr(task, name, value)
+    return small_reviews_cache
+
+
+def test_default_job_builds_trains_and_reports_at_a_small_scale(tmp_path, small_reviews):
+    """The default job, its recipe built small (the SFT policy, the first reward model and one
+    red-team round, each a few steps), for 2 iterations: every part the demo runs. The demo at full
+    size, from a new interpreter, is ``test_default_job_raises_the_reward_and_keeps_the_grammar``."""
+    from ppo_lightning.tasks.reviews import task
+
+    result = run_default_job(tmp_path, small_reviews, iterations=2, interpreter=False)
+    assert set(result["before"]) == set(task.ROWS) == set(result["after"])
+
+
+@pytest.mark.demo
+def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir):
+    """The README's command, ``python train.py`` from a new interpreter, for 60 of its 100
+    iterations: the reward rises and the grammar holds."""
+    result = run_default_job(tmp_path, cache_dir, iterations=60, interpreter=True)
     before, after = result["before"], result["after"]
     assert after["reward (reward model, raw)"] > before["reward (reward model, raw)"] + 1.0  # ~+4.5 at 100 iterations
     assert after["sentiment (ground truth)"] > before["sentiment (ground truth)"] + 0.2
@@ -128,10 +185,6 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
     # iterations); reward hacking into adjective salad, or a red-team round that taught the
     # reward model nothing, would fail it.
     assert after["well-formed fraction"] >= before["well-formed fraction"] - 0.08
-    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
-    assert list(runs[0].glob("files/media/table/samples_*.table.json"))
-    assert (tmp_path / "run" / "metrics.csv").exists()
 
 
 def test_a_copy_of_the_arithmetic_task_runs_under_its_new_name_and_raises_accuracy(tmp_path, cache_dir):
@@ -179,9 +232,9 @@ def test_a_copy_of_the_arithmetic_task_runs_under_its_new_name_and_raises_accura
     assert result["after"]["accuracy"] > result["before"]["accuracy"] + 0.05
 
 
-def test_the_headline_command_runs_offline_with_a_local_stand_in(tmp_path, cache_dir, tiny_lm_dir):
+def test_the_headline_command_runs_offline_with_a_local_stand_in(tmp_path, small_reviews, tiny_lm_dir):
     """``python train.py model=gpt2 ppo.clip=0.2`` with the GPT-2 weights swapped for a local
-    GPT-2-architecture directory (no hub here): the reviews task's recipe builds (or reuses) its
+    GPT-2-architecture directory (no hub here): the reviews task's recipe (built small) gives its
     reward model and prompts, PPO runs, and the table is printed."""
     p = run_train(
         [
@@ -194,7 +247,7 @@ def test_the_headline_command_runs_offline_with_a_local_stand_in(tmp_path, cache
             *QUIET,
             f"hydra.run.dir={tmp_path / 'run'}",
         ],
-        cache_dir,
+        small_reviews,
         timeout=1200,
     )
     assert p.returncode == 0, p.stderr[-4000:]

@@ -30,7 +30,17 @@ log = logging.getLogger(__name__)
 BASE = dict(n_layer=2, n_head=4, n_embd=128, n_positions=64)
 GROUPED = {"group_by_length": True}
 """The stages batch reviews of similar length: 15-25% less compute, the same table (docs/usage.md)."""
+N_PROMPTS = 2000  # RL prompts (prompts_train.txt)
+N_EVAL_PROMPTS = 512  # held-out prompts (prompts_eval.txt)
+SFT_REVIEWS = 6000
+SFT_STEPS = 600
+RM_PAIRS = 5000  # generated preference pairs of the first reward model
+DRIFT_PROMPTS = 6000  # SFT samples drawn hot for pairs against its own broken text
+RM_STEPS = 1000
 RED_TEAM_ROUNDS = 2  # rounds of online preference collection after the first reward model
+RED_TEAM_ITERATIONS = 40  # PPO iterations against the current reward model, per round
+RED_TEAM_SAMPLES = 4096  # that policy's responses labelled by the grammar, per round
+RED_TEAM_STEPS = 300  # reward-model steps on a round's pairs
 
 
 def build(cfg, tmp: Path) -> None:
@@ -44,8 +54,8 @@ def build(cfg, tmp: Path) -> None:
     tokenizer = reviews.build_tokenizer()
     tokenizer.save_pretrained(tmp / "tokenizer")
     save_base_model(tmp / "base", tokenizer, seed=cfg.seed, **BASE)
-    (tmp / "prompts_train.txt").write_text("\n".join(reviews.prompts(rng, 2000)) + "\n")
-    (tmp / "prompts_eval.txt").write_text("\n".join(reviews.prompts(rng, 512)) + "\n")
+    (tmp / "prompts_train.txt").write_text("\n".join(reviews.prompts(rng, N_PROMPTS)) + "\n")
+    (tmp / "prompts_eval.txt").write_text("\n".join(reviews.prompts(rng, N_EVAL_PROMPTS)) + "\n")
     build_sft(tmp, rng, cfg.seed)
     pairs = build_reward_model(tmp, rng, cfg.seed)
     current = red_team(tmp, tmp / "reward_model_r1", pairs, rng, cfg.seed)
@@ -54,13 +64,13 @@ def build(cfg, tmp: Path) -> None:
 
 def build_sft(tmp: Path, rng: random.Random, seed: int) -> None:
     """[1/3] The SFT policy (``tmp/sft``) on generated reviews of mixed sentiment."""
-    log.info("[1/3] SFT policy on 6000 generated reviews of mixed sentiment")
+    log.info("[1/3] SFT policy on %d generated reviews of mixed sentiment", SFT_REVIEWS)
     sft = fit_stage(
         "sft",
         tmp / "base",
         tmp / "sft",
-        reviews.sft_corpus(rng, 6000),
-        steps=600,
+        reviews.sft_corpus(rng, SFT_REVIEWS),
+        steps=SFT_STEPS,
         batch_size=64,
         lr=3e-3,
         max_length=32,
@@ -73,20 +83,20 @@ def build_sft(tmp: Path, rng: random.Random, seed: int) -> None:
 def build_reward_model(tmp: Path, rng: random.Random, seed: int) -> list[dict]:
     """[2/3] The first reward model (``tmp/reward_model_r1``) on generated preference pairs and
     pairs against the SFT policy's own broken text; returns the pairs."""
-    pairs = reviews.preference_pairs(rng, 5000, ill_formed_fraction=0.3)
-    pairs += drift_pairs(tmp / "sft", rng, 6000, temperature=2.0)
+    pairs = reviews.preference_pairs(rng, RM_PAIRS, ill_formed_fraction=0.3)
+    pairs += drift_pairs(tmp / "sft", rng, DRIFT_PROMPTS, temperature=2.0)
     rng.shuffle(pairs)
     log.info(
         "[2/3] reward model on %d generated preference pairs (%d against the SFT policy's own broken text)",
         len(pairs),
-        len(pairs) - 5000,
+        len(pairs) - RM_PAIRS,
     )
     rm = fit_stage(
         "reward_model",
         tmp / "base",
         tmp / "reward_model_r1",
         pairs,
-        steps=1000,
+        steps=RM_STEPS,
         batch_size=32,
         lr=1e-3,
         max_length=32,
@@ -119,7 +129,7 @@ def red_team(tmp: Path, current: Path, pairs: list[dict], rng: random.Random, se
             current,
             tmp / f"reward_model_r{r}",
             mixed,
-            steps=300,
+            steps=RED_TEAM_STEPS,
             batch_size=32,
             lr=3e-4,
             max_length=32,
@@ -188,15 +198,13 @@ def pairs_against_broken_samples(
     return pairs
 
 
-def red_team_pairs(
-    tmp: Path, reward_dir: Path, rng: random.Random, seed: int, iterations: int = 40, n_samples: int = 4096
-) -> list[dict]:
+def red_team_pairs(tmp: Path, reward_dir: Path, rng: random.Random, seed: int) -> list[dict]:
     """One round of online preference collection, as iterated RLHF does it.
 
-    PPO on a loose leash (β = 0.02) runs ``iterations`` steps from the SFT policy against the
+    PPO on a loose leash (β = 0.02) runs ``RED_TEAM_ITERATIONS`` steps from the SFT policy against the
     round-1 reward model, which finds that model's blind spots far faster than any corruption
     list can guess them (a repeated "the", a "." before the clause ends: whatever this seed's
-    model happens to miss). ``n_samples`` responses of that policy are then labelled by the
+    model happens to miss). ``RED_TEAM_SAMPLES`` responses of that policy are then labelled by the
     grammar, the offline stand-in for a human labeller: each ill-formed one becomes a pair
     that loses to a well-formed, positive continuation of the same prompt.
     """
@@ -220,7 +228,7 @@ def red_team_pairs(
             "data.max_prompt_length=8",
             "sampling.max_new_tokens=20",
             "ppo.kl_coef=0.02",
-            f"trainer.max_steps={iterations}",
+            f"trainer.max_steps={RED_TEAM_ITERATIONS}",
             "trainer.enable_checkpointing=false",
             "trainer.enable_model_summary=false",
             f"paths.output_dir={tmp / 'red_team'}",
@@ -230,9 +238,12 @@ def red_team_pairs(
     module, datamodule, trainer = build(cfg)
     trainer.fit(module, datamodule=datamodule)
 
+    n_samples = RED_TEAM_SAMPLES
     pairs = pairs_against_broken_samples(module.policy.lm.eval(), module.tokenizer, rng, n_samples, batch_size=512)
     shutil.rmtree(tmp / "red_team", ignore_errors=True)
-    log.info("red team: %d of %d samples ill-formed after %d PPO iterations", len(pairs), n_samples, iterations)
+    log.info(
+        "red team: %d of %d samples ill-formed after %d PPO iterations", len(pairs), n_samples, RED_TEAM_ITERATIONS
+    )
     return pairs
 
 
