@@ -71,10 +71,10 @@ def main() -> None:
     ap.add_argument("--backend", default="hf", help="ppo_lightning's generation backend (hf, vllm; default hf)")
     ap.add_argument("--prompts", type=int, help="--trainer grpo: prompts per iteration (default 8)")
     ap.add_argument("--generations", type=int, help="--trainer grpo: completions per prompt (default 4)")
-    ap.add_argument("--iterations", type=int, help="--trainer grpo: iterations (default: the workload's)")
+    ap.add_argument("--iterations", type=int, help="iterations on both sides (default: the workload's)")
     args = ap.parse_args()
-    if args.trainer == "ppo" and (args.prompts or args.generations or args.iterations):
-        ap.error("--prompts, --generations and --iterations need --trainer grpo")
+    if args.trainer == "ppo" and (args.prompts or args.generations):
+        ap.error("--prompts and --generations need --trainer grpo")
     backend_available(args.backend)  # before the models are built
 
     ours, theirs, shape = ["--backend", args.backend] if args.backend != "hf" else [], [], []
@@ -84,6 +84,9 @@ def main() -> None:
         if args.iterations:
             shape += ["--iterations", str(args.iterations)]
         ours, theirs = ["--trainer", "grpo", *ours, *shape], shape
+    elif args.iterations:
+        shape = ["--iterations", str(args.iterations)]
+        ours, theirs = [*ours, *shape], shape
     trl_script = "trl_grpo_baseline" if args.trainer == "grpo" else "trl_baseline"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as model_dir:

@@ -13,7 +13,9 @@ on exactly the workload defined in ``benchmarks/lib/workloads.py``:
   (so the collator never pads);
 * responses: exactly ``w.response_tokens`` sampled tokens, no stop token (``stop_token=None``,
   ``stop_token_id=None``, which makes TRL clear ``generation_config.eos_token_id``, so ``generate``
-  never stops at EOS; the script checks every rollout is full length);
+  never stops at EOS; the script checks every rollout is full length); for a workload whose
+  completions stop at EOS (``gsm8k_like``), ``stop_token="eos"``: ``generate`` stops when every row
+  of its chunk has, and TRL truncates each response after its first EOS;
 * one PPO iteration consumes ``w.rollout_batch`` prompts (generated in one ``generate`` call),
   then ``w.ppo_epochs`` epochs of ``w.num_minibatches`` minibatches, one optimizer step each;
   ``w.episodes`` prompts in all.
@@ -64,6 +66,9 @@ def parse_args(argv=None):
     cli.add_workload(p)
     cli.add_model_dir(p)
     cli.add_threads(p)
+    p.add_argument(
+        "--iterations", type=int, help="PPO iterations of the workload's rollout batch (default: the workload's)"
+    )
     return p.parse_args(argv)
 
 
@@ -73,7 +78,8 @@ def main(argv=None) -> None:
     w = WORKLOADS[args.workload]
     with tempfile.TemporaryDirectory(prefix="trl-models-") as tmp:
         model_root = Path(args.model_dir) if args.model_dir else Path(tmp)
-        run = build_trainer(w, model_root, threads=args.threads)
+        episodes = args.iterations * w.rollout_batch if args.iterations else None
+        run = build_trainer(w, model_root, episodes=episodes, threads=args.threads)
         result = train(run)
         run.tmp.cleanup()
     result["peak_rss_mb"] = peak_rss_mb()

@@ -219,3 +219,35 @@ def test_the_gemm_peak_counts_flops_as_the_profiler_does_and_each_mfu_divides_by
     v = {"gemm_peak_gflops": 80.0, "profiled": {"gflop": 60.0, "flop_op_s": 1.5}, "timed": {"wall_s": 3.0}}
     assert mfu(v) == pytest.approx((0.5, 0.25))
     assert mfu({**v, "gemm_peak_gflops": None}) is None  # a result from before the peak was measured
+
+
+def test_trls_ppo_timer_counts_each_rows_tokens_up_to_its_first_eos():
+    """On a workload whose completions stop at EOS, TRL's ``generate`` pads a row after its EOS and
+    stops the chunk with its longest row: the timer counts each row's tokens up to and including its
+    first EOS (a naive loop's count), and pad tokens the policy sampled only before it. On a
+    full-length workload it refuses a generation that stopped early."""
+    import types
+
+    from benchmarks.lib.trl_ppo import PhaseTimer
+
+    pad, eos = 0, 9
+    queries = torch.tensor([[5, 6], [5, 7], [6, 6]])
+    responses = torch.tensor([[1, 9, 0, 0], [2, 0, 3, 9], [4, 4, 4, 4]])  # EOS at 2, at 4, none
+
+    def batch_generation(model, q, *args, **kwargs):
+        return torch.cat([q, responses], 1), torch.zeros(q.shape[0], responses.shape[1], 3)
+
+    module = types.SimpleNamespace(batch_generation=batch_generation, forward=lambda *a: None)
+    timer = PhaseTimer(None, pad, eos)
+    timer.install(module)
+    module.batch_generation(None, queries)
+    naive = 0
+    for row in responses.tolist():
+        naive += row.index(eos) + 1 if eos in row else len(row)
+    assert timer.sampled_tokens == naive == 2 + 4 + 4
+    assert timer.sampled_pad_tokens == 1  # row 1's sampled pad, before its EOS; row 0's padding is not counted
+
+    strict = types.SimpleNamespace(batch_generation=batch_generation, forward=lambda *a: None)
+    PhaseTimer(8, pad, eos).install(strict)
+    with pytest.raises(RuntimeError, match="generation stopped early: 4 new tokens, expected 8"):
+        strict.batch_generation(None, queries)

@@ -19,11 +19,15 @@ from benchmarks.lib.workloads import Workload, build_models, make_prompts
 
 
 class PhaseTimer:
-    """Accumulates rollout time from TRL's ``batch_generation`` / ``forward`` call boundaries."""
+    """Accumulates rollout time from TRL's ``batch_generation`` / ``forward`` call boundaries, and
+    the response tokens sampled: ``response_tokens`` each (checked), or for a workload whose
+    completions stop at EOS (``response_tokens=None``) each row's tokens up to its first EOS."""
 
-    def __init__(self, response_tokens: int, pad_token_id: int):
+    def __init__(self, response_tokens: int | None, pad_token_id: int, eos_token_id: int | None = None):
         self.response_tokens = response_tokens
         self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.sampled_tokens = 0
         self.in_rollout = False
         self.rollout_start = 0.0
         self.rollout_s = 0.0
@@ -51,11 +55,19 @@ class PhaseTimer:
             query_responses, logits = orig_batch_generation(model, queries, *args, **kwargs)
             self.generate_s += time.perf_counter() - t0
             n_new = query_responses.shape[1] - queries.shape[1]
-            if n_new != self.response_tokens or logits.shape[1] != self.response_tokens:
+            if self.response_tokens is not None and (
+                n_new != self.response_tokens or logits.shape[1] != self.response_tokens
+            ):
                 raise RuntimeError(f"generation stopped early: {n_new} new tokens, expected {self.response_tokens}")
+            responses = query_responses[:, queries.shape[1] :]
+            real = torch.ones_like(responses, dtype=torch.bool)
+            if self.response_tokens is None:  # after a row's EOS, generate pads
+                eos = (responses == self.eos_token_id).int()
+                real = (eos.cumsum(1) - eos) == 0  # up to and including the first EOS
+            self.sampled_tokens += int(real.sum())
             # A random policy can sample the pad token itself; TRL then treats the rest of that
             # response as padding (masks), though the tensors (and the compute) stay full length.
-            self.sampled_pad_tokens += int((query_responses[:, queries.shape[1] :] == self.pad_token_id).sum())
+            self.sampled_pad_tokens += int(((responses == self.pad_token_id) & real).sum())
             return query_responses, logits
 
         def forward(model, query_responses, pad_token_id):
@@ -123,7 +135,10 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, th
         num_ppo_epochs=w.ppo_epochs,
         total_episodes=episodes,
         response_length=w.response_tokens,
-        stop_token=None,  # no EOS stop, no truncation: full-length responses
+        # full-length responses (no EOS stop, no truncation), or for gsm8k_like's completions
+        # that stop at EOS, TRL's EOS stop: generate stops a chunk when its last row has stopped,
+        # and the response is truncated after its first EOS
+        stop_token="eos" if w.stops_at_eos else None,
         stop_token_id=None,
         missing_eos_penalty=None,
         num_sample_generations=0,  # no debugging sample generations
@@ -140,14 +155,15 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, th
     assert config.batch_size == w.rollout_batch and config.num_total_batches == episodes // w.rollout_batch
     assert config.local_mini_batch_size == w.minibatch_size
     # stop_token=None made TRL clear the policy's eos_token_id: generate() never stops at EOS.
-    assert policy.generation_config.eos_token_id is None and trainer.stop_token_id is None
+    eos = tokenizer.eos_token_id if w.stops_at_eos else None
+    assert policy.generation_config.eos_token_id == eos and trainer.stop_token_id == eos
     print(
         f"[trl_baseline] optimizer={type(trainer.optimizer.optimizer).__name__} "
         f"lr={config.learning_rate} device={trainer.accelerator.device}",
         file=sys.stderr,
     )
 
-    timer = PhaseTimer(w.response_tokens, tokenizer.pad_token_id)
+    timer = PhaseTimer(None if w.stops_at_eos else w.response_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id)
     timer.install(ppo_trainer_module)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -189,7 +205,8 @@ def train(run: TRLRun) -> dict:
         "workload": w.name,
         "episodes": episodes,
         "episodes_per_s": episodes / total_s,
-        "generated_tokens_per_s": episodes * w.response_tokens / total_s,
+        "generated_tokens_per_s": timer.sampled_tokens / total_s,
+        "mean_response_tokens": timer.sampled_tokens / episodes,
         "rollout_s": rollout_s,
         "update_s": total_s - rollout_s,
         "total_s": total_s,
