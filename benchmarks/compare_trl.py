@@ -61,6 +61,11 @@ def run(
     return run_json(module_cmd(name, *args, python=python), f"benchmarks.{name}")
 
 
+def mean_length(result: dict) -> float:
+    """A run's mean completion length, from its JSON line."""
+    return round(result["generated_tokens_per_s"] * result["total_s"] / result["episodes"], 1)
+
+
 def main() -> None:
     ap = cli.parser(__doc__)
     cli.add_workload(ap, default="tiny")
@@ -122,6 +127,12 @@ def main() -> None:
                 "speedup_median_of_rounds": statistics.median(per_round),
                 "all_ppo_lightning": [r["episodes_per_s"] for r in results["ppo_lightning"]],
                 "all_trl": [r["episodes_per_s"] for r in results["trl"]],
+                # completions that stop at EOS (gsm8k_like): each side draws its own lengths, so
+                # the work per completion differs by chance; tokens/s and the mean lengths show it
+                "generated_tokens_per_s_ppo_lightning": median_of(results["ppo_lightning"], "generated_tokens_per_s"),
+                "generated_tokens_per_s_trl": median_of(results["trl"], "generated_tokens_per_s"),
+                "mean_response_tokens_ppo_lightning": [mean_length(r) for r in results["ppo_lightning"]],
+                "mean_response_tokens_trl": [mean_length(r) for r in results["trl"]],
                 "rollout_s_ppo_lightning": median_of(results["ppo_lightning"], "rollout_s"),
                 "update_s_ppo_lightning": median_of(results["ppo_lightning"], "update_s"),
                 "rollout_s_trl": median_of(results["trl"], "rollout_s"),

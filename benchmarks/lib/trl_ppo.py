@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks.lib.measure import MB, rss
 from benchmarks.lib.trl_side import check_tokens, cpu_fp32_config
-from benchmarks.lib.workloads import Workload, build_models, make_prompts
+from benchmarks.lib.workloads import Workload, build_models, make_prompts, tokenizer_dir
 
 
 class PhaseTimer:
@@ -112,7 +112,8 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, th
     tmp = tempfile.TemporaryDirectory(prefix="trl-baseline-")
     policy_dir, reward_dir = build_models(w, model_root)
 
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tok_dir = tokenizer_dir(policy_dir) if tokenizer_dir(policy_dir).is_dir() else policy_dir
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, padding_side="left")  # prompts of spread lengths
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     ref_policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, dtype=torch.float32)
@@ -135,6 +136,7 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, th
         num_ppo_epochs=w.ppo_epochs,
         total_episodes=episodes,
         response_length=w.response_tokens,
+        temperature=1.0,  # ours samples at 1.0 (PPOConfig's default is 0.7): gsm8k_like's lengths are baked for it
         # full-length responses (no EOS stop, no truncation), or for gsm8k_like's completions
         # that stop at EOS, TRL's EOS stop: generate stops a chunk when its last row has stopped,
         # and the response is truncated after its first EOS
