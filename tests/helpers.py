@@ -239,6 +239,18 @@ def rebind_log_streams(every: bool = False) -> None:
                 h.flush = sys.stderr.flush
 
 
+def build_small(monkeypatch, task, sizes: dict) -> None:
+    """The task module ``task`` builds its recipe with ``sizes`` (its module-level size constants,
+    e.g. ``SFT_STEPS``) for this test: every stage of the demo's build runs, each for a few steps.
+    A build's cache key does not see these values, so the build must go to a cache directory that
+    holds only small builds, never the session's ``cache_dir``. A run forked from this process
+    (``run_train``) inherits them."""
+    for name, value in sizes.items():
+        if not hasattr(task, name):
+            raise AttributeError(f"{task.__name__} has no size constant {name}")
+        monkeypatch.setattr(task, name, value)
+
+
 def run_ranks(args: list[str], cache_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """``train.py <args>`` with its ranks forked from this process instead of started as new
     interpreters: one process for a one-device trainer, and for several, what ``torchrun

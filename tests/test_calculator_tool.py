@@ -93,9 +93,9 @@ def test_calculator_tool_builds_trains_and_reports_at_a_small_scale(tmp_path, ca
     RL problems): the build, the evaluations with the tool and the accuracy without it before and
     after, and the report. The demo at full size is ``test_calculator_tool_learns_to_call_the_tool``."""
     from ppo_lightning.tasks.calculator_tool import task
+    from tests.helpers import build_small
 
-    for name, value in {"SFT_STEPS": 20, "SFT_PROBLEMS": 600, "N_PROBLEMS": 200}.items():
-        monkeypatch.setattr(task, name, value)
+    build_small(monkeypatch, task, {"SFT_STEPS": 20, "SFT_PROBLEMS": 600, "N_PROBLEMS": 200})
     result = run_calculator_tool(tmp_path, tmp_path / "cache", 2, 1, capsys)
     assert set(result["before"]) == {*task.ROWS, task.WITHOUT_TOOL} == set(result["after"])
     assert 0 <= result["without_tool"]["before"] <= 1 and 0 <= result["without_tool"]["after"] <= 1

@@ -132,9 +132,9 @@ def test_math_chat_builds_trains_and_reports_at_a_small_scale(tmp_path, capsys, 
     part the demo runs, the build, the evaluations before, during and after, and the report. The
     demo at full size is ``test_math_chat_builds_evaluates_and_raises_three_step_accuracy``."""
     from ppo_lightning.tasks.math_chat import task
+    from tests.helpers import build_small
 
-    for name, value in {"SFT_STEPS": 20, "SFT_EXAMPLES": 2000, "N_PROBLEMS": 200}.items():
-        monkeypatch.setattr(task, name, value)
+    build_small(monkeypatch, task, {"SFT_STEPS": 20, "SFT_EXAMPLES": 2000, "N_PROBLEMS": 200})
     result = run_math_chat(tmp_path, tmp_path / "cache", iterations=2, every=1)
     assert "math_chat: held-out prompts, before and after PPO" in capsys.readouterr().out
     assert set(result["before"]) == set(task.ROWS) == set(result["after"])

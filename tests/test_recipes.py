@@ -153,13 +153,12 @@ def small_reviews_cache(tmp_path_factory):
 
 @pytest.fixture
 def small_reviews(monkeypatch, small_reviews_cache):
-    """The reviews task builds with ``SMALL_REVIEWS``, into ``small_reviews_cache`` (never the
-    session's cache: the build's cache key does not see these values). A run forked from this
-    process (``run_train``) inherits them."""
+    """The reviews task builds with ``SMALL_REVIEWS`` (``helpers.build_small``), into
+    ``small_reviews_cache``."""
     from ppo_lightning.tasks.reviews import task
+    from tests.helpers import build_small
 
-    for name, value in SMALL_REVIEWS.items():
-        monkeypatch.setattr(task, name, value)
+    build_small(monkeypatch, task, SMALL_REVIEWS)
     return small_reviews_cache
 
 
