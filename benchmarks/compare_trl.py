@@ -47,23 +47,8 @@ from benchmarks.lib import cli
 from benchmarks.lib.grpo_workload import DEFAULT_GENERATIONS, DEFAULT_PROMPTS
 from benchmarks.lib.measure import median_of
 from benchmarks.lib.ours import backend_available
-from benchmarks.lib.runner import alternate, module_cmd, ratios, run_json
+from benchmarks.lib.runner import alternate, mean_length, ratios, run_benchmark
 from benchmarks.lib.workloads import WORKLOADS, build_models
-
-
-def run(
-    name: str, workload: str, model_dir: str, threads: int | None, python: str | None = None, extra: list[str] = ()
-) -> dict:
-    """``benchmarks.<name>`` on the workload in a fresh process (``python``: another venv's); its JSON line."""
-    args = ["--workload", workload, "--model-dir", model_dir, *extra]
-    if threads:
-        args += ["--threads", str(threads)]
-    return run_json(module_cmd(name, *args, python=python), f"benchmarks.{name}")
-
-
-def mean_length(result: dict) -> float:
-    """A run's mean completion length, from its JSON line."""
-    return round(result["generated_tokens_per_s"] * result["total_s"] / result["episodes"], 1)
 
 
 def main() -> None:
@@ -98,8 +83,12 @@ def main() -> None:
         build_models(WORKLOADS[args.workload], model_dir)
         results = alternate(
             {
-                "ppo_lightning": lambda r: run("throughput", args.workload, model_dir, args.threads, extra=ours),
-                "trl": lambda r: run(trl_script, args.workload, model_dir, args.threads, args.trl_python, theirs),
+                "ppo_lightning": lambda r: run_benchmark(
+                    "throughput", args.workload, model_dir, args.threads, extra=ours
+                ),
+                "trl": lambda r: run_benchmark(
+                    trl_script, args.workload, model_dir, args.threads, args.trl_python, theirs
+                ),
             },
             args.rounds,
         )

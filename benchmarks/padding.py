@@ -2,6 +2,7 @@
 
     python -m benchmarks.padding                      # ~2 min on 2 cores
     python -m benchmarks.padding --rounds 5 --threads 2
+    python -m benchmarks.padding --packing --threads 2  # trimmed micro-batches against packed ones
 
 The batch has the shape of an RL-from-verifiable-rewards rollout: 8 prompts of 100-200 tokens
 (left-padded), each repeated for a group of 8 completions whose lengths spread uniformly between
@@ -21,6 +22,13 @@ most 8 x 456 = 3648 tokens):
   its prompt encoded once and its 8 completions attending to its keys and values;
 * ``shared_prompt_token_budget``: both: minibatches of two whole groups, rows sorted by
   response length under the budget (each distinct prompt counted once in a micro-batch's cost).
+
+``--packing`` asks whether true packing would pay on top of the token budget: the same
+micro-batches through the bare model, each as it is (its rows on their window) or packed (its
+rows' real tokens end to end in one row, the positions restarting per sequence: Hugging Face
+then builds a block-diagonal causal mask, and SDPA on CPU computes the packed row's whole
+attention and masks it; there is no varlen kernel on CPU). Both give the same log-probabilities
+(tested); the JSON line gives the seconds of each and the positions computed.
 
 Printed, one JSON line: per variant the median seconds per epoch over ``--rounds`` alternating
 rounds, the ratio to ``padded`` (per round, then the median), and the token positions its
@@ -140,14 +148,61 @@ def _computed(part, layout) -> int:
     return len(groups[0]) * (P - start) + part.batch_size * (stop - P)
 
 
+def packing_epoch(policy, r, packed: bool, seed: int) -> dict:
+    """One epoch of the ``token_budget`` variant's micro-batches through the bare model (its
+    layers, then the head and a log-softmax on the response tokens), each micro-batch either as
+    it is (its rows on their window, the attention mask hiding the padding) or ``packed``: its
+    rows' real tokens end to end in one row, each sequence's positions from 0, so Hugging Face
+    builds a block-diagonal causal mask from the position ids (SDPA with that mask: no varlen
+    kernel on CPU, so the attention is computed over the packed row and masked)."""
+    from ppo_lightning.algo.algorithm import micro_batches, minibatch_rows
+    from ppo_lightning.algo.rollout import unpadded
+    from ppo_lightning.config import PPOConfig
+
+    cfg = PPOConfig(minibatch_size=MINIBATCH, **VARIANTS["token_budget"])
+    lm, computed, logp_sum = policy.lm, 0, 0.0
+
+    def step(ids, mask, pos, targets):
+        hidden = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        logits = lm.lm_head(hidden[targets[0], targets[1] - 1])
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[targets].unsqueeze(-1))
+        logp.sum().div(len(logp)).backward()
+        return logp.sum().item()
+
+    def run():
+        nonlocal computed, logp_sum
+        for idx in minibatch_rows(r.batch_size, cfg, False, torch.Generator().manual_seed(seed)):
+            for part in micro_batches(r.index(idx), cfg, _OneProcess(), False)[0]:
+                ids, mask, pos, P = unpadded(
+                    part.query_responses, part.attention_mask, part.position_ids, part.context_length
+                )
+                response = torch.zeros_like(mask, dtype=torch.bool)
+                response[:, P:] = mask[:, P:].bool()
+                if packed:
+                    real = mask.bool()
+                    ids, pos, response = ids[real][None], pos[real][None], response[real][None]
+                    mask = None
+                logp_sum += step(ids, mask, pos, response.nonzero(as_tuple=True))
+                computed += ids.numel()
+        policy.zero_grad(set_to_none=True)
+
+    _, seconds = timed(run)
+    return {"epoch_s": seconds, "tokens_computed": computed, "logp_sum": logp_sum}
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (median reported)")
+    ap.add_argument(
+        "--packing", action="store_true", help="only the token budget's micro-batches, as they are and packed"
+    )
     add_threads(ap)
     args = ap.parse_args()
     set_threads(args.threads)
     torch.manual_seed(0)
     r, prompt_lens, response_lens = build_rollout()
+    if args.packing:
+        return print_packing(r, args.rounds)
     with tempfile.TemporaryDirectory() as root:
         policy = build_policy(Path(root))
         epoch(policy, r, ("padded", VARIANTS["padded"]), seed=0)  # warm-up: allocator, kernels
@@ -171,6 +226,30 @@ def main() -> None:
             "epoch_s": round(statistics.median(x["epoch_s"] for x in rows), 3),
             "speedup_vs_padded": round(statistics.median(ratios(results["padded"], rows, "epoch_s")), 2),
             "tokens_computed": rows[0]["tokens_computed"],
+        }
+    print(json.dumps(out))
+
+
+def print_packing(r, rounds: int) -> None:
+    """``--packing``: the token budget's micro-batches trimmed against packed, one JSON line."""
+    with tempfile.TemporaryDirectory() as root:
+        policy = build_policy(Path(root))
+        packing_epoch(policy, r, False, seed=0)  # warm-up
+        results = alternate(
+            {
+                name: (lambda k, p=p: packing_epoch(policy, r, p, seed=k))
+                for name, p in (("trimmed", False), ("packed", True))
+            },
+            rounds,
+            abba=True,
+        )
+    out = {"benchmark": "padding --packing", "threads": torch.get_num_threads(), "rounds": rounds}
+    for name, rows in results.items():
+        out[name] = {
+            "epoch_s": round(statistics.median(x["epoch_s"] for x in rows), 3),
+            "speedup_vs_trimmed": round(statistics.median(ratios(results["trimmed"], rows, "epoch_s")), 2),
+            "tokens_computed": rows[0]["tokens_computed"],
+            "logp_sum": rows[0]["logp_sum"],  # the same in both: the packed mask is the padded one's
         }
     print(json.dumps(out))
 

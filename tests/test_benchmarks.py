@@ -251,3 +251,76 @@ def test_trls_ppo_timer_counts_each_rows_tokens_up_to_its_first_eos():
     PhaseTimer(8, pad, eos).install(strict)
     with pytest.raises(RuntimeError, match="generation stopped early: 4 new tokens, expected 8"):
         strict.batch_generation(None, queries)
+
+
+def test_scaling_on_paper_counts_one_unpadded_row_alike_on_both_sides_but_the_lean_heads_recompute():
+    """``benchmarks.scaling.paper_gflop`` against a naive count: with one prompt and one completion
+    there is no padding and no repeated prompt, so the two sides' FLOPs differ only by ours
+    recomputing the head on the completion once more (the lean head); a doubled workload doubles
+    its prompts or its completions, and the drawn lengths follow the baked EOS rate."""
+    import random
+    import statistics
+
+    from benchmarks.lib.workloads import doubled, prompt_lengths
+    from benchmarks.scaling import QWEN2_5_1_5B, Shape, completion_lengths, layer_flops, paper_gflop
+
+    w = WORKLOADS["gsm8k_like"]
+    assert WORKLOADS["gsm8k_like_prompts_x2"] == doubled(w, "prompts")
+    assert (doubled(w, "prompts").prompt_tokens_min, doubled(w, "prompts").prompt_tokens) == (200, 400)
+    assert (doubled(w, "completions").eos_mean_tokens, doubled(w, "completions").response_tokens) == (192, 512)
+    lengths = completion_lengths(w, random.Random(0), 4000)
+    assert max(lengths) == 256 and min(lengths) >= 1
+    expected = 96 * (1 - (1 - 1 / 96) ** 256)  # a geometric mean, capped at 256
+    assert abs(statistics.mean(lengths) - expected) < 0.05 * expected
+    assert 1.30e9 < QWEN2_5_1_5B.layer_weights * QWEN2_5_1_5B.n_layer < 1.32e9  # Qwen2.5-1.5B's 1.31 B
+    for shape in (Shape.of(w), QWEN2_5_1_5B):
+        gflop = paper_gflop(w, 1, 1, shape, draws=50)
+        rng = random.Random(0)  # the same draws, counted naively: 5 forwards of p + c, the head on c
+        f, att, h = layer_flops(shape)
+        trl = head = 0.0
+        for _ in range(50):
+            p = rng.sample(prompt_lengths(w), 1)[0]
+            c = completion_lengths(w, rng, 1)[0]
+            trl += 5 * ((p + c) * f + att * (p + c) ** 2 / 2 + c * h)
+            head += c * h
+        assert math.isclose(gflop["trl"], trl / 50 / 1e9, rel_tol=1e-9)
+        assert math.isclose(gflop["ppo_lightning"], (trl + head) / 50 / 1e9, rel_tol=1e-9)
+
+
+def test_each_engine_correction_modes_weights_match_their_definition_and_are_1_without_a_mismatch():
+    """``benchmarks.engine_correction.mode_stats`` over kept rollouts: with the engine equal to the
+    trainer every mode changes and drops nothing (ESS 1); with a mismatch, ``token_mask`` drops
+    exactly the tokens whose ratio passes the cap, and a sequence mode weighs each token of a
+    completion by the completion's product of ratios."""
+    from benchmarks.engine_correction import MODES, mismatch, mode_stats
+
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(6, 9, generator=g) - 2
+    mask = (torch.arange(9) < torch.tensor([2, 3, 4, 7, 8, 9])[:, None]).float()
+    for mode in MODES:
+        s = mode_stats([(old, old.clone(), mask)], mode, 2.0)
+        assert s["changed"] == 0 and s["dropped"] == 0 and abs(s["ess"] - 1) < 1e-6, (mode, s)
+    engine = old - 0.5 * torch.randn(6, 9, generator=g)
+    kept, log_rho = [(old, engine, mask)], old - engine
+    dropped = (log_rho.exp() > 2)[mask.bool()].float().mean().item()
+    assert math.isclose(mode_stats(kept, "token_mask", 2.0)["dropped"], dropped, rel_tol=1e-6)
+    # the longest third: rows 4 and 5 (8 and 9 tokens), each token weighed by its row's capped product
+    w4, w5 = (log_rho[4, :8].sum().exp().clamp(max=2.0).item(), log_rho[5].sum().exp().clamp(max=2.0).item())
+    assert math.isclose(mode_stats(kept, "sequence_truncate", 2.0)["w_long"], (8 * w4 + 9 * w5) / 17, rel_tol=1e-5)
+    m = mismatch(kept)
+    assert m["tokens"] == int(mask.sum())
+    assert math.isclose(m["engine_kl"], (engine - old)[mask.bool()].mean().item(), rel_tol=1e-5)
+
+
+def test_packed_micro_batches_give_the_trimmed_ones_logprobs(tmp_path):
+    """``benchmarks.padding --packing``: each micro-batch's rows end to end in one row, positions
+    restarting per sequence, give the log-probabilities of the rows on their window (Hugging Face's
+    block-diagonal mask from the position ids), so its timing compares the same work."""
+    from benchmarks import padding
+
+    r = padding.build_rollout()[0]
+    r = r.index(torch.arange(padding.MINIBATCH))  # one minibatch
+    policy = padding.build_policy(tmp_path)
+    trimmed, packed = (padding.packing_epoch(policy, r, p, seed=0) for p in (False, True))
+    assert packed["tokens_computed"] < trimmed["tokens_computed"]
+    assert math.isclose(packed["logp_sum"], trimmed["logp_sum"], rel_tol=1e-4), (packed, trimmed)

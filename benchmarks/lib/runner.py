@@ -77,6 +77,21 @@ def run_json(cmd: list[str], what: str, env: dict | None = None) -> dict:
     return last_json_line(p.stdout)
 
 
+def run_benchmark(
+    name: str, workload: str, model_dir: str, threads: int | None, python: str | None = None, extra: Sequence[str] = ()
+) -> dict:
+    """``benchmarks.<name>`` on the workload in a fresh process (``python``: another venv's); its JSON line."""
+    args = ["--workload", workload, "--model-dir", model_dir, *extra]
+    if threads:
+        args += ["--threads", str(threads)]
+    return run_json(module_cmd(name, *args, python=python), f"benchmarks.{name}")
+
+
+def mean_length(result: dict) -> float:
+    """A run's mean completion length, from its JSON line (``throughput``'s or a TRL baseline's)."""
+    return round(result["generated_tokens_per_s"] * result["total_s"] / result["episodes"], 1)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (MASTER_PORT for a process group on this machine)."""
     with socket.socket() as s:

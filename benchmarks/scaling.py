@@ -1,0 +1,212 @@
+"""How a GRPO iteration grows with the prompt length, the group size and the completion length
+(x2 each), ppo_lightning against TRL's GRPOTrainer on gsm8k_like: on paper and measured.
+
+    python -m benchmarks.scaling --trl-python .venv-trl/bin/python --threads 2   # ~20 min on 2 cores
+
+Four points, each a ``benchmarks.compare_trl --trainer grpo`` pair (the two sides alternating,
+``--rounds`` rounds, fresh processes): ``gsm8k_like`` at ``--prompts`` P x ``--generations`` G
+(x1); its prompts twice as long (``gsm8k_like_prompts_x2``: 200-400 tokens); the group twice as
+large (2G); its completions twice as long (``gsm8k_like_completions_x2``: EOS at a mean of 192, at
+most 512). For each side and point it prints seconds per completion and their growth over x1,
+measured, beside the growth of the matmul FLOPs per completion on paper (``paper_gflop``: each
+side's work from the shapes, over lengths drawn as the workload draws them; also at Qwen2.5-1.5B's
+shape, whose layers outweigh its head). The savings grow where TRL's work grows faster than ours.
+Each run draws its own completion lengths (a mean of 16 geometric draws varies by ~25%), so the
+seconds are read per generated token and scaled to the workload's expected mean length
+(``s_per_completion_at_mean``; the raw figure and the drawn mean are in the JSON lines).
+"""
+
+from __future__ import annotations
+
+from benchmarks.lib import offline  # noqa: F401  (first: the environment before the libraries)
+
+import dataclasses
+import json
+import random
+import tempfile
+
+from benchmarks.lib import cli
+from benchmarks.lib.runner import alternate, mean_length, run_benchmark
+from benchmarks.lib.workloads import WORKLOADS, Workload, build_models, prompt_lengths
+
+BASE = "gsm8k_like"
+POINTS = (  # (label, workload, group-size factor)
+    ("x1", BASE, 1),
+    ("prompts x2", f"{BASE}_prompts_x2", 1),
+    ("group x2", BASE, 2),
+    ("completions x2", f"{BASE}_completions_x2", 1),
+)
+
+
+# ----------------------------------------------------------------------------- on paper
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What a decoder's matmul FLOPs depend on: width, depth, weights a layer, vocabulary."""
+
+    d: int
+    n_layer: int
+    layer_weights: int
+    vocab: int
+
+    @classmethod
+    def of(cls, w: Workload) -> "Shape":
+        """The workload's Qwen2-shaped policy (``tiny.causal_lm_config``: q, k, v, o of width d and
+        a gated MLP of width 2d, so 10 d^2 weights a layer)."""
+        return cls(w.n_embd, w.n_layer, 10 * w.n_embd**2, w.vocab_size)
+
+
+QWEN2_5_1_5B = Shape(1536, 28, 2 * 1536**2 + 2 * 1536 * 256 + 3 * 1536 * 8960, 151936)
+"""Qwen2.5-1.5B's shape (GQA: k and v 256 wide; MLP 8960): 1.31 B weights in its layers against
+the head's 0.23 B, where the workload's head is 15x its layers. On paper only: where prompt
+length and group size weigh as they do on a real model."""
+
+
+def layer_flops(s: Shape) -> tuple[float, float, float]:
+    """(the layers' matmul FLOPs a token, the attention's a token per context position, the LM
+    head's a position)."""
+    return 2 * s.layer_weights * 1.0, 4 * s.d * s.n_layer * 1.0, 2 * s.d * s.vocab * 1.0
+
+
+def completion_lengths(w: Workload, rng: random.Random, n: int) -> list[int]:
+    """``n`` completion lengths as the baked EOS rate draws them: EOS with probability
+    ``1 / eos_mean_tokens`` at every token (the EOS counted), at most ``response_tokens``."""
+    p, out = 1.0 / w.eos_mean_tokens, []
+    for _ in range(n):
+        c = 1
+        while c < w.response_tokens and rng.random() >= p:
+            c += 1
+        out.append(c)
+    return out
+
+
+def expected_length(w: Workload) -> float:
+    """The mean completion length the baked EOS rate gives: a geometric mean, capped."""
+    p = 1.0 / w.eos_mean_tokens
+    return (1 - (1 - p) ** w.response_tokens) / p
+
+
+def forward(s: Shape, prompt: float, tokens: float, head: float) -> float:
+    """Matmul FLOPs of one causal forward: ``tokens`` positions through the layers, each
+    attending to ``prompt`` positions before them plus the causal part of its own, the head on
+    ``head`` positions."""
+    f, att, h = layer_flops(s)
+    return tokens * f + att * (tokens * prompt + tokens * tokens / 2) + head * h
+
+
+def paper_gflop(
+    w: Workload, prompts: int, generations: int, shape: Shape | None = None, draws: int = 200
+) -> dict[str, float]:
+    """Each side's expected matmul GFLOP per completion of one GRPO iteration (sampling, the
+    reference forward, one training forward and backward at 3x a forward), over ``draws`` batches
+    of the workload's lengths, on its model or another ``shape``:
+
+    * ours (the defaults): each row decodes until its own EOS; the reference and training forwards
+      encode each group's prompt once, its completions padded to the group's longest, the head on
+      completion tokens only (and once more in the update: the lean head's recomputation);
+    * TRL: the batch is padded to its longest prompt and decodes until its longest completion;
+      the reference and the training forward run every row over that width, the head on every
+      completion position.
+    """
+    s, rng = shape or Shape.of(w), random.Random(0)
+    lengths = prompt_lengths(w)
+    ours = trl = 0.0
+    for _ in range(draws):
+        ps = rng.sample(lengths, prompts)
+        cs = [completion_lengths(w, rng, generations) for _ in ps]
+        pmax, cmax, rows = max(ps), max(max(c) for c in cs), prompts * generations
+        for p, group in zip(ps, cs):
+            ours += sum(forward(s, 0, p + c, c) for c in group)  # sampling
+            shared = forward(s, 0, p, 0) + generations * forward(s, p, max(group), 0)
+            ours += 4 * shared + 5 * sum(group) * layer_flops(s)[2]  # reference, update, head recompute
+        trl += rows * (forward(s, 0, pmax + cmax, cmax) + 4 * forward(s, 0, pmax + cmax, cmax))
+    per = draws * prompts * generations * 1e9
+    return {"ppo_lightning": ours / per, "trl": trl / per}
+
+
+# ----------------------------------------------------------------------------- measured
+def measure(args, model_dir: str) -> list[dict]:
+    """Each point's compare pair, alternating within a point: one row a point and side."""
+    rows = []
+    for label, name, factor in POINTS:
+        shape = ["--prompts", str(args.prompts), "--generations", str(factor * args.generations)]
+        build_models(WORKLOADS[name], model_dir)
+        results = alternate(
+            {
+                "ppo_lightning": lambda r: run_benchmark(
+                    "throughput", name, model_dir, args.threads, extra=["--trainer", "grpo", *shape]
+                ),
+                "trl": lambda r: run_benchmark(
+                    "trl_grpo_baseline", name, model_dir, args.threads, args.trl_python, shape
+                ),
+            },
+            args.rounds,
+        )
+        paper = paper_gflop(WORKLOADS[name], args.prompts, factor * args.generations)
+        big = paper_gflop(WORKLOADS[name], args.prompts, factor * args.generations, QWEN2_5_1_5B)
+        for side, runs in results.items():
+            run_ = sorted(runs, key=lambda r: r["total_s"] / r["episodes"])[len(runs) // 2]
+            drawn = mean_length(run_)
+            rows.append(
+                {
+                    "point": label,
+                    "side": side,
+                    "s_per_completion": run_["total_s"] / run_["episodes"],
+                    "mean_tokens": drawn,
+                    "s_per_completion_at_mean": run_["total_s"]
+                    / run_["episodes"]
+                    * expected_length(WORKLOADS[name])
+                    / drawn,
+                    "paper_gflop": paper[side],
+                    "paper_gflop_qwen2_5_1_5b": big[side],
+                }
+            )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table: per point, each side's s / completion (at the workload's expected mean
+    length: each run draws its own lengths, a mean of 16 geometric draws is within ~25%) and
+    GFLOP / completion on paper, their growth over x1, and ours against TRL."""
+    by = {(r["point"], r["side"]): r for r in rows}
+    lines = [
+        "| point | ours s/completion (growth) | TRL s/completion (growth) | ours GFLOP on paper (growth) "
+        "| TRL GFLOP on paper (growth) | speed-up measured | FLOP ratio on paper | the same at Qwen2.5-1.5B's shape |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, _, _ in POINTS:
+        o, t = (by[(label, side)]["s_per_completion_at_mean"] for side in ("ppo_lightning", "trl"))
+        o1, t1 = (by[("x1", side)]["s_per_completion_at_mean"] for side in ("ppo_lightning", "trl"))
+        og, tg = (by[(label, side)]["paper_gflop"] for side in ("ppo_lightning", "trl"))
+        og1, tg1 = (by[("x1", side)]["paper_gflop"] for side in ("ppo_lightning", "trl"))
+        big = by[(label, "trl")]["paper_gflop_qwen2_5_1_5b"] / by[(label, "ppo_lightning")]["paper_gflop_qwen2_5_1_5b"]
+        lines.append(
+            f"| {label} | {o:.2f} ({o / o1:.2f}x) | {t:.2f} ({t / t1:.2f}x) | {og:.1f} ({og / og1:.2f}x) "
+            f"| {tg:.1f} ({tg / tg1:.2f}x) | {t / o:.2f}x | {tg / og:.2f}x | {big:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = cli.parser(__doc__)
+    ap.add_argument("--trl-python", help="the interpreter with trl 1.16 (default: this one)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per iteration (default 2)")
+    ap.add_argument("--generations", type=int, default=8, help="the group size at x1 (default 8)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--paper", action="store_true", help="only the on-paper columns (seconds, no runs)")
+    cli.add_threads(ap, help="torch.set_num_threads on both sides (default: torch's choice)")
+    args = ap.parse_args()
+    if args.paper:
+        for label, name, factor in POINTS:
+            for shape, model in ((None, "workload"), (QWEN2_5_1_5B, "qwen2.5-1.5b")):
+                gflop = paper_gflop(WORKLOADS[name], args.prompts, factor * args.generations, shape)
+                print(json.dumps({"point": label, "model": model, **gflop}))
+        return
+    with tempfile.TemporaryDirectory() as model_dir:
+        rows = measure(args, model_dir)
+    for r in rows:
+        print(json.dumps(r))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
