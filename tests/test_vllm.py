@@ -174,6 +174,23 @@ def test_seeded_samples_replay_and_the_engines_logprobs_are_the_training_forward
     assert (engine_logp * mask).abs().sum() > 0
 
 
+def test_a_batch_whose_prompts_pass_a_steps_token_budget_samples_seeded_on_cpu(cache_dir):
+    """160 seeded requests of 40 prompt tokens (6400, past vLLM's 4096-token step): on a CPU the
+    engine must not split a prefill across steps (chunked prefill rewinds the request's generator,
+    which a CPU ``torch.Generator`` cannot: "CPU Generator does not use offset"), and the seeded
+    samples still replay."""
+    from ppo_lightning.generation.params import SamplingParams
+
+    lm, tok = tiny_lm(cache_dir, "gpt2")
+    vb = engine(lm, tok)
+    prompts = torch.randint(0, 256, (160, 40), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(prompts)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    a = vb.generate(prompts, am, params, torch.Generator().manual_seed(1))
+    b = vb.generate(prompts, am, params, torch.Generator().manual_seed(1))
+    assert a[0].shape == (160, 4) and torch.equal(a[0], b[0])
+
+
 def test_with_lora_the_engine_samples_the_merged_policy_and_a_sync_sends_the_adapted_modules(cache_dir):
     """LoRA on ``q_proj`` only: the engine samples W + BA·alpha/r, and a sync sends the adapted
     modules widened to what vLLM fuses with them (q, k and v share one ``qkv_proj``), nothing else."""

@@ -95,6 +95,21 @@ def check_architecture(config) -> None:
         )
 
 
+def _unsplit_prefills(config, engine_args: dict) -> dict:
+    """On a CPU: no prefill split across engine steps. Each request samples from its own seeded
+    generator, and when vLLM schedules part of a prompt (chunked prefill: a batch's prompts past
+    a step's token budget, 4096 tokens by default) it rewinds that generator's offset, which a CPU
+    ``torch.Generator`` does not have: the run fails with "CPU Generator does not use offset".
+    Unchunked, a request waits for a step with room for its whole prompt, and a step's budget
+    holds at least one whole sequence. Elsewhere (a GPU's generators rewind): nothing."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    longest = engine_args.get("max_model_len") or getattr(config, "max_position_embeddings", None) or 0
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, int(longest))}
+
+
 def _transformers_backend(registered) -> bool:
     module = getattr(registered, "module_name", None) or getattr(registered, "__module__", "")
     return module.startswith("vllm.model_executor.models.transformers")
@@ -176,7 +191,7 @@ class VLLMBackend:
                 logprobs_mode="processed_logprobs",  # of the distribution sampled from
                 seed=0,
                 **launcher,
-                **self.engine_args,
+                **{**_unsplit_prefills(underlying(self.lm).config, self.engine_args), **self.engine_args},
             )
         finally:
             _set_global_rng_state(rng)
