@@ -334,8 +334,9 @@ def shape_gflop(w, trainer: str) -> float:
     sampling (prompt prefill, then one token a step, the LM head on the sampled positions only),
     the reference forward and one training forward over prompt + response (the head on response
     positions), its backward (2x); PPO adds the reward model's forward (the backbone, once) and
-    the rest of its ``ppo_epochs`` forward+backward passes (the value head is one row: free)."""
-    d, L, V, P, R = w.n_embd, w.n_layer, w.vocab_size or 258, w.prompt_tokens, w.response_tokens
+    the rest of its ``ppo_epochs`` forward+backward passes (the value head is one row: free); at
+    the workload's mean prompt and completion lengths where they vary (``gsm8k_like``)."""
+    d, L, V, P, R = w.n_embd, w.n_layer, w.vocab_size or 258, w.expected_prompt_tokens, w.expected_response_tokens
     n = 12 * d * d * L  # the blocks' weights (attention 4d^2, MLP 8d^2 a layer)
     h = d * V  # the LM head
     fwd = 2 * n * (P + R) + 2 * h * R  # one forward over prompt + response, head on the response

@@ -79,12 +79,6 @@ def completion_lengths(w: Workload, rng: random.Random, n: int) -> list[int]:
     return out
 
 
-def expected_length(w: Workload) -> float:
-    """The mean completion length the baked EOS rate gives: a geometric mean, capped."""
-    p = 1.0 / w.eos_mean_tokens
-    return (1 - (1 - p) ** w.response_tokens) / p
-
-
 def forward(s: Shape, prompt: float, tokens: float, head: float) -> float:
     """Matmul FLOPs of one causal forward: ``tokens`` positions through the layers, each
     attending to ``prompt`` positions before them plus the causal part of its own, the head on
@@ -154,7 +148,7 @@ def measure(args, model_dir: str) -> list[dict]:
                     "mean_tokens": drawn,
                     "s_per_completion_at_mean": run_["total_s"]
                     / run_["episodes"]
-                    * expected_length(WORKLOADS[name])
+                    * WORKLOADS[name].expected_response_tokens
                     / drawn,
                     "paper_gflop": paper[side],
                     "paper_gflop_qwen2_5_1_5b": big[side],

@@ -271,6 +271,7 @@ def test_scaling_on_paper_counts_one_unpadded_row_alike_on_both_sides_but_the_le
     lengths = completion_lengths(w, random.Random(0), 4000)
     assert max(lengths) == 256 and min(lengths) >= 1
     expected = 96 * (1 - (1 - 1 / 96) ** 256)  # a geometric mean, capped at 256
+    assert math.isclose(w.expected_response_tokens, expected) and w.expected_prompt_tokens == 150
     assert abs(statistics.mean(lengths) - expected) < 0.05 * expected
     assert 1.30e9 < QWEN2_5_1_5B.layer_weights * QWEN2_5_1_5B.n_layer < 1.32e9  # Qwen2.5-1.5B's 1.31 B
     for shape in (Shape.of(w), QWEN2_5_1_5B):

@@ -62,6 +62,20 @@ class Workload:
         return self.eos_mean_tokens is not None
 
     @property
+    def expected_prompt_tokens(self) -> float:
+        """The prompts' expected length (``prompt_lengths``: uniform over min..max, or all the same)."""
+        return (self.prompt_tokens + (self.prompt_tokens_min or self.prompt_tokens)) / 2
+
+    @property
+    def expected_response_tokens(self) -> float:
+        """The completions' expected length: ``response_tokens``, or where they stop at EOS (drawn
+        at ``1 / eos_mean_tokens`` a token) a geometric mean capped at ``response_tokens``."""
+        if not self.stops_at_eos:
+            return float(self.response_tokens)
+        p = 1.0 / self.eos_mean_tokens
+        return (1 - (1 - p) ** self.response_tokens) / p
+
+    @property
     def iterations(self) -> int:
         return self.episodes // self.rollout_batch
 

@@ -133,7 +133,7 @@ class PPOConfig(_MovedPPOKeys):
     tokens, not rows, and a group of short rows does not pay for the longest. Under DDP and FSDP
     every rank runs as many groups as the rank that needs most (FSDP gathers weights per forward).
     Replaces ``micro_batch_size`` (set one of them)."""
-    engine_correction: str = param("none", choices=choices.ENGINE_CORRECTIONS)
+    engine_correction: str = param("token_truncate", choices=choices.ENGINE_CORRECTIONS)
     """With an engine backend (``generation=vllm``) the samples come from the engine's
     distribution, not exactly the trainer's old policy (kernels, precision, batching): each
     token's policy loss is weighed by the importance ratio ``rho = pi_old / pi_engine`` of the
@@ -141,7 +141,12 @@ class PPOConfig(_MovedPPOKeys):
     and ms-swift expose it). ``token_truncate``: ``min(rho, cap)``; ``token_mask``: ``rho``, or 0
     past the cap; ``sequence_*``: the same on the response's product of ratios, for every token
     of it. ``none``: no weights. With the ``hf`` backend there is no engine, and no weights. The
-    mismatch is logged either way (``rollout/engine_*``). Under ``sampling.top_k``, ``top_p``
+    mismatch is logged either way (``rollout/engine_*``). The default, ``token_truncate``, was
+    chosen by measurement (``benchmarks/engine_correction.py``; docs/benchmarks.md): with a bf16
+    engine on math_chat it reweighs the 9% of tokens whose ratio is off by more than 1e-3 and
+    leaves the rest, where a sequence mode reweighs 85% (each token carries its response's whole
+    product, which grows with the length); with a float32 engine its weights are 1 to float32
+    rounding, and it caps the ratio where an engine drifts (a bf16 or fp16 engine, a failed sync). Under ``sampling.top_k``, ``top_p``
     or ``min_p`` the engine reports logprobs of its truncated, renormalised distribution, so
     ``pi_old`` is taken under the same truncation (``algo.rollout.truncated_logprobs``: one more
     no-grad forward a rollout) and the ratio holds the mismatch, not the truncation."""
