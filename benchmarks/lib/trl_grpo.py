@@ -83,9 +83,17 @@ class PhaseTimer:
 
 
 def build_trainer(
-    w: Workload, model_root: Path, prompts: int, generations: int, iterations: int, out_dir: Path, use_vllm=False
+    w: Workload,
+    model_root: Path,
+    prompts: int,
+    generations: int,
+    iterations: int,
+    out_dir: Path,
+    use_vllm=False,
+    bf16=False,
 ):
-    """TRL's ``GRPOTrainer`` on the workload, ready for ``train()``, with its ``PhaseTimer``."""
+    """TRL's ``GRPOTrainer`` on the workload, ready for ``train()``, with its ``PhaseTimer``;
+    ``bf16``: under bf16 autocast (``bf16=True``)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -104,6 +112,7 @@ def build_trainer(
     config = cpu_fp32_config(
         GRPOConfig,
         out_dir / "trl-output",
+        bf16,
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=rows // micro,
         steps_per_generation=rows // micro,

@@ -34,14 +34,15 @@ CPU_FP32 = {
 }
 
 
-def cpu_fp32_config(config_cls, output_dir: Path, **kwargs):
+def cpu_fp32_config(config_cls, output_dir: Path, bf16: bool = False, **kwargs):
     """``config_cls`` (a TRL config: ``PPOConfig``, ``GRPOConfig``, both ``TrainingArguments``)
     with ``CPU_FP32`` and the trainer's own ``kwargs``. ``output_dir``: TRL insists on one;
-    nothing is saved there."""
+    nothing is saved there. ``bf16``: bf16 autocast on the fp32 weights instead (TRL's
+    ``bf16=True``; ours: ``trainer.precision=bf16-mixed``)."""
     clash = sorted(CPU_FP32.keys() & kwargs.keys())
     if clash:
         raise ValueError(f"{clash} are CPU_FP32's: the same on both sides")
-    return config_cls(output_dir=str(output_dir), **kwargs, **CPU_FP32)
+    return config_cls(output_dir=str(output_dir), **kwargs, **{**CPU_FP32, "bf16": bf16})
 
 
 def check_tokens(w: Workload, tokenizer, prompt_ids: list[list[int]]) -> None:
