@@ -243,6 +243,9 @@ def test_the_trained_ids_are_the_sampled_turns_and_the_environment_deltas(bpe):
     assert played.query_responses[0, played.context_length :].tolist()[: len(e.response_ids)] == e.response_ids
     assert played.loss_mask[0].tolist()[: len(e.loss_mask)] == e.loss_mask
     assert bool(played.stopped[0])
+    # a backend without logprobs of its own (hf, this one) gives the episodes none: no zeros that
+    # ppo.engine_correction would read as an engine's logprobs (weights of pi_old, not 1)
+    assert e.engine_logprobs == [] and played.engine_logprobs is None
 
 
 def naive_loss_mask(tok, runner_env, prompt_messages, turns):

@@ -217,8 +217,9 @@ class EpisodeRunner:
             )
             t0 = time.perf_counter()
             for j, (e, row, n, room) in enumerate(zip(active, rows, lengths, rooms)):
-                e.engine_logprobs += [0.0] * (len(e.response_ids) - len(e.engine_logprobs))  # the answers before
-                e.engine_logprobs += engine_lp[j][: min(n, room)] if engine_lp is not None else []
+                if engine_lp is not None:  # an engine's own logprobs; 0 under the answers before
+                    e.engine_logprobs += [0.0] * (len(e.response_ids) - len(e.engine_logprobs))
+                    e.engine_logprobs += engine_lp[j][: min(n, room)]
                 self._take_turn(e, row[: min(n, room)], stops)
             env_time += time.perf_counter() - t0
         return self._batch(episodes, device, env_time)
