@@ -13,7 +13,7 @@ from pathlib import Path
 from benchmarks.lib.grpo_workload import ADAM_EPS, BETA, LR, char_fraction_reward
 from benchmarks.lib.runner import free_port
 from benchmarks.lib.trl_side import check_tokens, cpu_fp32_config
-from benchmarks.lib.workloads import Workload, build_models, make_prompts, tokenizer_dir
+from benchmarks.lib.workloads import Workload, build_models, make_prompts, tokenizer_source
 
 # --use-vllm: GRPOConfig's documented vLLM options (TRL builds the engine itself; it passes no
 # enforce_eager and no KV cache size, so the CPU engine's cache is sized by VLLM_CPU_KVCACHE_SPACE).
@@ -100,7 +100,7 @@ def build_trainer(
     from trl import GRPOConfig, GRPOTrainer
 
     policy_dir, _ = build_models(w, model_root)
-    tok_dir = tokenizer_dir(policy_dir) if tokenizer_dir(policy_dir).is_dir() else policy_dir
+    tok_dir = tokenizer_source(policy_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     texts = make_prompts(w)

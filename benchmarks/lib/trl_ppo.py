@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks.lib.measure import MB, rss
 from benchmarks.lib.trl_side import check_tokens, cpu_fp32_config
-from benchmarks.lib.workloads import Workload, build_models, make_prompts, tokenizer_dir
+from benchmarks.lib.workloads import Workload, build_models, make_prompts, tokenizer_source
 
 
 class PhaseTimer:
@@ -112,7 +112,7 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, th
     tmp = tempfile.TemporaryDirectory(prefix="trl-baseline-")
     policy_dir, reward_dir = build_models(w, model_root)
 
-    tok_dir = tokenizer_dir(policy_dir) if tokenizer_dir(policy_dir).is_dir() else policy_dir
+    tok_dir = tokenizer_source(policy_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, padding_side="left")  # prompts of spread lengths
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     ref_policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)

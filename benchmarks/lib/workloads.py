@@ -282,6 +282,12 @@ def tokenizer_dir(policy_dir: Path) -> Path:
     return Path(f"{policy_dir}-tokenizer")
 
 
+def tokenizer_source(policy_dir: Path) -> Path:
+    """Where a side that loads the tokenizer itself (TRL's) reads it: ``tokenizer_dir`` where the
+    workload saved one there, else the policy's own directory."""
+    return tokenizer_dir(policy_dir) if tokenizer_dir(policy_dir).is_dir() else policy_dir
+
+
 def tokenizer_overrides(w: Workload, policy_dir: Path) -> list[str]:
     """The config overrides that point the run at the workload's tokenizer (none for GPT-2s)."""
     return (
