@@ -146,8 +146,8 @@ class PPOConfig(_MovedPPOKeys):
     engine on math_chat it reweighs the 9% of tokens whose ratio is off by more than 1e-3 and
     leaves the rest, where a sequence mode reweighs 85% (each token carries its response's whole
     product, which grows with the length); with a float32 engine its weights are 1 to float32
-    rounding, and it caps the ratio where an engine drifts (a bf16 or fp16 engine, a failed sync). Under ``sampling.top_k``, ``top_p``
-    or ``min_p`` the engine reports logprobs of its truncated, renormalised distribution, so
+    rounding, and it caps the ratio where an engine drifts (a bf16 or fp16 engine, a failed sync).
+    Under ``sampling.top_k``, ``top_p`` or ``min_p`` the engine reports logprobs of its truncated, renormalised distribution, so
     ``pi_old`` is taken under the same truncation (``algo.rollout.truncated_logprobs``: one more
     no-grad forward a rollout) and the ratio holds the mismatch, not the truncation."""
     engine_correction_cap: float = param(2.0, gt=1)
