@@ -27,7 +27,7 @@ import torch
 from benchmarks.lib import cli
 from benchmarks.lib.measure import MB, timed
 from benchmarks.lib.runner import alternate
-from benchmarks.lib.workloads import WORKLOADS, build_models, make_prompts
+from benchmarks.lib.workloads import WORKLOADS, build_models, render_prompts
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         tok = load_tokenizer(str(policy_dir))
         lm = load_causal_lm(str(policy_dir), tok).eval()
         rows = [int(r) for r in args.rows.split(",")]
-        prompts = make_prompts(w)
+        prompts = render_prompts(w, tok)
         hf = HFBackend(lm, tok)
         vllm = VLLMBackend(lm, tok, kv_cache_memory_bytes=2 * 2**30, max_model_len=w.prompt_tokens + w.response_tokens)
         params = SamplingParams(max_new_tokens=w.response_tokens, stop_at_eos=False)

@@ -23,7 +23,7 @@ interpreter)::
     python -m benchmarks.compare_trl --trainer grpo --trl-python .venv-trl/bin/python --workload tiny --rounds 3
     python -m benchmarks.compare_trl --trainer grpo --trl-python .venv-trl/bin/python --workload medium --rounds 1
 
-``--bf16`` (GRPO): both sides under bf16 autocast on their fp32 weights, TRL's ``bf16=True`` and
+``--bf16``: both sides under bf16 autocast on their fp32 weights, TRL's ``bf16=True`` and
 our ``trainer.precision=bf16-mixed``; without it both run fp32 (``trl_side.CPU_FP32``).
 
 ``--backend hf|vllm`` picks ppo_lightning's generation backend (``generation=<backend>``); TRL's
@@ -68,11 +68,11 @@ def main() -> None:
     ap.add_argument(
         "--bf16",
         action="store_true",
-        help="--trainer grpo: bf16 autocast on both sides (TRL's bf16=True, our bf16-mixed)",
+        help="bf16 autocast on both sides (TRL's bf16=True, our trainer.precision=bf16-mixed)",
     )
     args = ap.parse_args()
-    if args.trainer == "ppo" and (args.prompts or args.generations or args.bf16):
-        ap.error("--prompts, --generations and --bf16 need --trainer grpo")
+    if args.trainer == "ppo" and (args.prompts or args.generations):
+        ap.error("--prompts and --generations need --trainer grpo")
     backend_available(args.backend)  # before the models are built
 
     ours, theirs, shape = ["--backend", args.backend] if args.backend != "hf" else [], [], []
@@ -82,11 +82,11 @@ def main() -> None:
         if args.iterations:
             shape += ["--iterations", str(args.iterations)]
         ours, theirs = ["--trainer", "grpo", *ours, *shape], shape
-        if args.bf16:
-            ours, theirs = [*ours, "--override", "trainer.precision=bf16-mixed"], [*theirs, "--bf16"]
     elif args.iterations:
         shape = ["--iterations", str(args.iterations)]
         ours, theirs = [*ours, *shape], shape
+    if args.bf16:
+        ours, theirs = [*ours, "--override", "trainer.precision=bf16-mixed"], [*theirs, "--bf16"]
     trl_script = "trl_grpo_baseline" if args.trainer == "grpo" else "trl_baseline"
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as model_dir:
@@ -107,7 +107,8 @@ def main() -> None:
     med = {k: median_of(v, "episodes_per_s") for k, v in results.items()}
     # each round's two runs are minutes apart at most: their ratio cancels slow machine drift
     per_round = ratios(results["ppo_lightning"], results["trl"], "episodes_per_s")
-    head = {"trainer": "grpo", "backend": args.backend, "bf16": args.bf16} if args.trainer == "grpo" else {}
+    head = {"trainer": "grpo", "backend": args.backend} if args.trainer == "grpo" else {}
+    head["bf16"] = args.bf16
     if args.trainer == "grpo":
         r0, t = results["ppo_lightning"][0], results["trl"][0]
         head.update(

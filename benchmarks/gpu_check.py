@@ -52,7 +52,7 @@ import torch
 from benchmarks.lib import cli
 from benchmarks.lib.measure import MB, peak_rss_mb
 from benchmarks.lib.ours import PerfTotals, compare_generate, compose
-from benchmarks.lib.workloads import WORKLOADS, Workload, build_models, make_prompts
+from benchmarks.lib.workloads import WORKLOADS, Workload, build_models, write_prompts
 
 PEAK_BF16_FLOPS = (  # dense bf16 tensor-core FLOP/s by device-name pattern; the first match wins
     (r"H100.*PCIe", 756e12),
@@ -89,8 +89,7 @@ def fit(w: Workload, policy_dir: Path, reward_dir: Path, device: torch.device, e
 
     with tempfile.TemporaryDirectory() as out:
         out = Path(out)
-        prompts = out / "prompts.txt"
-        prompts.write_text("\n".join(make_prompts(w)) + "\n")
+        prompts = write_prompts(w, out)
         accelerator = "gpu" if device.type == "cuda" else "cpu"
         cfg = compose(
             w,

@@ -53,7 +53,7 @@ from pathlib import Path
 from benchmarks.lib import cli
 from benchmarks.lib.measure import MB, PeakRSS, read_weights, rss, tensor_bytes
 from benchmarks.lib.runner import absolute, alternate, module_cmd, run_json
-from benchmarks.lib.workloads import WORKLOADS, build_models, make_prompts
+from benchmarks.lib.workloads import WORKLOADS, build_models, write_prompts
 
 VARIANTS = {
     "full": [],
@@ -107,8 +107,7 @@ def child_ours(workload: str, variant: str, iterations: int, model_root: Path, t
     policy_dir, reward_dir = build_models(w, model_root)
     with tempfile.TemporaryDirectory() as out:
         out = Path(out)
-        prompts = out / "prompts.txt"
-        prompts.write_text("\n".join(make_prompts(w)) + "\n")
+        prompts = write_prompts(w, out)
         try:
             cfg = compose(
                 w, policy_dir, reward_dir, prompts, out, extra=(f"trainer.max_steps={iterations}", *VARIANTS[variant])

@@ -89,7 +89,7 @@ from benchmarks.lib.measure import (
 )
 from benchmarks.lib.ours import workload_overrides
 from benchmarks.lib.runner import ROOT, absolute
-from benchmarks.lib.workloads import WORKLOADS, build_models, make_prompts
+from benchmarks.lib.workloads import WORKLOADS, build_models, write_prompts
 
 MMAP_THRESHOLD = 65536  # bytes; see the module docstring
 
@@ -389,8 +389,7 @@ def main() -> None:
         tmp = Path(tmp)
         model_root = Path(absolute(args.model_dir)) if args.model_dir else tmp / "models"  # train.py runs from ROOT
         policy_dir, reward_dir = build_models(w, model_root)  # once, for every run
-        prompts = tmp / "prompts.txt"
-        prompts.write_text("\n".join(make_prompts(w)) + "\n")
+        prompts = write_prompts(w, tmp)
         base = workload_overrides(w, policy_dir, reward_dir, prompts, tmp / "unused")
         planned = {}
         for v in variants:  # every variant's config checked before the first run

@@ -1,6 +1,7 @@
 """TRL baseline: time TRL's ``PPOTrainer`` (``trl.experimental.ppo``, trl==1.12.0) on a named workload.
 
-This is the reference point ppo_lightning is compared against. It runs stock TRL PPO, fp32 on CPU,
+This is the reference point ppo_lightning is compared against. It runs stock TRL PPO, fp32 on CPU (``--bf16``: under
+bf16 autocast, TRL's ``bf16=True``),
 on exactly the workload defined in ``benchmarks/lib/workloads.py``:
 
 * policy: the workload's saved GPT-2 causal LM; reference: a second ``from_pretrained`` of the
@@ -36,7 +37,7 @@ epochs plus per-update bookkeeping (metrics, LR scheduler step, the ``next()`` o
 
 Usage::
 
-    python -m benchmarks.trl_baseline --workload tiny [--model-dir DIR] [--threads N]
+    python -m benchmarks.trl_baseline --workload tiny [--model-dir DIR] [--threads N] [--bf16]
 
 prints exactly one JSON line on stdout; all other output (TRL's logs, progress bar, and this
 script's per-iteration rollout/update/RSS trace) goes to stderr. ``peak_rss_mb`` is the process's
@@ -69,6 +70,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--iterations", type=int, help="PPO iterations of the workload's rollout batch (default: the workload's)"
     )
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast on the fp32 weights (TRL's bf16=True)")
     return p.parse_args(argv)
 
 
@@ -79,7 +81,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="trl-models-") as tmp:
         model_root = Path(args.model_dir) if args.model_dir else Path(tmp)
         episodes = args.iterations * w.rollout_batch if args.iterations else None
-        run = build_trainer(w, model_root, episodes=episodes, threads=args.threads)
+        run = build_trainer(w, model_root, episodes=episodes, threads=args.threads, bf16=args.bf16)
         result = train(run)
         run.tmp.cleanup()
     result["peak_rss_mb"] = peak_rss_mb()

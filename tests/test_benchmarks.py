@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.lib.workloads import WORKLOADS, build_tokenizer, make_prompts
+from benchmarks.lib.workloads import WORKLOADS, build_tokenizer, make_prompts, render_prompts
 from tests.helpers import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +39,37 @@ def test_byte_workloads_keep_their_prompts():
     assert WORKLOADS["tiny"].vocab_size is None and WORKLOADS["small"].vocab_size is None
 
 
+def test_chat_workload_prompts_render_alike_on_both_sides_at_their_lengths(tmp_path):
+    """``gsm8k_like``'s chats (a smaller vocabulary): TRL's side renders them with the tokenizer's
+    chat template (``render_prompts``), ours reads ``write_prompts``'s JSONL and renders it through
+    ``data``'s pipeline with the saved tokenizer's template. Both give the same token ids, each
+    prompt exactly its ``prompt_lengths``, every id a real entry (no unknown word), opening the
+    assistant's turn; the EOS is ``<|im_end|>``, as Qwen2-Instruct's."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.lib.workloads import CHAT_TEMPLATE, prompt_lengths, write_prompts
+    from ppo_lightning.data.prompts import render_prompts as render_records
+    from ppo_lightning.data.records import read_prompt_records
+
+    w = dataclasses.replace(WORKLOADS["gsm8k_like"], vocab_size=2000, num_prompts=16)
+    assert w.chat
+    build_tokenizer(w).save_pretrained(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert len(tok) == 2000 and tok.chat_template == CHAT_TEMPLATE
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 1999 and tok.pad_token_id not in (None, 1999)
+    theirs = tok(render_prompts(w, tok), add_special_tokens=False)["input_ids"]
+    ours = tok(render_records(read_prompt_records(write_prompts(w, tmp_path)), tok), add_special_tokens=False)[
+        "input_ids"
+    ]
+    assert ours == theirs
+    assert [len(x) for x in ours] == prompt_lengths(w)
+    assert tok.unk_token_id not in {i for x in ours for i in x}
+    assert {tuple(tok.convert_ids_to_tokens(x[-2:])) for x in ours} == {("<|im_start|>", "assistant")}
+    assert len({tuple(x[:20]) for x in ours}) == 1  # the one system message opens every prompt
+
+
 @pytest.mark.slow
 def test_a_workload_that_stops_at_eos_spreads_its_lengths_around_the_baked_in_mean(tmp_path):
     """``bake_eos_rate`` on a small Qwen2-shaped word model (as ``gsm8k_like``'s, narrower): every
@@ -54,12 +85,14 @@ def test_a_workload_that_stops_at_eos_spreads_its_lengths_around_the_baked_in_me
     w = dataclasses.replace(
         WORKLOADS["gsm8k_like"], name="eos", n_layer=1, n_embd=32, vocab_size=2000, eos_mean_tokens=12
     )
-    w = dataclasses.replace(w, prompt_tokens=30, prompt_tokens_min=10, response_tokens=64)
+    w = dataclasses.replace(w, prompt_tokens=40, prompt_tokens_min=30, response_tokens=64)
     policy_dir, _ = build_models(w, tmp_path)
     tok = load_tokenizer(str(tokenizer_dir(policy_dir)))
-    assert [len(x) for x in tok(make_prompts(w))["input_ids"]] == prompt_lengths(w)
-    assert len(set(prompt_lengths(w))) > 10 and min(prompt_lengths(w)) >= 10 and max(prompt_lengths(w)) <= 30
-    enc = tok(make_prompts(w)[:4], return_tensors="pt", padding=True)
+    texts = render_prompts(w, tok)  # gsm8k_like's chats, through the saved chat template
+    assert [len(x) for x in tok(texts)["input_ids"]] == prompt_lengths(w)
+    assert len(set(prompt_lengths(w))) > 8 and min(prompt_lengths(w)) >= 30 and max(prompt_lengths(w)) <= 40
+    assert tok.eos_token == "<|im_end|>"
+    enc = tok(texts[:4], return_tensors="pt", padding=True)
     params = SamplingParams(max_new_tokens=w.response_tokens, temperature=1.0)
     _, mask = generate(
         load_causal_lm(str(policy_dir), tok),

@@ -30,7 +30,9 @@ def char_fraction_reward(prompts, completions, **kwargs) -> list[float]:
 
     The fraction of each completion's characters that are lowercase letters or spaces
     (``ppo_lightning.rewards.rules.char_fraction``): deterministic, microseconds per batch, and
-    varied within a group, so every group has a non-zero std."""
+    varied within a group, so every group has a non-zero std. Chat completions (assistant
+    messages, as both sides pass them for chat prompts) are scored on their text."""
     from ppo_lightning.rewards.rules import char_fraction
+    from ppo_lightning.rewards.verifiable import completion_text
 
-    return char_fraction(prompts, completions)
+    return char_fraction(prompts, [completion_text(c) for c in completions])

@@ -16,7 +16,7 @@ import torch
 from benchmarks.lib.grpo_workload import ADAM_EPS, BETA, LR, REWARD_FN
 from benchmarks.lib.measure import timed
 from benchmarks.lib.runner import ROOT, alternate
-from benchmarks.lib.workloads import Workload, build_models, make_prompts, tokenizer_overrides
+from benchmarks.lib.workloads import Workload, build_models, render_prompts, tokenizer_overrides, write_prompts
 
 
 class PerfTotals(L.Callback):
@@ -166,8 +166,7 @@ def run_ppo(
 
     iterations = iterations or w.iterations
     policy_dir, reward_dir = build_models(w, model_root)
-    prompts_file = out_dir / "prompts.txt"
-    prompts_file.write_text("\n".join(make_prompts(w)) + "\n")
+    prompts_file = write_prompts(w, out_dir)
     extra = [] if iterations == w.iterations else [f"trainer.max_steps={iterations}"]  # compose sets the workload's
     reward, rows = None, w.rollout_batch
     if trainer_kind == "grpo":
@@ -228,7 +227,7 @@ def compare_generate(w: Workload, model_root: Path, repeats: int, device: str = 
     policy_dir, _ = build_models(w, model_root)
     tok = load_tokenizer(str(policy_dir))
     lm = load_causal_lm(str(policy_dir), tok).eval().to(dev)
-    enc = tok(make_prompts(w)[: w.rollout_batch], return_tensors="pt", padding=True).to(dev)
+    enc = tok(render_prompts(w, tok)[: w.rollout_batch], return_tensors="pt", padding=True).to(dev)
     n_tokens = w.rollout_batch * w.response_tokens
     g = torch.Generator(device=dev).manual_seed(0)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from benchmarks.lib.grpo_workload import ADAM_EPS, BETA, LR, char_fraction_reward
 from benchmarks.lib.runner import free_port
 from benchmarks.lib.trl_side import check_tokens, cpu_fp32_config
-from benchmarks.lib.workloads import Workload, build_models, make_prompts, tokenizer_source
+from benchmarks.lib.workloads import Workload, build_models, make_prompts, render_prompts, tokenizer_source
 
 # --use-vllm: GRPOConfig's documented vLLM options (TRL builds the engine itself; it passes no
 # enforce_eager and no KV cache size, so the CPU engine's cache is sized by VLLM_CPU_KVCACHE_SPACE).
@@ -103,8 +103,8 @@ def build_trainer(
     tok_dir = tokenizer_source(policy_dir)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir, padding_side="left")
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-    texts = make_prompts(w)
-    check_tokens(w, tokenizer, tokenizer(texts)["input_ids"])  # as TRL tokenises
+    texts = make_prompts(w)  # chats: TRL renders them through the tokenizer's template, as here
+    check_tokens(w, tokenizer, tokenizer(render_prompts(w, tokenizer, texts))["input_ids"])  # as TRL tokenises
     rows = prompts * generations
     # one generation batch of P x G rows is one optimizer step: one micro-batch, or where the
     # workload's logits would not fit (Qwen2's vocabulary), micro-batches of one group each

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from benchmarks.lib.measure import MB, rss
 from benchmarks.lib.trl_side import check_tokens, cpu_fp32_config
-from benchmarks.lib.workloads import Workload, build_models, make_prompts, tokenizer_source
+from benchmarks.lib.workloads import Workload, build_models, render_prompts, tokenizer_source
 
 
 class PhaseTimer:
@@ -95,9 +95,12 @@ class TRLRun:
     tmp: tempfile.TemporaryDirectory
 
 
-def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, threads: int | None = None) -> TRLRun:
+def build_trainer(
+    w: Workload, model_root: Path, episodes: int | None = None, threads: int | None = None, bf16: bool = False
+) -> TRLRun:
     """Load the workload's models four times (policy, reference, reward, value) and construct
-    TRL's ``PPOTrainer`` for ``episodes`` prompts (default: the workload's)."""
+    TRL's ``PPOTrainer`` for ``episodes`` prompts (default: the workload's); ``bf16``: under bf16
+    autocast (``bf16=True``)."""
     import torch
     import trl.experimental.ppo.ppo_trainer as ppo_trainer_module
     from datasets import Dataset
@@ -118,13 +121,14 @@ def build_trainer(w: Workload, model_root: Path, episodes: int | None = None, th
     ref_policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     reward_model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, dtype=torch.float32)
     value_model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, dtype=torch.float32)
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in make_prompts(w)]
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in render_prompts(w, tokenizer)]
     check_tokens(w, tokenizer, prompt_ids)
     train_dataset = Dataset.from_dict({"input_ids": prompt_ids})
 
     config = cpu_fp32_config(
         PPOConfig,
         Path(tmp.name) / "trl-output",
+        bf16,
         # One PPO iteration = per_device_train_batch_size * gradient_accumulation_steps prompts
         # (x world_size = 1), generated/scored in chunks of local_rollout_forward_batch_size. Each
         # minibatch (rollout_batch / num_mini_batches) is then a single micro-batch, so with

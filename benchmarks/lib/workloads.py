@@ -17,12 +17,14 @@ Two vocabularies (``Workload.vocab_size``):
   tensor) dominate memory as they do on the real model. ``qwen2``: what ``ppo.lm_head_chunk_size``
   (the lean LM head) is for. ``gsm8k_like``: the same vocabulary in RL-from-verifiable-rewards
   shapes, prompts of 100-200 tokens (``prompt_tokens_min``) and completions that stop at EOS
-  (``eos_mean_tokens``, baked into the weights by ``bake_eos_rate``).
+  (``eos_mean_tokens``, baked into the weights by ``bake_eos_rate``), in a Qwen2-style chat
+  template (``Workload.chat``: ``CHAT_TEMPLATE``, ``<|im_end|>`` its EOS).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -55,6 +57,9 @@ class Workload:
     arch: str = "gpt2"  # ppo_lightning.models.tiny.causal_lm_config's architectures (word vocabularies: gpt2 or qwen2)
     prompt_tokens_min: int | None = None  # prompts of prompt_tokens_min..prompt_tokens tokens (None: all prompt_tokens)
     eos_mean_tokens: int | None = None  # completions stop at EOS, drawn at 1/this a token (None: full length)
+    chat: bool = (
+        False  # prompts are chats (system + user) rendered by CHAT_TEMPLATE; prompt_tokens counts the rendering
+    )
 
     @property
     def stops_at_eos(self) -> bool:
@@ -148,10 +153,11 @@ WORKLOADS = {
         n_positions=512,
         arch="qwen2",
     ),
-    # RL from verifiable rewards in GSM8K's shape: prompts of 100-200 tokens (a chat template and a
-    # word problem), completions that stop at EOS anywhere up to 256 tokens (geometric, mean 96,
-    # from an EOS logit baked into the weights: bake_eos_rate), a Qwen2-shaped model with Qwen2's
-    # vocabulary size and 4 narrow layers. GRPO: 8 prompts x 8 generations an iteration.
+    # RL from verifiable rewards in GSM8K's shape: prompts of 100-200 tokens (a system and a user
+    # message, the word problem, in Qwen2's chat template: CHAT_TEMPLATE), completions that stop at
+    # EOS (<|im_end|>) anywhere up to 256 tokens (geometric, mean 96, from an EOS logit baked into
+    # the weights: bake_eos_rate), a Qwen2-shaped model with Qwen2's vocabulary size and 4 narrow
+    # layers. GRPO: 8 prompts x 8 generations an iteration.
     "gsm8k_like": Workload(
         "gsm8k_like",
         n_layer=4,
@@ -169,6 +175,7 @@ WORKLOADS = {
         arch="qwen2",
         prompt_tokens_min=100,
         eos_mean_tokens=96,
+        chat=True,
     ),
 }
 
@@ -199,35 +206,63 @@ def word(i: int) -> str:
     return f"w{i}"
 
 
-def build_word_tokenizer(vocab_size: int):
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Qwen2's chat format (its template without the default system message and the tools): each turn
+``<|im_start|>role\ncontent<|im_end|>``, then ``<|im_start|>assistant`` to answer; the answer ends
+at ``<|im_end|>``, the chat tokenizer's EOS, as Qwen2-Instruct's does."""
+CHAT_SPECIALS = ("<|im_start|>", "<|im_end|>")
+ROLE_WORDS = ("system", "user", "assistant")
+SYSTEM_WORDS = 16
+"""The system message's length in words: the same message opens every chat prompt."""
+CHAT_OVERHEAD = 8
+"""Tokens a system + user chat adds to its two messages' words: ``<|im_start|>``, the role and
+``<|im_end|>`` around each, then ``<|im_start|>assistant``."""
+
+
+def word_count(vocab_size: int, chat: bool = False) -> int:
+    """How many synthetic words (``w0, w1, ...``) a word vocabulary of ``vocab_size`` holds: all
+    but ``<|unk|>``, ``<|pad|>`` and ``<|endoftext|>``, and for ``chat`` the role names and the two
+    chat tokens."""
+    return vocab_size - 3 - (len(ROLE_WORDS) + len(CHAT_SPECIALS) if chat else 0)
+
+
+def build_word_tokenizer(vocab_size: int, chat: bool = False):
     """A word-level ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` entries.
 
     Ids ``0 .. vocab_size - 4`` are the words ``w0, w1, ...`` (split on whitespace), then
     ``<|unk|>`` (any other word, so every text encodes), ``<|pad|>`` and ``<|endoftext|>`` (EOS
     last, at GPT-2's id 50256 for 50257 entries): a pad distinct from EOS, as PPO needs. Every id
-    is reachable from text, so prompts can use the whole vocabulary.
+    is reachable from text, so prompts can use the whole vocabulary. ``chat``: five entries fewer
+    words, for the role names (``ROLE_WORDS``) and, last, ``<|im_start|>`` and ``<|im_end|>``, the
+    EOS; ``CHAT_TEMPLATE`` is its chat template.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    n_words = vocab_size - 3
+    extra_words, extra_specials = (ROLE_WORDS, CHAT_SPECIALS) if chat else ((), ())
+    n_words = word_count(vocab_size, chat)
     vocab = {word(i): i for i in range(n_words)}
-    vocab[UNK_TOKEN] = n_words
-    vocab[PAD_TOKEN] = n_words + 1
-    vocab[EOS_TOKEN] = n_words + 2
+    for name in (*extra_words, UNK_TOKEN, PAD_TOKEN, EOS_TOKEN, *extra_specials):
+        vocab[name] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    tok.add_special_tokens([UNK_TOKEN, PAD_TOKEN, EOS_TOKEN])
-    return PreTrainedTokenizerFast(
+    tok.add_special_tokens([UNK_TOKEN, PAD_TOKEN, EOS_TOKEN, *extra_specials])
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
+        eos_token=CHAT_SPECIALS[1] if chat else EOS_TOKEN,
         bos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
         padding_side="left",
         model_max_length=1_000_000,
     )
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_tokenizer(w: Workload):
@@ -236,7 +271,7 @@ def build_tokenizer(w: Workload):
         from ppo_lightning.models.tiny import build_byte_tokenizer
 
         return build_byte_tokenizer()
-    return build_word_tokenizer(w.vocab_size)
+    return build_word_tokenizer(w.vocab_size, w.chat)
 
 
 def prompt_lengths(w: Workload, seed: int = 0) -> list[int]:
@@ -247,18 +282,50 @@ def prompt_lengths(w: Workload, seed: int = 0) -> list[int]:
     return [rng.randint(w.prompt_tokens_min, w.prompt_tokens) for _ in range(w.num_prompts)]
 
 
-def make_prompts(w: Workload, seed: int = 0) -> list[str]:
+def make_prompts(w: Workload, seed: int = 0) -> list:
     """``num_prompts`` prompts of ``prompt_lengths`` tokens each for the workload's tokenizer.
 
     Byte vocabulary: ASCII strings of that many bytes (one token per byte). Word vocabulary:
-    that many words drawn uniformly from the vocabulary's words.
+    that many words drawn uniformly from the vocabulary's words. ``chat``: each a list of two
+    messages, the same system message of ``SYSTEM_WORDS`` words and a user message of the words
+    that bring the rendered prompt (``render_prompts``) to its length.
     """
     rng = random.Random(seed)
     if w.vocab_size is None:
         letters = "abcdefghijklmnopqrstuvwxyz "
         return ["".join(rng.choice(letters) for _ in range(n)) for n in prompt_lengths(w, seed)]
-    n_words = w.vocab_size - 3
-    return [" ".join(word(rng.randrange(n_words)) for _ in range(n)) for n in prompt_lengths(w, seed)]
+    n_words = word_count(w.vocab_size, w.chat)
+
+    def words(n: int, r: random.Random = rng) -> str:
+        return " ".join(word(r.randrange(n_words)) for _ in range(n))
+
+    if not w.chat:
+        return [words(n) for n in prompt_lengths(w, seed)]
+    system = {"role": "system", "content": words(SYSTEM_WORDS, random.Random(seed + 2))}
+    return [
+        [system, {"role": "user", "content": words(n - SYSTEM_WORDS - CHAT_OVERHEAD)}] for n in prompt_lengths(w, seed)
+    ]
+
+
+def render_prompts(w: Workload, tokenizer, prompts: list | None = None) -> list[str]:
+    """The prompts as the model reads them: chats through the tokenizer's chat template, with the
+    assistant's turn opened (``add_generation_prompt``); text as it is."""
+    prompts = make_prompts(w) if prompts is None else prompts
+    if not w.chat:
+        return prompts
+    return [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+
+
+def write_prompts(w: Workload, out_dir: Path) -> Path:
+    """The workload's prompts as ``data.path`` reads them: ``prompts.txt`` (one a line), or for
+    chats ``prompts.jsonl`` (a ``prompt`` of messages a line, rendered by the tokenizer's template)."""
+    if not w.chat:
+        path = Path(out_dir) / "prompts.txt"
+        path.write_text("\n".join(make_prompts(w)) + "\n")
+        return path
+    path = Path(out_dir) / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in make_prompts(w)))
+    return path
 
 
 # ----------------------------------------------------------------------------- models
@@ -300,7 +367,7 @@ def tokenizer_overrides(w: Workload, policy_dir: Path) -> list[str]:
 def _save_word_model(path: Path, w: Workload, n_positions: int, reward: bool, seed: int) -> Path:
     """A random GPT-2 causal LM (or one-label sequence classifier) over the word vocabulary, with
     its tokenizer, dropout off (``ppo_lightning.models.tiny.save_random_model``, as the tiny models)."""
-    tokenizer = build_word_tokenizer(w.vocab_size)
+    tokenizer = build_tokenizer(w)
     if w.arch == "gpt2" or reward:  # the reward model is a GPT-2 whatever the policy (see tokenizer_dir)
         config = gpt2_config(w.n_layer, w.n_head, w.n_embd, n_positions, num_labels=1 if reward else None)
     else:
@@ -339,7 +406,7 @@ def bake_eos_rate(lm, tokenizer, w: Workload) -> None:
         head = lm.get_output_embeddings().weight
         head[:, d] = 0.0
         head[eos] = 0.0
-        ids = torch.tensor([tokenizer(make_prompts(w)[0])["input_ids"]])
+        ids = torch.tensor([tokenizer(render_prompts(w, tokenizer)[0])["input_ids"]])
         hidden = lm.eval()(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]  # the final norm's output
         others = torch.logsumexp(hidden @ head.T, dim=-1)  # every logit but EOS's (0 here: exp(0) is 1 of ~150k)
         p = 1.0 / w.eos_mean_tokens
