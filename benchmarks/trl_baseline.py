@@ -10,8 +10,8 @@ on exactly the workload defined in ``benchmarks/lib/workloads.py``:
 * reward model and value model: two separate loads of the saved random
   ``GPT2ForSequenceClassification`` dir (TRL's reward-model path; TRL needs a value model too, and
   initialising it from the reward model is what TRL users do);
-* prompts: ``make_prompts(w)`` through that tokenizer, each exactly ``w.prompt_tokens`` tokens
-  (so the collator never pads);
+* prompts: ``make_prompts(w)`` through that tokenizer (a chat workload's through its chat
+  template: ``render_prompts``), each exactly its ``prompt_lengths`` tokens;
 * responses: exactly ``w.response_tokens`` sampled tokens, no stop token (``stop_token=None``,
   ``stop_token_id=None``, which makes TRL clear ``generation_config.eos_token_id``, so ``generate``
   never stops at EOS; the script checks every rollout is full length); for a workload whose

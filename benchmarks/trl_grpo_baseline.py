@@ -8,8 +8,9 @@ its ``TrainingArguments``: ``benchmarks.lib.trl_side.cpu_fp32_config``'s, as TRL
 * policy: the workload's saved causal LM (``workloads.build_models``, the directory ppo_lightning
   loads), passed as a model instance; reference: TRL loads it again from the same directory
   (``beta > 0``); tokenizer: the one saved with it;
-* prompts: ``make_prompts(w)`` as a ``prompt`` text column, which TRL tokenises itself; the script
-  checks that each is exactly ``w.prompt_tokens`` tokens (so nothing is padded);
+* prompts: ``make_prompts(w)`` as a ``prompt`` column, which TRL tokenises itself: text, or for a
+  chat workload (``gsm8k_like``) conversational prompts, which TRL renders through the tokenizer's
+  chat template; the script checks that each has its ``prompt_lengths`` tokens;
 * reward: the function ``grpo_workload.char_fraction_reward``, the very function ppo_lightning's
   side calls, with TRL's signature (no reward model);
 * one iteration: ``--prompts`` P prompts x ``--generations`` G completions (default 8 x 4), one

@@ -113,6 +113,46 @@ def test_float16_is_refused_with_a_pointer_to_bf16(tmp_path, cache_dir, precisio
         validate(cfg)
 
 
+def test_cpu_bf16_probe_reads_what_proc_cpuinfo_lists():
+    """``cpu_has_bf16_matmul`` against the kernel's own list of the CPU's flags (x86 Linux)."""
+    import platform
+    from pathlib import Path
+
+    from ppo_lightning.jobs.factory import cpu_has_bf16_matmul
+
+    info = Path("/proc/cpuinfo")
+    if platform.machine() != "x86_64" or not info.exists():
+        assert cpu_has_bf16_matmul() in (None, True, False)
+        return
+    flags = next(line for line in info.read_text().splitlines() if line.startswith("flags")).split()
+    assert cpu_has_bf16_matmul() == bool({"avx512_bf16", "amx_tile"} & set(flags))
+
+
+@pytest.mark.parametrize(
+    "precision, native, warns",
+    [("bf16-mixed", False, True), ("bf16-true", False, True), ("bf16-mixed", True, False), ("32-true", False, False)],
+)
+def test_bf16_on_a_cpu_without_bf16_matmuls_is_warned_of_before_the_run(
+    tmp_path, cache_dir, monkeypatch, caplog, precision, native, warns
+):
+    """Without AVX512-BF16 or AMX torch runs bf16 matmuls on a slow path (here ~60x float32's
+    time): ``check_inputs`` names the key and the fix before any model loads. The probe is set
+    both ways, since one machine has one CPU; its reading of the hardware is tested above."""
+    import logging
+
+    from ppo_lightning.jobs import factory
+
+    monkeypatch.setattr(factory, "cpu_has_bf16_matmul", lambda: native)
+    cfg = compose_cfg(["trainer=cpu", f"trainer.precision={precision}"], tmp_path, cache_dir)
+    with caplog.at_level(logging.WARNING, logger=factory.log.name):
+        factory.check_inputs(cfg)
+    warned = [r.getMessage() for r in caplog.records if "bf16 matmul" in r.getMessage()]
+    assert bool(warned) == warns, warned
+    if warns:
+        assert warned[0].startswith(f"trainer.precision={precision} on a CPU without bf16 matmul instructions")
+        assert "Use trainer.precision=32-true" in warned[0]
+
+
 def test_bf16_mixed_training_raises_the_reward(tmp_path, cache_dir):
     cfg = compose_cfg(
         [*QUIET, "trainer.precision=bf16-mixed", "trainer.max_steps=30", "sampling.max_new_tokens=16"],

@@ -32,7 +32,8 @@ class TrainerConfig:
     precision: Any = "32-true"
     """32-true, bf16-mixed (``trainer=gpu``) or bf16-true. The rollout runs in the same precision
     context as the update; the value head, logprobs and losses are float32 in every one. float16
-    (16-mixed, 16-true) is refused: use bf16."""
+    (16-mixed, 16-true) is refused: use bf16. On a CPU without bf16 matmul instructions
+    (AVX512-BF16 or AMX) bf16 runs many times slower than float32, and the run warns before it starts."""
     max_steps: int = param(100, ge=1, hint="the number of PPO iterations")
     """PPO: iterations (one rollout plus its updates each). Stages: optimizer steps. Also the
     horizon of the lr decay."""

@@ -90,6 +90,7 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
         )
     _check_code(cfg)
     _check_model_sources(cfg, pending)
+    _warn_of_emulated_bf16(cfg)
 
 
 def _check_prompt_files(cfg: DictConfig, pending, recipe_builds: bool) -> None:
@@ -123,6 +124,32 @@ def _check_prompt_files(cfg: DictConfig, pending, recipe_builds: bool) -> None:
                 + _built_by_hint(cfg.eval.path, cfg)
             )
         read_prompts(cfg.eval.path, d.prompt_field, key_prefix="eval")  # as data.path's: fails here
+
+
+def cpu_has_bf16_matmul() -> bool | None:
+    """Whether this CPU multiplies bf16 matrices in hardware (x86: AVX512-BF16 or AMX); None where
+    torch cannot tell (not x86). Without them torch still runs bf16 matmuls, on a slow path:
+    about 60x slower than float32 on an AVX2 CPU (docs/benchmarks.md)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def _warn_of_emulated_bf16(cfg: DictConfig) -> None:
+    """bf16 on a CPU that has no bf16 matmul instructions is correct but many times slower than
+    float32: say so before the run starts, naming the key."""
+    t = cfg.trainer
+    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and str(t.precision).startswith("bf16") and cpu_has_bf16_matmul() is False:
+        log.warning(
+            "trainer.precision=%s on a CPU without bf16 matmul instructions (AVX512-BF16 or AMX; this one "
+            "has %s): torch runs its bf16 matmuls on a slow path, tens of times slower than float32. "
+            "Use trainer.precision=32-true on this machine.",
+            t.precision,
+            torch.backends.cpu.get_cpu_capability(),
+        )
 
 
 def _check_code(cfg: DictConfig) -> None:
