@@ -57,9 +57,8 @@ class Workload:
     arch: str = "gpt2"  # ppo_lightning.models.tiny.causal_lm_config's architectures (word vocabularies: gpt2 or qwen2)
     prompt_tokens_min: int | None = None  # prompts of prompt_tokens_min..prompt_tokens tokens (None: all prompt_tokens)
     eos_mean_tokens: int | None = None  # completions stop at EOS, drawn at 1/this a token (None: full length)
-    chat: bool = (
-        False  # prompts are chats (system + user) rendered by CHAT_TEMPLATE; prompt_tokens counts the rendering
-    )
+    # prompts are chats (system + user) rendered by CHAT_TEMPLATE; prompt_tokens counts the rendering
+    chat: bool = False
 
     @property
     def stops_at_eos(self) -> bool:
