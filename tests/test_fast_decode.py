@@ -4,6 +4,7 @@ forward, and a fallback to that forward for every model it does not cover."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import types
 
 import pytest
@@ -261,6 +262,43 @@ def test_rotary_models_with_other_forwards_are_declined():
     assert model_class(adapted.get_base_model()) is LlamaForCausalLM
     assert not supports_fast_decode(adapted.get_base_model())  # q_proj is a LoRA layer now
     assert not supports_fast_decode(DisabledAdapters(adapted))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+def test_rotary_models_loaded_from_disk_take_the_lean_step(tmp_path, lm_and_tok, arch):
+    """``from_pretrained`` kernelizes a model when the ``kernels`` package is installed (it comes
+    with transformers 5) and sets ``use_kernels`` even though, here, every layer keeps its own
+    forward: the lean step takes such a model, and samples what the model's forward samples."""
+    tok = lm_and_tok[1]
+    tiny(*MODELS[arch]).save_pretrained(tmp_path)
+    lm = load_causal_lm(str(tmp_path), tok)
+    if importlib.util.find_spec("kernels") is not None:
+        assert lm.use_kernels  # the case this test is for
+    assert supports_fast_decode(lm)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=12, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=0.8)
+    fast, plain = (
+        generate(lm, enc.input_ids, enc.attention_mask, generator=torch.Generator().manual_seed(5), fast_decode=f, **kw)
+        for f in (True, False)
+    )
+    assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
+
+
+def test_models_with_a_swapped_forward_are_declined():
+    """A forward set on a module instance (how ``kernels.kernelize`` installs a hub kernel, on a
+    layer or on a function wrapper it routes calls through) runs in place of the code the lean
+    step copies: such a model decodes through its forward."""
+    lm = tiny("qwen2")
+    norm = lm.model.layers[1].post_attention_layernorm
+    norm.forward = types.MethodType(lambda self, x: 2 * x, norm)
+    assert not supports_fast_decode(lm)
+    del norm.forward
+    assert supports_fast_decode(lm)
+    wrappers = getattr(lm.model.layers[0].self_attn, "_kernel_funcs", {})  # with ``kernels`` installed
+    for wrapper in wrappers.values():
+        wrapper.forward = types.MethodType(lambda self, *args: args, wrapper)
+        assert not supports_fast_decode(lm)
+        del wrapper.forward
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -16,9 +16,9 @@ Scope, each class exactly (a subclass may change the forward): ``GPT2LMHeadModel
 cross-attention and with ``reorder_and_upcast_attn`` off (``GPT2Decoder``); ``LlamaForCausalLM``
 and ``Qwen2ForCausalLM`` without sliding-window layers (``LlamaDecoder``); ``GPTNeoXForCausalLM``,
 parallel residual or not, partial rotary included (``GPTNeoXDecoder``). The rotary ones with SDPA
-attention, a rotary type whose frequencies are fixed at load (``ROTARY_TYPES``) and no hub
-kernels; all with no active dropout and whole (unsharded) plain ``nn.Linear`` / ``Conv1D``
-weights, so no LoRA layers. Everything else decodes through the model's forward (``decoder_for``
+attention and a rotary type whose frequencies are fixed at load (``ROTARY_TYPES``); all with no
+active dropout, no module forward swapped (a hub kernel: ``forward_swapped``) and whole
+(unsharded) plain ``nn.Linear`` / ``Conv1D`` weights, so no LoRA layers. Everything else decodes through the model's forward (``decoder_for``
 returns None; ``supports_fast_decode`` says which); ``generation.fast_decode=false`` forces that.
 """
 
@@ -63,7 +63,21 @@ def _decoder_class(lm: nn.Module) -> type[KVDecoder] | None:
         return None
     if lm.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in lm.modules()):
         return None  # the model's forward would drop activations; the lean step would not
+    if any(forward_swapped(m) for m in lm.modules()):
+        return None  # a hub kernel or a patch runs in place of a module's own forward
     return next((cls for cls in (GPT2Decoder, LlamaDecoder, GPTNeoXDecoder) if cls.accepts(lm)), None)
+
+
+def forward_swapped(module: nn.Module) -> bool:
+    """Whether ``module`` runs a forward other than its class's: an instance attribute ``forward``
+    on it, or on one of the function wrappers the ``kernels`` library routes its calls through
+    (``_kernel_funcs``). That is how ``kernels.kernelize`` puts a hub kernel in place.
+
+    Why not ``lm.use_kernels``: transformers 5 kernelizes every ``from_pretrained`` model when
+    ``kernels`` is installed (a dependency of transformers), and sets that flag even where every
+    layer fell back to its own forward, as on a CPU or without the hub. The flag would decline the
+    lean step for every model loaded from disk."""
+    return "forward" in vars(module) or any("forward" in vars(f) for f in getattr(module, "_kernel_funcs", {}).values())
 
 
 def _layer_norm(x: Tensor, ln: nn.LayerNorm) -> Tensor:
@@ -202,11 +216,10 @@ class RotaryDecoder(KVDecoder):
 
     @staticmethod
     def accepts_rotary_sdpa(lm: nn.Module, backbone: nn.Module, rotary_class: type) -> bool:
-        """SDPA attention, a rotary embedding of one of ``ROTARY_TYPES``, no hub kernels (they swap
-        module forwards), a plain embedding and head."""
+        """SDPA attention, a rotary embedding of one of ``ROTARY_TYPES``, a plain embedding and head
+        (hub kernels are declined for every architecture: ``forward_swapped``)."""
         return (
             lm.config._attn_implementation == "sdpa"
-            and not getattr(lm, "use_kernels", False)
             and type(backbone.rotary_emb) is rotary_class
             and backbone.rotary_emb.rope_type in ROTARY_TYPES
             and type(lm.get_input_embeddings()) is nn.Embedding
