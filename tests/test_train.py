@@ -173,6 +173,8 @@ def _wandb_history(path, key: str) -> dict[int, float]:
             at += block - at % block
             continue
         _, n, kind = struct.unpack("<IHB", data[at : at + 7])
+        if at + 7 + n > len(data):  # a last record still being written (W&B's service writes it)
+            break
         parts, at = parts + data[at + 7 : at + 7 + n], at + 7 + n
         if kind in (1, 4):
             record = wandb_internal_pb2.Record.FromString(parts)
