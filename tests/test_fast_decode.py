@@ -9,9 +9,10 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2LMHeadModel, LlamaForCausalLM
 
-from ppo_lightning.generation.fast_decode import decoder_for, supports_fast_decode
+from ppo_lightning.generation.fast_decode import decoder_for, head_logits, supports_fast_decode
 from ppo_lightning.models.lora import DisabledAdapters
 from ppo_lightning.models.policy import load_causal_lm, load_tokenizer, position_ids_from_mask
 from ppo_lightning.models.signature import model_class
@@ -71,9 +72,10 @@ def any_lm(request, lm_and_tok):
 @pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
 @pytest.mark.parametrize("model", ["gpt2", *MODELS])
 def test_decode_step_logits_equal_the_model_forward(lm_and_tok, model, padded):
-    """Token by token, the lean step's logits are the HF forward's, bitwise: under left padding
-    (the model's mask is a boolean key mask) and without (no mask: grouped-query attention then
-    takes another SDPA path)."""
+    """Token by token, the lean step's hidden state gives the HF forward's logits bitwise under
+    the model's own head (``F.linear``): under left padding (the model's mask is a boolean key
+    mask) and without (no mask: grouped-query attention then takes another SDPA path). The step's
+    own head (``head_logits``) gives them to float32 rounding."""
     lm = lm_and_tok[0] if model == "gpt2" else tiny(MODELS[model][0], **MODELS[model][1])
     tok = lm_and_tok[1]
     assert supports_fast_decode(lm)
@@ -100,9 +102,29 @@ def test_decode_step_logits_equal_the_model_forward(lm_and_tok, model, padded):
                 use_cache=True,
                 **{cache_kw: caches[0]},
             ).logits[:, -1]
-            got = decoder.step(tokens[:, t], next_pos)
+            h = decoder.hidden(tokens[:, t], next_pos)
+            head = lm.get_output_embeddings()
+            got = F.linear(h, head.weight, head.bias)
             assert torch.equal(got, want), (t, (got - want).abs().max().item())
+            torch.testing.assert_close(head_logits(h, head.weight, head.bias), want, rtol=1e-5, atol=1e-5)
             next_pos = next_pos + 1
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_decode_head_computes_f_linear(bias):
+    """``head_logits`` on 1-16 rows of a Qwen2-sized head (151,936 x 256) is ``F.linear`` to
+    float32 rounding, in float32 on the CPU (where it sums in another order); in bfloat16 it is
+    ``F.linear`` itself."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(151936, 256, generator=g) * 0.05
+    b = torch.randn(151936, generator=g) if bias else None
+    for rows in (1, 2, 3, 8, 16):
+        h = torch.randn(rows, 256, generator=g)
+        got, want = head_logits(h, weight, b), F.linear(h, weight, b)
+        assert got.shape == want.shape == (rows, 151936)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    h16, w16 = h[:2].bfloat16(), weight[:4096].bfloat16()
+    assert torch.equal(head_logits(h16, w16), F.linear(h16, w16))
 
 
 @pytest.mark.parametrize("greedy", [True, False])

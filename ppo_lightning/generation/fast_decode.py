@@ -6,8 +6,10 @@ dataclasses, config-default merging, attention-mask construction, cache classes,
 dispatch. The step here runs the same ops on the same modules' weights (layer norm or RMSNorm,
 the projections, the model's own rotary embedding and ``apply_rotary_pos_emb``, scaled
 dot-product attention, the model's own activation module) and keeps keys and values in buffers
-allocated once per ``generate`` call, so a sampled token costs about half as much. Its logits
-equal the model forward's (a test compares them bitwise on left-padded prompts, per architecture).
+allocated once per ``generate`` call, so a sampled token costs about half as much. The hidden
+state it hands the LM head equals the model forward's (a test compares them bitwise on left-padded
+prompts, per architecture); the head itself (``head_logits``) may run in another summation order
+on a CPU, and its logits then equal the forward's to float32 rounding.
 
 Only the sampler uses it, to choose which tokens are drawn. Every logprob and value PPO learns
 from comes from the model's own forward over the finished sequences.
@@ -80,6 +82,30 @@ def forward_swapped(module: nn.Module) -> bool:
     return "forward" in vars(module) or any("forward" in vars(f) for f in getattr(module, "_kernel_funcs", {}).values())
 
 
+def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The LM head on a decode step's final hidden states ``h [B, E]``: ``F.linear(h, weight,
+    bias)``, equal to float32 rounding, and on a CPU in float32 computed as ``(weight @ h^T)^T``.
+
+    Why: for the few rows of a decode batch the head is a matrix-vector product in disguise that
+    reads the whole ``[V, E]`` weight once a step, and for Qwen2's vocabulary it is most of a
+    step. MKL computes ``h @ weight^T`` (``F.linear``) with few rows 2-4x slower than
+    ``weight @ h^T`` on an AVX2 EPYC (``python -m benchmarks.decode_head``: 38-42 ms against
+    9-13 ms for 2-8 rows of a 151,936 x 256 head); the long side as the GEMM's rows streams the
+    weight. The two sum each dot product in another order, so a logit may differ in its last
+    bits: only the sampler reads these logits (to pick tokens), and every logprob PPO learns
+    from comes from the model's forward. A lone row (the last completion still sampling) goes in
+    twice: MKL's matrix-vector path streams the weight at half the rate of its two-column GEMM
+    there (18 against 9.5 ms). Either way the weight is read once a step, so on a CPU whose BLAS
+    does both shapes well neither costs more. Elsewhere (GPU, bfloat16) ``F.linear``, unmeasured
+    against the alternative."""
+    if h.device.type != "cpu" or h.dtype != torch.float32 or weight.dtype != torch.float32:
+        return F.linear(h, weight, bias)
+    if h.shape[0] == 1:
+        return head_logits(torch.cat([h, h]), weight, bias)[:1]
+    logits = torch.mm(weight, h.t()).t()
+    return logits if bias is None else logits + bias
+
+
 def _layer_norm(x: Tensor, ln: nn.LayerNorm) -> Tensor:
     return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
 
@@ -102,9 +128,10 @@ class KVDecoder:
 
     ``cache`` is the ``DynamicCache`` filled by the model's own forward over the left-padded
     prompt (the prefill, where the causal and padding masks matter most); decoding then continues
-    in a subclass's ``step``, one token per call: append ``token [B]`` at ``position [B]`` and
-    return the next-token logits ``[B, V]``. A subclass's ``accepts(lm)`` says whether its step
-    computes exactly ``lm``'s forward (beyond the checks of ``_decoder_class``).
+    one token per call in ``step``: a subclass's ``hidden`` appends ``token [B]`` at ``position
+    [B]`` and returns the final hidden state ``[B, E]`` (after the last norm), and ``head_logits``
+    turns it into the next-token logits ``[B, V]``. A subclass's ``accepts(lm)`` says whether its
+    ``hidden`` computes exactly ``lm``'s forward (beyond the checks of ``_decoder_class``).
     """
 
     blocks: nn.ModuleList  # the decoder layers, one cache layer each; set by the subclass
@@ -128,6 +155,11 @@ class KVDecoder:
         if not bool(attention_mask.all()):
             self.key_mask = torch.ones(B, 1, 1, P + max_new_tokens, dtype=torch.bool, device=attention_mask.device)
             self.key_mask[:, 0, 0, :P] = attention_mask.bool()
+
+    def step(self, token: Tensor, position: Tensor) -> Tensor:
+        """Append ``token [B]`` at ``position [B]``; the next-token logits ``[B, V]``."""
+        head = self.lm.lm_head
+        return head_logits(self.hidden(token, position), head.weight, head.bias)
 
     def keep(self, rows: Tensor) -> None:
         """Keep the buffers of ``rows`` (indices into the batch) alone, in that order: rows that
@@ -171,7 +203,7 @@ class GPT2Decoder(KVDecoder):
             for b in lm.transformer.h
         )
 
-    def step(self, token: Tensor, position: Tensor) -> Tensor:
+    def hidden(self, token: Tensor, position: Tensor) -> Tensor:
         t, L = self.lm.transformer, self.length
         x = F.embedding(token, t.wte.weight) + F.embedding(position, t.wpe.weight)  # [B, E]
         B, E = x.shape
@@ -191,8 +223,7 @@ class GPT2Decoder(KVDecoder):
             h = mlp.act(torch.addmm(mlp.c_fc.bias, _layer_norm(x, block.ln_2), mlp.c_fc.weight))
             x = x + torch.addmm(mlp.c_proj.bias, h, mlp.c_proj.weight)
         self.length = L + 1
-        head = self.lm.lm_head
-        return F.linear(_layer_norm(x, t.ln_f), head.weight, head.bias)
+        return _layer_norm(x, t.ln_f)
 
 
 class RotaryDecoder(KVDecoder):
@@ -201,7 +232,7 @@ class RotaryDecoder(KVDecoder):
     very SDPA function the model's attention calls, with the mask it would build. That function
     also picks how grouped-query attention runs (``enable_gqa``, the query heads folded onto the
     key heads, or the keys repeated), differently across transformers versions: calling it keeps
-    the step bitwise equal to the forward on each."""
+    the hidden state bitwise equal to the forward's on each."""
 
     backbone_name: str  # the LM's attribute holding the layers, rotary embedding and final norm
 
@@ -280,7 +311,7 @@ class LlamaDecoder(RotaryDecoder):
             for b in backbone.layers
         )
 
-    def step(self, token: Tensor, position: Tensor) -> Tensor:
+    def hidden(self, token: Tensor, position: Tensor) -> Tensor:
         m = self.backbone
         x = F.embedding(token, m.embed_tokens.weight)  # [B, E]
         B = x.shape[0]
@@ -295,7 +326,7 @@ class LlamaDecoder(RotaryDecoder):
             h = _rms_norm(x, block.post_attention_layernorm)
             x = x + _linear(mlp.act_fn(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
         self.length += 1
-        return _linear(_rms_norm(x, m.norm), self.lm.lm_head)
+        return _rms_norm(x, m.norm)
 
 
 class GPTNeoXDecoder(RotaryDecoder):
@@ -331,7 +362,7 @@ class GPTNeoXDecoder(RotaryDecoder):
             for b in backbone.layers
         )
 
-    def step(self, token: Tensor, position: Tensor) -> Tensor:
+    def hidden(self, token: Tensor, position: Tensor) -> Tensor:
         m = self.backbone
         x = F.embedding(token, m.embed_in.weight)  # [B, E]
         B = x.shape[0]
@@ -347,7 +378,7 @@ class GPTNeoXDecoder(RotaryDecoder):
                 a = a + x
                 x = _neox_mlp(block, a) + a
         self.length += 1
-        return _linear(_layer_norm(x, m.final_layer_norm), self.lm.lm_head)
+        return _layer_norm(x, m.final_layer_norm)
 
 
 def _neox_mlp(block: nn.Module, x: Tensor) -> Tensor:

@@ -30,8 +30,8 @@ from ppo_lightning.models.weights import is_sharded
 class HFBackend:
     """Samples ``lm`` (a live ``transformers`` causal LM, LoRA-wrapped or FSDP-sharded alike) with
     the tokenizer's EOS and pad ids. ``fast_decode``: an exact GPT-2, Llama, Qwen2 or GPT-NeoX
-    decodes with the lean step (``generation.fast_decode``; the same logits, about half the
-    per-token overhead)."""
+    decodes with the lean step (``generation.fast_decode``; the same logits to float32 rounding,
+    about half the per-token overhead)."""
 
     samples_live_module = True
 
@@ -198,8 +198,8 @@ def generate(
 
     The prompt goes through the model's own forward (the prefill). Each further token goes through
     it too, or, with ``fast_decode`` on a model ``fast_decode.decoder_for`` accepts (GPT-2,
-    Llama, Qwen2, GPT-NeoX), through a lean step with the same logits and about half the
-    per-token overhead.
+    Llama, Qwen2, GPT-NeoX), through a lean step with the same logits (to float32 rounding) and
+    about half the per-token overhead.
 
     ``chunk_size`` rows are sampled at a time (null: the whole batch): the KV cache, which grows
     with rows x (prompt + response) x layers x width, is then a chunk's. Chunks that stop early
