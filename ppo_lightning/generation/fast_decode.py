@@ -20,8 +20,9 @@ and ``Qwen2ForCausalLM`` without sliding-window layers (``LlamaDecoder``); ``GPT
 parallel residual or not, partial rotary included (``GPTNeoXDecoder``). The rotary ones with SDPA
 attention and a rotary type whose frequencies are fixed at load (``ROTARY_TYPES``); all with no
 active dropout, no module forward swapped (a hub kernel: ``forward_swapped``) and whole
-(unsharded) plain ``nn.Linear`` / ``Conv1D`` weights, so no LoRA layers. Everything else decodes through the model's forward (``decoder_for``
-returns None; ``supports_fast_decode`` says which); ``generation.fast_decode=false`` forces that.
+(unsharded) plain ``nn.Linear`` / ``Conv1D`` weights, so no LoRA layers. Everything else
+decodes through the model's forward (``decoder_for`` returns None; ``supports_fast_decode`` says
+which); ``generation.fast_decode=false`` forces that.
 """
 
 from __future__ import annotations
