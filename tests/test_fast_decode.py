@@ -94,6 +94,7 @@ def test_decode_step_logits_equal_the_model_forward(lm_and_tok, model, padded):
         decoder = decoder_for(lm, caches[1], am, steps)
         mask = torch.cat([am, torch.ones(B, steps, dtype=am.dtype)], 1)
         next_pos = pos[:, -1] + 1
+        head = lm.get_output_embeddings()
         for t in range(steps):
             want = lm(
                 input_ids=tokens[:, t : t + 1],
@@ -103,7 +104,6 @@ def test_decode_step_logits_equal_the_model_forward(lm_and_tok, model, padded):
                 **{cache_kw: caches[0]},
             ).logits[:, -1]
             h = decoder.hidden(tokens[:, t], next_pos)
-            head = lm.get_output_embeddings()
             got = F.linear(h, head.weight, head.bias)
             assert torch.equal(got, want), (t, (got - want).abs().max().item())
             torch.testing.assert_close(head_logits(h, head.weight, head.bias), want, rtol=1e-5, atol=1e-5)

@@ -66,9 +66,10 @@ class TrainConfig:
     for the rotary ones; no hub kernel in place; ``fast_decode.py`` lists the rest) with a lean
     per-token step: the same ops on the same weights, the hidden state bitwise equal to the
     model's forward (the LM head, on a CPU, in another summation order: the logits to float32
-    rounding, the head 3-4x faster on few rows), about half the per-token overhead; the prefill and every logprob PPO learns from still go through the
-    model's forward, and other models always decode through it. ``vllm``: a colocated vLLM
-    engine with its own copy of the policy's weights, synced after every iteration
+    rounding, the head 3-4x faster on few rows), about half the per-token overhead; the prefill
+    and every logprob PPO learns from still go through the model's forward, and other models
+    always decode through it. ``vllm``: a colocated vLLM engine with its own copy of the
+    policy's weights, synced after every iteration
     (``ppo_lightning/generation/vllm.py``; architectures vLLM implements natively; with several
     processes, an engine per rank, a sharded policy gathered for each sync).
     Its options: ``generation.dtype`` (the engine's weights; ``auto``: the policy's dtype),
