@@ -1,19 +1,29 @@
-"""How a GRPO iteration grows with the prompt length, the group size and the completion length
-(x2 each), ppo_lightning against TRL's GRPOTrainer on gsm8k_like: on paper and measured.
+"""How an iteration grows with the prompt length, the group or batch size and the completion
+length (x2 each), ppo_lightning against TRL on gsm8k_like: on paper and measured.
 
-    python -m benchmarks.scaling --trl-python .venv-trl/bin/python --threads 2   # ~20 min on 2 cores
+    python -m benchmarks.scaling --trl-python .venv-trl/bin/python --threads 2               # GRPO
+    python -m benchmarks.scaling --trainer ppo --trl-python .venv-bench/bin/python --threads 2
 
-Four points, each a ``benchmarks.compare_trl --trainer grpo`` pair (the two sides alternating,
-``--rounds`` rounds, fresh processes): ``gsm8k_like`` at ``--prompts`` P x ``--generations`` G
-(x1); its prompts twice as long (``gsm8k_like_prompts_x2``: 200-400 tokens); the group twice as
-large (2G); its completions twice as long (``gsm8k_like_completions_x2``: EOS at a mean of 192, at
-most 512). For each side and point it prints seconds per completion and their growth over x1,
-measured, beside the growth of the matmul FLOPs per completion on paper (``paper_gflop``: each
-side's work from the shapes, over lengths drawn as the workload draws them; also at Qwen2.5-1.5B's
-shape, whose layers outweigh its head). The savings grow where TRL's work grows faster than ours.
-Each run draws its own completion lengths (a mean of 16 geometric draws varies by ~25%), so the
-seconds are read per generated token and scaled to the workload's expected mean length
-(``s_per_completion_at_mean``; the raw figure and the drawn mean are in the JSON lines).
+Four points, each a side-by-side pair as ``benchmarks.compare_trl`` runs it (the two sides
+alternating, ``--rounds`` rounds, fresh processes): ``gsm8k_like`` (x1); its prompts twice as long
+(``gsm8k_like_prompts_x2``: 200-400 tokens); twice the rows; its completions twice as long
+(``gsm8k_like_completions_x2``: EOS at a mean of 192, at most 512).
+
+* ``--trainer grpo`` (the default): GRPO against TRL 1.16's GRPOTrainer at ``--prompts`` P x
+  ``--generations`` G an iteration, one iteration a run; twice the rows is the group twice as
+  large (2G).
+* ``--trainer ppo``: PPO against TRL 1.12's PPOTrainer at the workload's 8 prompts an iteration,
+  ``--iterations`` iterations a run (default 2); twice the rows is 16 prompts an iteration
+  (``gsm8k_like_batch_x2``).
+
+For each side and point it prints seconds per completion and their growth over x1, measured,
+beside the growth of the matmul FLOPs per completion on paper (``paper_gflop``,
+``paper_gflop_ppo``: each side's work from the shapes, over lengths drawn as the workload draws
+them; also at Qwen2.5-1.5B's shape, whose layers outweigh its head). The savings grow where TRL's
+work grows faster than ours. Each run draws its own completion lengths (a mean of 16 geometric
+draws varies by ~25%), so the seconds are read per generated token and scaled to the workload's
+expected mean length (``s_per_completion_at_mean``; the raw figure and the drawn mean are in the
+JSON lines).
 """
 
 from __future__ import annotations
@@ -31,12 +41,20 @@ from benchmarks.lib.runner import alternate, mean_length, run_benchmark
 from benchmarks.lib.workloads import WORKLOADS, Workload, build_models, prompt_lengths
 
 BASE = "gsm8k_like"
-POINTS = (  # (label, workload, group-size factor)
-    ("x1", BASE, 1),
-    ("prompts x2", f"{BASE}_prompts_x2", 1),
-    ("group x2", BASE, 2),
-    ("completions x2", f"{BASE}_completions_x2", 1),
-)
+POINTS = {  # trainer: (label, workload, group-size factor) a point
+    "grpo": (
+        ("x1", BASE, 1),
+        ("prompts x2", f"{BASE}_prompts_x2", 1),
+        ("group x2", BASE, 2),
+        ("completions x2", f"{BASE}_completions_x2", 1),
+    ),
+    "ppo": (
+        ("x1", BASE, 1),
+        ("prompts x2", f"{BASE}_prompts_x2", 1),
+        ("batch x2", f"{BASE}_batch_x2", 1),
+        ("completions x2", f"{BASE}_completions_x2", 1),
+    ),
+}
 
 
 # ----------------------------------------------------------------------------- on paper
@@ -118,26 +136,66 @@ def paper_gflop(
     return {"ppo_lightning": ours / per, "trl": trl / per}
 
 
+def paper_gflop_ppo(w: Workload, shape: Shape | None = None, draws: int = 200) -> dict[str, float]:
+    """Each side's expected matmul GFLOP per completion of one PPO iteration of ``w.rollout_batch``
+    prompts (one epoch of one minibatch, as ``compare_trl --trainer ppo`` runs it), over ``draws``
+    batches of the workload's lengths, on its model or another ``shape``. Both sides run their
+    forwards over the batch's window (its longest prompt, left-padded, plus its longest
+    completion):
+
+    * ours (the defaults): each row decodes until its own EOS; the reference, the rollout's
+      policy-and-value forward and the reward model's, then one training forward and backward
+      (3x), the LM head on completion tokens only (and once more in the update: the lean head's
+      recomputation); the value is a head on the policy;
+    * TRL: the batch decodes until its longest completion ends (the rollout's policy logits come
+      from ``generate``); the reference, and the policy's forward and backward, with the head on
+      every position of the window; a separate value model (a forward in the rollout, a forward
+      and backward in the update) and the reward model's forward.
+    """
+    s, rng = shape or Shape.of(w), random.Random(0)
+    lengths, head = prompt_lengths(w), layer_flops(s)[2]
+    ours = trl = 0.0
+    for _ in range(draws):
+        ps, cs = rng.sample(lengths, w.rollout_batch), completion_lengths(w, rng, w.rollout_batch)
+        rows, width, cmax = len(ps), max(ps) + max(cs), max(cs)
+        trunk = rows * forward(s, 0, width, 0)  # the layers over the window
+        ours += sum(forward(s, 0, p + c, c) for p, c in zip(ps, cs))  # sampling
+        ours += 6 * trunk + 6 * sum(cs) * head  # reference, rollout, reward (trunk), update x3, head recompute
+        trl += rows * forward(s, 0, width, cmax)  # sampling
+        trl += 4 * rows * forward(s, 0, width, width) + 5 * trunk  # reference, update x3; value x4, reward
+    per = draws * w.rollout_batch * 1e9
+    return {"ppo_lightning": ours / per, "trl": trl / per}
+
+
+def paper(args, name: str, factor: int, shape: Shape | None = None) -> dict[str, float]:
+    """The point's on-paper GFLOP per completion, of ``args.trainer``'s iteration."""
+    if args.trainer == "ppo":
+        return paper_gflop_ppo(WORKLOADS[name], shape)
+    return paper_gflop(WORKLOADS[name], args.prompts, factor * args.generations, shape)
+
+
+def commands(args, name: str, factor: int, model_dir: str) -> dict:
+    """The point's two runs, ``benchmarks.throughput`` (ours) and TRL's baseline, as callables."""
+    if args.trainer == "ppo":
+        ours_extra = trl_extra = ["--iterations", str(args.iterations)]
+        ours_extra, trl_script = ["--trainer", "ppo", *ours_extra], "trl_baseline"
+    else:
+        trl_extra = ["--prompts", str(args.prompts), "--generations", str(factor * args.generations)]
+        ours_extra, trl_script = ["--trainer", "grpo", *trl_extra], "trl_grpo_baseline"
+    return {
+        "ppo_lightning": lambda r: run_benchmark("throughput", name, model_dir, args.threads, extra=ours_extra),
+        "trl": lambda r: run_benchmark(trl_script, name, model_dir, args.threads, args.trl_python, trl_extra),
+    }
+
+
 # ----------------------------------------------------------------------------- measured
 def measure(args, model_dir: str) -> list[dict]:
     """Each point's compare pair, alternating within a point: one row a point and side."""
     rows = []
-    for label, name, factor in POINTS:
-        shape = ["--prompts", str(args.prompts), "--generations", str(factor * args.generations)]
+    for label, name, factor in POINTS[args.trainer]:
         build_models(WORKLOADS[name], model_dir)
-        results = alternate(
-            {
-                "ppo_lightning": lambda r: run_benchmark(
-                    "throughput", name, model_dir, args.threads, extra=["--trainer", "grpo", *shape]
-                ),
-                "trl": lambda r: run_benchmark(
-                    "trl_grpo_baseline", name, model_dir, args.threads, args.trl_python, shape
-                ),
-            },
-            args.rounds,
-        )
-        paper = paper_gflop(WORKLOADS[name], args.prompts, factor * args.generations)
-        big = paper_gflop(WORKLOADS[name], args.prompts, factor * args.generations, QWEN2_5_1_5B)
+        results = alternate(commands(args, name, factor, model_dir), args.rounds)
+        on_paper, big = paper(args, name, factor), paper(args, name, factor, QWEN2_5_1_5B)
         for side, runs in results.items():
             # seconds per generated token, at the workload's expected mean length: each run draws
             # its own lengths (a mean of 16 geometric draws varies by ~25%)
@@ -146,20 +204,21 @@ def measure(args, model_dir: str) -> list[dict]:
             ]
             rows.append(
                 {
+                    "trainer": args.trainer,
                     "point": label,
                     "side": side,
                     "s_per_completion": [r["total_s"] / r["episodes"] for r in runs],
                     "mean_tokens": [mean_length(r) for r in runs],
                     "s_per_completion_at_mean_runs": at_mean,
                     "s_per_completion_at_mean": statistics.median(at_mean),
-                    "paper_gflop": paper[side],
+                    "paper_gflop": on_paper[side],
                     "paper_gflop_qwen2_5_1_5b": big[side],
                 }
             )
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], points) -> str:
     """The markdown table: per point, each side's s / completion (at the workload's expected mean
     length: each run draws its own lengths, a mean of 16 geometric draws is within ~25%) and
     GFLOP / completion on paper, their growth over x1, and ours against TRL."""
@@ -169,7 +228,7 @@ def table(rows: list[dict]) -> str:
         "| TRL GFLOP on paper (growth) | speed-up measured | FLOP ratio on paper | the same at Qwen2.5-1.5B's shape |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for label, _, _ in POINTS:
+    for label, _, _ in points:
         o, t = (by[(label, side)]["s_per_completion_at_mean"] for side in ("ppo_lightning", "trl"))
         o1, t1 = (by[("x1", side)]["s_per_completion_at_mean"] for side in ("ppo_lightning", "trl"))
         og, tg = (by[(label, side)]["paper_gflop"] for side in ("ppo_lightning", "trl"))
@@ -184,24 +243,29 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = cli.parser(__doc__)
-    ap.add_argument("--trl-python", help="the interpreter with trl 1.16 (default: this one)")
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per iteration (default 2)")
-    ap.add_argument("--generations", type=int, default=8, help="the group size at x1 (default 8)")
+    ap.add_argument("--trainer", choices=tuple(POINTS), default="grpo", help="GRPO or PPO against TRL's (default grpo)")
+    ap.add_argument("--trl-python", help="the interpreter with trl 1.16 (grpo) or 1.12 (ppo) (default: this one)")
+    ap.add_argument("--prompts", type=int, default=2, help="grpo: prompts per iteration (default 2)")
+    ap.add_argument("--generations", type=int, default=8, help="grpo: the group size at x1 (default 8)")
+    ap.add_argument("--iterations", type=int, default=2, help="ppo: iterations a run (default 2)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--paper", action="store_true", help="only the on-paper columns (seconds, no runs)")
     cli.add_threads(ap, help="torch.set_num_threads on both sides (default: torch's choice)")
     args = ap.parse_args()
     if args.paper:
-        for label, name, factor in POINTS:
+        for label, name, factor in POINTS[args.trainer]:
             for shape, model in ((None, "workload"), (QWEN2_5_1_5B, "qwen2.5-1.5b")):
-                gflop = paper_gflop(WORKLOADS[name], args.prompts, factor * args.generations, shape)
-                print(json.dumps({"point": label, "model": model, **gflop}))
+                print(
+                    json.dumps(
+                        {"trainer": args.trainer, "point": label, "model": model, **paper(args, name, factor, shape)}
+                    )
+                )
         return
     with tempfile.TemporaryDirectory() as model_dir:
         rows = measure(args, model_dir)
     for r in rows:
         print(json.dumps(r))
-    print(table(rows))
+    print(table(rows, POINTS[args.trainer]))
 
 
 if __name__ == "__main__":

@@ -323,6 +323,37 @@ def test_scaling_on_paper_counts_one_unpadded_row_alike_on_both_sides_but_the_le
         assert math.isclose(gflop["ppo_lightning"], (trl + head) / 50 / 1e9, rel_tol=1e-9)
 
 
+def test_ppo_scaling_on_paper_counts_one_row_as_its_passes_do():
+    """``benchmarks.scaling.paper_gflop_ppo`` against a naive count of one row (prompt p,
+    completion c, n = p + c positions, no padding): ours samples it, then runs six passes of its
+    layers (reference, rollout, reward model, the update's forward and backward at 3x) and seven
+    of the head on c (the lean head's recomputation); TRL samples it, runs the head on all n in
+    four passes (reference, update) and its layers in nine more (value model x4, reward model).
+    ``doubled(w, "batch")`` doubles the rollout batch and keeps the iterations."""
+    import dataclasses
+    import random
+
+    from benchmarks.lib.workloads import doubled, prompt_lengths
+    from benchmarks.scaling import QWEN2_5_1_5B, Shape, completion_lengths, layer_flops, paper_gflop_ppo
+
+    w = WORKLOADS["gsm8k_like"]
+    assert WORKLOADS["gsm8k_like_batch_x2"] == doubled(w, "batch")
+    assert (doubled(w, "batch").rollout_batch, doubled(w, "batch").iterations) == (16, w.iterations)
+    one = dataclasses.replace(w, rollout_batch=1)
+    for shape in (Shape.of(w), QWEN2_5_1_5B):
+        gflop = paper_gflop_ppo(one, shape, draws=50)
+        rng, (f, att, h) = random.Random(0), layer_flops(shape)
+        ours = trl = 0.0
+        for _ in range(50):
+            p = rng.sample(prompt_lengths(w), 1)[0]
+            c = completion_lengths(w, rng, 1)[0]
+            layers = (p + c) * f + att * (p + c) ** 2 / 2
+            ours += 7 * layers + 7 * c * h
+            trl += 10 * layers + c * h + 4 * (p + c) * h
+        assert math.isclose(gflop["ppo_lightning"], ours / 50 / 1e9, rel_tol=1e-9)
+        assert math.isclose(gflop["trl"], trl / 50 / 1e9, rel_tol=1e-9)
+
+
 def test_each_engine_correction_modes_weights_match_their_definition_and_are_1_without_a_mismatch():
     """``benchmarks.engine_correction.mode_stats`` over kept rollouts: with the engine equal to the
     trainer every mode changes and drops nothing (ESS 1); with a mismatch, ``token_mask`` drops

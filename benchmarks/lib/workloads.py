@@ -181,19 +181,25 @@ WORKLOADS = {
 
 def doubled(w: Workload, dimension: str) -> Workload:
     """``w`` with its prompts (``"prompts"``: every length x 2) or its completions
-    (``"completions"``: the mean and the cap x 2) twice as long, named ``<name>_<dimension>_x2``:
-    the scaling table's variants (``benchmarks.scaling``; the group size is a run option).
-    Its own name, since its models differ (position count, the baked EOS rate)."""
+    (``"completions"``: the mean and the cap x 2) twice as long, or twice its PPO rollout batch
+    (``"batch"``: prompts an iteration, and the episodes so the iterations stay), named
+    ``<name>_<dimension>_x2``: the scaling table's variants (``benchmarks.scaling``; GRPO's group
+    size is a run option). Its own name, since its models may differ (position count, the baked
+    EOS rate)."""
     if dimension == "prompts":
         change = dict(prompt_tokens=2 * w.prompt_tokens, prompt_tokens_min=2 * (w.prompt_tokens_min or w.prompt_tokens))
     elif dimension == "completions":
         change = dict(response_tokens=2 * w.response_tokens, eos_mean_tokens=2 * w.eos_mean_tokens)
+    elif dimension == "batch":
+        change = dict(rollout_batch=2 * w.rollout_batch, episodes=2 * w.episodes)
     else:
-        raise ValueError(f"dimension must be prompts or completions, got {dimension!r}")
+        raise ValueError(f"dimension must be prompts, completions or batch, got {dimension!r}")
     return dataclasses.replace(w, name=f"{w.name}_{dimension}_x2", **change)
 
 
-WORKLOADS.update({d.name: d for d in (doubled(WORKLOADS["gsm8k_like"], k) for k in ("prompts", "completions"))})
+WORKLOADS.update(
+    {d.name: d for d in (doubled(WORKLOADS["gsm8k_like"], k) for k in ("prompts", "completions", "batch"))}
+)
 
 
 # ----------------------------------------------------------------------------- word vocabulary
