@@ -19,8 +19,9 @@ markdown table:
   completions. A ``sequence_*`` mode's ratio is a product over the completion, so its log grows
   with the length like a random walk, and long completions are capped or dropped more often.
 
-and the mismatch itself: ``engine_kl`` (``E[log pi_engine - log pi_old]``) and the mean and
-largest ``|log rho|`` a token.
+and the mismatch itself, as a run logs it each rollout (``rollout/engine_kl``: ``E[log pi_engine -
+log pi_old]``, ``engine_logprob_diff``: the mean ``|log rho|`` a token, ``engine_capped_frac``,
+``engine_ess``; docs/metrics.md), over all the rollouts, and the largest ``|log rho|``.
 """
 
 from __future__ import annotations
@@ -99,17 +100,22 @@ def mode_stats(kept: list[tuple], mode: str, cap: float) -> dict:
     }
 
 
-def mismatch(kept: list[tuple]) -> dict:
-    """The engine's distance from the trainer over every kept response token."""
+def mismatch(kept: list[tuple], cap: float) -> dict:
+    """The engine's distance from the trainer over every kept response token: the figures a run
+    logs each rollout (``train.metrics.engine_mismatch``: ``engine_kl``, ``engine_logprob_diff``,
+    ``engine_capped_frac``, ``engine_ess``), pooled over the rollouts, and the largest
+    ``|log rho|``."""
+    from types import SimpleNamespace
+
     import torch
 
-    log_rho = torch.cat([(old - engine)[mask.bool()] for old, engine, mask in kept])
-    return {
-        "tokens": len(log_rho),
-        "engine_kl": (-log_rho).mean().item(),
-        "mean_abs_log_rho": log_rho.abs().mean().item(),
-        "max_abs_log_rho": log_rho.abs().max().item(),
-    }
+    from ppo_lightning.train.metrics import engine_mismatch
+
+    old = torch.cat([o[mask.bool()] for o, _, mask in kept])  # every response token, end to end
+    engine = torch.cat([e[mask.bool()] for _, e, mask in kept])
+    pooled = SimpleNamespace(sampling_logprobs=old, engine_logprobs=engine, response_mask=torch.ones_like(old))
+    figures = {k.removeprefix("rollout/"): v.item() for k, v in engine_mismatch(pooled, cap).items()}
+    return {"tokens": len(old), **figures, "max_abs_log_rho": (old - engine).abs().max().item()}
 
 
 def main() -> None:
@@ -123,7 +129,7 @@ def main() -> None:
     cli.set_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         kept = collect(args.iterations, args.engine_dtype, args.cache_dir or f"{tmp}/cache", f"{tmp}/run")
-    print(json.dumps({"engine_dtype": args.engine_dtype, "cap": args.cap, **mismatch(kept)}))
+    print(json.dumps({"engine_dtype": args.engine_dtype, "cap": args.cap, **mismatch(kept, args.cap)}))
     rows = [mode_stats(kept, m, args.cap) for m in MODES]
     for r in rows:
         print(json.dumps(r))

@@ -374,9 +374,12 @@ def test_each_engine_correction_modes_weights_match_their_definition_and_are_1_w
     # the longest third: rows 4 and 5 (8 and 9 tokens), each token weighed by its row's capped product
     w4, w5 = (log_rho[4, :8].sum().exp().clamp(max=2.0).item(), log_rho[5].sum().exp().clamp(max=2.0).item())
     assert math.isclose(mode_stats(kept, "sequence_truncate", 2.0)["w_long"], (8 * w4 + 9 * w5) / 17, rel_tol=1e-5)
-    m = mismatch(kept)
-    assert m["tokens"] == int(mask.sum())
+    m = mismatch(kept + kept[:1], 2.0)  # pooled over two rollouts: the same figures
+    assert m["tokens"] == 2 * int(mask.sum())
     assert math.isclose(m["engine_kl"], (engine - old)[mask.bool()].mean().item(), rel_tol=1e-5)
+    assert math.isclose(m["engine_logprob_diff"], log_rho[mask.bool()].abs().mean().item(), rel_tol=1e-5)
+    assert math.isclose(m["engine_capped_frac"], dropped, rel_tol=1e-5)  # what token_mask drops
+    assert math.isclose(m["max_abs_log_rho"], log_rho[mask.bool()].abs().max().item(), rel_tol=1e-6)
 
 
 def test_packed_micro_batches_give_the_trimmed_ones_logprobs(tmp_path):
