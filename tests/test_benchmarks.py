@@ -297,7 +297,7 @@ def test_scaling_on_paper_counts_one_unpadded_row_alike_on_both_sides_but_the_le
     import statistics
 
     from benchmarks.lib.workloads import doubled, prompt_lengths
-    from benchmarks.scaling import QWEN2_5_1_5B, Shape, completion_lengths, layer_flops, paper_gflop
+    from benchmarks.scaling import QWEN2_5_1_5B, Shape, completion_lengths, forward, layer_flops, paper_gflop
 
     w = WORKLOADS["gsm8k_like"]
     assert WORKLOADS["gsm8k_like_prompts_x2"] == doubled(w, "prompts")
@@ -309,6 +309,9 @@ def test_scaling_on_paper_counts_one_unpadded_row_alike_on_both_sides_but_the_le
     assert math.isclose(w.expected_response_tokens, expected) and w.expected_prompt_tokens == 150
     assert abs(statistics.mean(lengths) - expected) < 0.05 * expected
     assert 1.30e9 < QWEN2_5_1_5B.layer_weights * QWEN2_5_1_5B.n_layer < 1.32e9  # Qwen2.5-1.5B's 1.31 B
+    # one token through a forward: 2 FLOPs a weight, the layers' and the head's (attention aside)
+    for shape, weights in ((QWEN2_5_1_5B, 1.31e9 + 1536 * 151936), (Shape.of(w), 4 * 10 * 256**2 + 256 * 151936)):
+        assert math.isclose(forward(shape, 0, 1, 1), 2 * weights + 0.5 * layer_flops(shape)[1], rel_tol=0.01)
     for shape in (Shape.of(w), QWEN2_5_1_5B):
         gflop = paper_gflop(w, 1, 1, shape, draws=50)
         rng = random.Random(0)  # the same draws, counted naively: 5 forwards of p + c, the head on c
