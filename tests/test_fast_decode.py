@@ -215,6 +215,40 @@ def test_rows_that_stop_leave_the_decode_batch_and_every_token_is_the_plain_loop
     assert batch_sizes == [int((lengths > t + 1).sum()) for t in range(len(batch_sizes))]
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["lean-step", "model-forward"])
+def test_a_groups_prompt_is_prefilled_once_and_its_rows_draw_the_plain_loops_tokens(any_lm, lm_and_tok, fast):
+    """Rows that hold the same prompt (a group's ``num_generations`` rows, here 3 of each of 4
+    prompts) share one row of the prefill: the model's forward sees each distinct prompt once, its
+    cache is copied to each of the group's rows, and every row's tokens and mask are still the
+    plain full-batch loop's."""
+    lm, tok = any_lm, lm_and_tok[1]
+    enc = tok([p for p in PROMPTS for _ in range(3)], return_tensors="pt", padding=True)
+    params = dict(temperature=0.9, top_k=60)
+    rows_seen = []
+    hook = lm.register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        got = generate(
+            lm,
+            enc.input_ids,
+            enc.attention_mask,
+            max_new_tokens=10,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            generator=torch.Generator().manual_seed(4),
+            fast_decode=fast,
+            **params,
+        )
+    finally:
+        hook.remove()
+    assert rows_seen[0] == len(PROMPTS)  # the prefill
+    with torch.inference_mode():
+        want = naive_sampling(
+            lm, enc.input_ids, enc.attention_mask, 10, {tok.eos_token_id}, 4, tok.pad_token_id, **params
+        )
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len({tuple(r) for r in got[0].tolist()}) > len(PROMPTS)  # a group's rows drew their own tokens
+
+
 def test_gpt2_variants_the_lean_step_does_not_cover_are_declined(lm_and_tok):
     lm = lm_and_tok[0]
     upcast = copy.deepcopy(lm)

@@ -23,6 +23,7 @@ from ppo_lightning.generation.fast_decode import decoder_for
 from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.generation.stops import StopChecker
 from ppo_lightning.models.policy import position_ids_from_mask
+from ppo_lightning.models.shared_prompt import prompt_groups
 from ppo_lightning.models.signature import cache_kwarg, logits_to_keep
 from ppo_lightning.models.weights import is_sharded
 
@@ -196,8 +197,9 @@ def generate(
     ``stop_at_eos=False`` every row runs to ``max_new_tokens`` and neither stops it (benchmarks
     use this for a fixed workload).
 
-    The prompt goes through the model's own forward (the prefill). Each further token goes through
-    it too, or, with ``fast_decode`` on a model ``fast_decode.decoder_for`` accepts (GPT-2,
+    The prompt goes through the model's own forward (the prefill), once for rows that hold the
+    same prompt (a group's ``num_generations`` rows: the cache is then copied to each). Each
+    further token goes through it too, or, with ``fast_decode`` on a model ``fast_decode.decoder_for`` accepts (GPT-2,
     Llama, Qwen2, GPT-NeoX), through a lean step with the same logits (to float32 rounding) and
     about half the per-token overhead.
 
@@ -260,8 +262,8 @@ def _sampling_mode(lm):
 
 
 class _Decode:
-    """One chunk's decoding state: ``prefill`` runs the prompt through the model's forward into a
-    fresh KV cache; then ``step(token, t, position)`` feeds token ``t`` of the rows still sampling
+    """One chunk's decoding state: ``prefill`` runs each distinct prompt through the model's forward
+    once into a fresh KV cache, copied to every row that holds it; then ``step(token, t, position)`` feeds token ``t`` of the rows still sampling
     and returns their next logits (through the lean ``fast_decode`` step where the model has one,
     else the model's forward on the cache), and ``keep(rows)`` drops the other rows' state."""
 
@@ -270,28 +272,38 @@ class _Decode:
         self.cache_kw = cache_kwarg(lm)
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-        """``(logits [B, V] of the first response token, its position [B, 1])``."""
+        """``(logits [B, V] of the first response token, its position [B, 1])``. Rows with the same
+        prompt (``shared_prompt.prompt_groups``) share one row of the forward: its cache and logits
+        are then indexed out to each, the same numbers a row of its own would give (to float32
+        rounding: the forward's batch is smaller), at a group's share of the prefill's work."""
         from transformers import DynamicCache
 
         B, self.P = input_ids.shape
+        groups = prompt_groups(input_ids, attention_mask, self.P)
+        first, inverse = groups if groups is not None else (None, None)
         self.cache = DynamicCache(config=self.lm.config)
         self.full_mask = torch.ones(
             B, self.P + self.max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device
         )
         self.full_mask[:, : self.P] = attention_mask
         position_ids = position_ids_from_mask(attention_mask)
+        rows = slice(None) if first is None else first
         out = self.lm(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            input_ids=input_ids[rows],
+            attention_mask=attention_mask[rows],
+            position_ids=position_ids[rows],
             use_cache=True,
             **{self.cache_kw: self.cache},
             **logits_to_keep(self.lm, 1),
         )
+        logits = out.logits[:, -1, :]
+        if inverse is not None:  # each row its prompt's cache and logits
+            self.cache.batch_select_indices(inverse)
+            logits = logits[inverse]
         self.decoder = None
         if self.fast_decode:
             self.decoder = decoder_for(self.lm, self.cache, attention_mask, self.max_new_tokens)
-        return out.logits[:, -1, :], position_ids[:, -1:] + 1
+        return logits, position_ids[:, -1:] + 1
 
     def step(self, token: Tensor, t: int, position: Tensor) -> Tensor:
         if self.decoder is not None:
