@@ -114,7 +114,8 @@ def paper_gflop(
     reference forward, one training forward and backward at 3x a forward), over ``draws`` batches
     of the workload's lengths, on its model or another ``shape``:
 
-    * ours (the defaults): each row decodes until its own EOS; the reference and training forwards
+    * ours (the defaults): the sampler prefills each group's prompt once (left-padded to the
+      batch's longest) and each row decodes until its own EOS; the reference and training forwards
       encode each group's prompt once, its completions padded to the group's longest, the head on
       completion tokens only (and once more in the update: the lean head's recomputation);
     * TRL: the batch is padded to its longest prompt and decodes until its longest completion;
@@ -131,7 +132,7 @@ def paper_gflop(
         cs = [completion_lengths(w, rng, generations) for _ in ps]
         pmax, cmax, rows = max(ps), max(max(c) for c in cs), prompts * generations
         for p, group in zip(ps, cs):
-            ours += sum(forward(s, 0, p + c, c) for c in group)  # sampling
+            ours += forward(s, 0, pmax, 0) + sum(forward(s, pmax, c, c) for c in group)  # sampling
             shared = forward(s, 0, p, 0) + generations * forward(s, p, max(group), 0)
             ours += 4 * shared + 5 * sum(group) * layer_flops(s)[2]  # reference, update, head recompute
             floor += 5 * (forward(s, 0, p, 0) + sum(forward(s, p, c, c) for c in group))
@@ -147,10 +148,11 @@ def paper_gflop_ppo(w: Workload, shape: Shape | None = None, draws: int = 200) -
     forwards over the batch's window (its longest prompt, left-padded, plus its longest
     completion):
 
-    * ours (the defaults): each row decodes until its own EOS; the reference, the rollout's
-      policy-and-value forward and the reward model's, then one training forward and backward
-      (3x), the LM head on completion tokens only (and once more in the update: the lean head's
-      recomputation); the value is a head on the policy;
+    * ours (the defaults): the sampler prefills the prompts, left-padded to the longest, and each
+      row decodes until its own EOS; the reference, the rollout's policy-and-value forward and the
+      reward model's, then one training forward and backward (3x), the LM head on completion
+      tokens only (and once more in the update: the lean head's recomputation); the value is a
+      head on the policy;
     * TRL: the batch decodes until its longest completion ends (the rollout's policy logits come
       from ``generate``); the reference, and the policy's forward and backward, with the head on
       every position of the window; a separate value model (a forward in the rollout, a forward
@@ -167,7 +169,7 @@ def paper_gflop_ppo(w: Workload, shape: Shape | None = None, draws: int = 200) -
         ps, cs = rng.sample(lengths, w.rollout_batch), completion_lengths(w, rng, w.rollout_batch)
         rows, width, cmax = len(ps), max(ps) + max(cs), max(cs)
         trunk = rows * forward(s, 0, width, 0)  # the layers over the window
-        ours += sum(forward(s, 0, p + c, c) for p, c in zip(ps, cs))  # sampling
+        ours += rows * forward(s, 0, max(ps), 0) + sum(forward(s, max(ps), c, c) for c in cs)  # sampling
         ours += 6 * trunk + 6 * sum(cs) * head  # reference, rollout, reward (trunk), update x3, head recompute
         trl += rows * forward(s, 0, width, cmax)  # sampling
         trl += 4 * rows * forward(s, 0, width, width) + 5 * trunk  # reference, update x3; value x4, reward
