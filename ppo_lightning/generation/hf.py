@@ -1,8 +1,8 @@
 """The ``hf`` generation backend: batched KV-cache sampling of a live Hugging Face causal LM.
 
 ``HFBackend`` samples the module itself (the policy, or the reference), so it has no weights of
-its own to sync. The sampling loop (``generate``) runs the prompt through the model's forward,
-then one token at a time through the model's forward or, for an exact GPT-2, Llama, Qwen2 or
+its own to sync. The sampling loop (``generate``) runs each distinct prompt through the model's
+forward once (a group's rows share it), then one token at a time through the model's forward or, for an exact GPT-2, Llama, Qwen2 or
 GPT-NeoX, the lean step of ``fast_decode.py``; temperature, top-k, top-p and min-p shape the
 draw (``inverse_cdf``, one uniform a row); a row stops at EOS, at a stop token, or at the token
 that completes a stop string, then leaves the decode batch, and everything after the first stop
@@ -199,9 +199,9 @@ def generate(
 
     The prompt goes through the model's own forward (the prefill), once for rows that hold the
     same prompt (a group's ``num_generations`` rows: the cache is then copied to each). Each
-    further token goes through it too, or, with ``fast_decode`` on a model ``fast_decode.decoder_for`` accepts (GPT-2,
-    Llama, Qwen2, GPT-NeoX), through a lean step with the same logits (to float32 rounding) and
-    about half the per-token overhead.
+    further token goes through it too, or, with ``fast_decode`` on a model
+    ``fast_decode.decoder_for`` accepts (GPT-2, Llama, Qwen2, GPT-NeoX), through a lean step with
+    the same logits (to float32 rounding) and about half the per-token overhead.
 
     ``chunk_size`` rows are sampled at a time (null: the whole batch): the KV cache, which grows
     with rows x (prompt + response) x layers x width, is then a chunk's. Chunks that stop early
@@ -262,10 +262,11 @@ def _sampling_mode(lm):
 
 
 class _Decode:
-    """One chunk's decoding state: ``prefill`` runs each distinct prompt through the model's forward
-    once into a fresh KV cache, copied to every row that holds it; then ``step(token, t, position)`` feeds token ``t`` of the rows still sampling
-    and returns their next logits (through the lean ``fast_decode`` step where the model has one,
-    else the model's forward on the cache), and ``keep(rows)`` drops the other rows' state."""
+    """One chunk's decoding state: ``prefill`` runs each distinct prompt through the model's
+    forward once into a fresh KV cache, copied to every row that holds it; then ``step(token, t,
+    position)`` feeds token ``t`` of the rows still sampling and returns their next logits (through
+    the lean ``fast_decode`` step where the model has one, else the model's forward on the cache),
+    and ``keep(rows)`` drops the other rows' state."""
 
     def __init__(self, lm, max_new_tokens: int, fast_decode: bool):
         self.lm, self.max_new_tokens, self.fast_decode = lm, max_new_tokens, fast_decode
