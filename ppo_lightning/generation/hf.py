@@ -2,13 +2,13 @@
 
 ``HFBackend`` samples the module itself (the policy, or the reference), so it has no weights of
 its own to sync. The sampling loop (``generate``) runs each distinct prompt through the model's
-forward once (a group's rows share it), then one token at a time through the model's forward or, for an exact GPT-2, Llama, Qwen2 or
-GPT-NeoX, the lean step of ``fast_decode.py``; temperature, top-k, top-p and min-p shape the
-draw (``inverse_cdf``, one uniform a row); a row stops at EOS, at a stop token, or at the token
-that completes a stop string, then leaves the decode batch, and everything after the first stop
-is masked (``stops.py``: stop strings are matched on the decoded text). Callers go through
-``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself is the low-level function
-its tests and the sampler benchmarks call.
+forward once (a group's rows share it), then one token at a time through the model's forward or,
+for an exact GPT-2, Llama, Qwen2 or GPT-NeoX, the lean step of ``fast_decode.py``; temperature,
+top-k, top-p and min-p shape the draw (``inverse_cdf``, one uniform a row); a row stops at EOS, at
+a stop token, or at the token that completes a stop string, then leaves the decode batch, and
+everything after the first stop is masked (``stops.py``: stop strings are matched on the decoded
+text). Callers go through ``HFBackend.generate`` with a ``SamplingParams``; ``generate`` itself
+is the low-level function its tests and the sampler benchmarks call.
 """
 
 from __future__ import annotations
