@@ -357,6 +357,36 @@ def test_ppo_scaling_on_paper_counts_one_row_as_its_passes_do():
         assert math.isclose(gflop["trl"], trl / 50 / 1e9, rel_tol=1e-9)
 
 
+def test_the_scaling_table_gives_each_points_growth_and_both_speed_ups():
+    """``benchmarks.scaling.table`` from its JSON rows: growth over x1 per side, the speed-up at
+    the mean length and raw with each side's drawn mean, and the FLOP ratios."""
+    from benchmarks.scaling import POINTS, table
+
+    rows = []
+    for i, (label, _, _) in enumerate(POINTS["ppo"]):
+        for side, s, tokens, gflop in (("ppo_lightning", 1.0, 80.0, 50.0), ("trl", 4.0, 120.0, 150.0)):
+            k = 1 + i  # each point costs (1 + i)x x1 on both sides
+            rows.append(
+                {
+                    "point": label,
+                    "side": side,
+                    "s_per_completion": [k * s, k * s],
+                    "mean_tokens": [tokens, tokens],
+                    "s_per_completion_at_mean": k * s * (0.5 if side == "trl" else 1.0),
+                    "paper_gflop": k * gflop,
+                    "paper_gflop_floor": 40.0,
+                    "paper_gflop_qwen2_5_1_5b": k * gflop * (2.0 if side == "trl" else 1.0),
+                }
+            )
+    lines = table(rows, POINTS["ppo"]).splitlines()
+    assert len(lines) == 2 + len(POINTS["ppo"])
+    cells = [c.strip() for c in lines[3].split("|")[1:-1]]  # prompts x2: every figure twice x1's
+    assert cells == [
+        "prompts x2", "2.00 (2.00x)", "4.00 (2.00x)", "100.0 (2.00x)", "300.0 (2.00x)", "40.0",
+        "2.00x", "4.00x (80.0 / 120.0)", "3.00x", "6.00x",
+    ]  # fmt: skip
+
+
 def test_each_engine_correction_modes_weights_match_their_definition_and_are_1_without_a_mismatch():
     """``benchmarks.engine_correction.mode_stats`` over kept rollouts: with the engine equal to the
     trainer every mode changes and drops nothing (ESS 1); with a mismatch, ``token_mask`` drops
