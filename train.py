@@ -43,11 +43,12 @@ def main(cfg: DictConfig) -> float | None:
     from ppo_lightning.jobs.run import run_task
     from ppo_lightning.parallel.checkpoint import OutputWriteError
     from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted
+    from ppo_lightning.envs import EnvError
     from ppo_lightning.rewards import RewardError
     from ppo_lightning.train.loggers import finish_wandb
     from ppo_lightning.train.module import NonFiniteError
 
-    user_errors = (ConfigError, RewardError, NonFiniteError, OutputWriteError)
+    user_errors = (ConfigError, RewardError, EnvError, NonFiniteError, OutputWriteError)
     try:
         metrics = run_task(cfg)
     except Preempted as e:

@@ -173,9 +173,9 @@ def test_an_answer_the_template_would_re_render_is_tokenised_after_the_probe_and
     expected = r.encode(
         r.assistant_suffix + r.render(plain + answer, add_generation_prompt=True)[len(r.render(plain)) :]
     )
-    assert r.observation_ids(plain, answer, None, ended_with_eos=False) == expected and r.fallbacks == 0
+    assert r.observation_ids(plain, answer, None, ended_with="") == expected and r.fallbacks == 0
     secret = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a SECRET"}]
-    assert r.observation_ids(secret, answer, None, ended_with_eos=False) == expected and r.fallbacks == 1
+    assert r.observation_ids(secret, answer, None, ended_with="") == expected and r.fallbacks == 1
 
     prompt = tuple(r.prompt_ids([{"role": "user", "content": "hi"}]))
     backend = ScriptedBackend({prompt: [_ids(bpe, "a SECRET"), _ids(bpe, "x")]}, bpe.pad_token_id)

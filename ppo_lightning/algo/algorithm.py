@@ -131,6 +131,11 @@ class PPO:
         self.reward_norm: tuple[float, float] | None = None  # set by the module: configured, fitted or restored
         self.generator: torch.Generator | None = None
         self.layout = ForwardLayout(cfg.remove_padding, shares_prompts(cfg, policy))
+        # seq_mean_token_sum_norm's constant: the most policy tokens a response can hold (with an
+        # environment, every turn's: env.max_turns x max_new_tokens, at most env.max_total_tokens)
+        self.norm_length = (
+            sampling.max_new_tokens if episodes is None else episodes.max_policy_tokens(sampling.max_new_tokens)
+        )
 
     # ------------------------------------------------------------------------- part 1: collect
     def collect(self, batch: dict) -> Rollout:
@@ -295,7 +300,7 @@ class PPO:
         c, mask = self.cfg, part.response_mask
         entropies, new_values, new_logp = forward
         low, high = c.clip_low or c.clip, c.clip_high or c.clip
-        agg = Aggregation(c.loss_agg, n_tokens, seq_count, self.sampling.max_new_tokens)
+        agg = Aggregation(c.loss_agg, n_tokens, seq_count, self.norm_length)
         pg_loss, pg_clipfrac = ppo_policy_loss(
             new_logp,
             part.logprobs,

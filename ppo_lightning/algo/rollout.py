@@ -76,7 +76,8 @@ class Rollout(_Sequences):
     # grpo / rloo, the group-relative score plus the KL return-to-go; reinforce_pp, whitened returns
     returns: Tensor  # [B, R] gae: value targets, advantages (before whitening) + values; else a record
     scores: Tensor  # [B] reward of each full response: normalised, after the missing-EOS penalty
-    raw_scores: Tensor  # [B] the reward's own output, before normalisation and penalty
+    raw_scores: Tensor  # [B] the reward's own output, before normalisation and penalty; with episodes
+    # plus the turns' EnvStep rewards (the episode's raw return)
     contains_eos: Tensor  # [B] bool
     context_length: int  # P
     term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
@@ -510,8 +511,10 @@ class Sampled(_Sequences):
     played: "EpisodeBatch | None" = None
 
 
-def sample(prompts: Prompts, sampler: Sampler) -> Sampled:
-    """One response per prompt row through ``sampler`` (or, with episodes, one episode per row)."""
+def sample(prompts: Prompts, sampler: Sampler, score: Callable | None = None) -> Sampled:
+    """One response per prompt row through ``sampler`` (or, with episodes, one episode per row;
+    ``score``, a batch of episodes' reward, runs while their environments are live, and its
+    ``(total, applies, terms)`` are ``played.scores``)."""
     if sampler.episodes is None:
         ids, am = prompts.input_ids, prompts.attention_mask
         responses, response_mask = sampler.backend.generate(ids, am, sampler.params, sampler.generator)
@@ -519,7 +522,13 @@ def sample(prompts: Prompts, sampler: Sampler) -> Sampled:
         full_mask = torch.cat([am, response_mask.to(am.dtype)], dim=1)
         return Sampled(query_responses, full_mask, response_mask, ids.shape[1])
     played = sampler.episodes.run(
-        prompts.texts, prompts.columns, sampler.backend, sampler.params, sampler.generator, prompts.input_ids.device
+        prompts.texts,
+        prompts.columns,
+        sampler.backend,
+        sampler.params,
+        sampler.generator,
+        prompts.input_ids.device,
+        score=score,
     )
     return Sampled(played.query_responses, played.attention_mask, played.loss_mask, played.context_length, played)
 
@@ -535,14 +544,30 @@ def score_sampled(
     return score_terms(reward_fn, tokenizer, ids, am, s.responses, s.response_mask, prompts.texts, prompts.columns)
 
 
+def sample_scored(
+    prompts: Prompts, sampler: Sampler, reward_fn: Callable, tokenizer
+) -> tuple[Sampled, Tensor, Tensor, dict[str, Tensor]]:
+    """``(samples, raw score [B], applies [B], {term: raw [B]})``: fresh samples and the reward's
+    scores of them. Episodes are scored while their environments are live (a TRL reward may read
+    an environment's state), then the environments are closed."""
+    if sampler.episodes is None:
+        s = sample(prompts, sampler)
+        return s, *score_sampled(reward_fn, tokenizer, s, prompts)
+
+    def score(played: EpisodeBatch) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        return score_episodes(reward_fn, tokenizer, played, sampler.error_reward)
+
+    s = sample(prompts, sampler, score)
+    return s, *s.played.scores
+
+
 def sample_returns(
     prompts: Prompts, sampler: Sampler, reward_fn: Callable, tokenizer
 ) -> tuple[Sampled, Tensor, Tensor, dict[str, Tensor]]:
     """``(samples, return [B], applies [B], {term: raw [B]})`` of fresh samples: each row's raw
     score, with episodes plus its turn rewards (the episode's return), as evaluation and reward
     normalisation measure them."""
-    s = sample(prompts, sampler)
-    raw, applies, terms = score_sampled(reward_fn, tokenizer, s, prompts, sampler.error_reward)
+    s, raw, applies, terms = sample_scored(prompts, sampler, reward_fn, tokenizer)
     if s.played is not None:
         raw = raw + s.played.turn_rewards.sum(1)
     return s, raw, applies, terms
@@ -609,7 +634,7 @@ class Samples(_Sequences):
     response_mask: Tensor  # [B, R] float
     ref_logprobs: Tensor  # [B, R] (unmasked)
     scores: Tensor  # [B] normalised, after the missing-EOS penalty
-    raw_scores: Tensor  # [B] the reward's own output
+    raw_scores: Tensor  # [B] the reward's own output; with episodes plus the turns' rewards (raw return)
     contains_eos: Tensor  # [B] bool: stopped by EOS or a stop sequence
     context_length: int  # P
     term_scores: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # reward.terms: raw [B] each
@@ -635,10 +660,7 @@ def sample_and_score(
     prompt record is played out as a multi-turn episode instead (``envs.EpisodeRunner``, from the
     prompts as written and their columns): the response holds every turn, the environment's
     tokens attended to but out of ``response_mask``."""
-    s = sample(prompts, sampler)
-    raw_scores, scored, term_scores = score_sampled(
-        scorer.reward_fn, scorer.tokenizer, s, prompts, sampler.error_reward
-    )
+    s, raw_scores, scored, term_scores = sample_scored(prompts, sampler, scorer.reward_fn, scorer.tokenizer)
     params, played = sampler.params, s.played
     if played is None:
         contains_eos = stopped_rows(s.responses, s.response_mask, params, scorer.tokenizer)
@@ -666,7 +688,8 @@ def sample_and_score(
         response_mask=response_mask,
         ref_logprobs=ref_logprobs,
         scores=scorer.scores(raw_scores, contains_eos, params.stop_at_eos),
-        raw_scores=raw_scores,
+        # the episode's raw return: the reward's score and the environment's turn rewards
+        raw_scores=raw_scores if played is None else raw_scores + played.turn_rewards.sum(1),
         contains_eos=contains_eos,
         context_length=P,
         term_scores=term_scores,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from ppo_lightning.config import choices
 from ppo_lightning.config.schema import param
@@ -26,10 +26,13 @@ class EnvConfig:
     """The environment class (null: single-turn); must import, checked before any model loads."""
     max_turns: int = param(4, ge=1)
     """Policy turns per episode at most (each one generation call for all unfinished episodes)."""
-    max_total_tokens: int = param(512, ge=1)
+    max_total_tokens: Optional[int] = param(None, ge=1)
     """Response positions per episode at most, policy and environment tokens together; each
     policy turn is also bounded by ``sampling.max_new_tokens``. An environment answer that would
-    not leave the policy a token to answer ends the episode as truncated, its tokens dropped."""
+    not leave the policy a token to answer ends the episode as truncated, its tokens dropped; a
+    policy turn cut by it is counted (``env/budget_cut_turns``). Null: what fits, the model's
+    context (its config's ``max_position_embeddings`` or equivalent) less
+    ``data.max_prompt_length``, read before the weights load."""
     max_observation_tokens: Optional[int] = param(256, ge=1)
     """Tokens of one environment message at most: a longer one is cut (counted,
     ``env/truncated_observations``). Null: no limit."""
@@ -41,6 +44,15 @@ class EnvConfig:
     error_reward: float = 0.0
     """The score of an episode whose environment raised (``on_error=count``), instead of the
     reward's."""
+    reuse_instances: bool = False
+    """Build each environment instance once and ``reset`` it for every later episode (TRL's
+    "construct once, reset often"), instead of one new instance per episode. Either way each
+    instance's ``close()`` runs: after its episode, or, reused, when the run ends."""
+    max_concurrent: Optional[int] = param(None, ge=1)
+    """Environment instances live at once at most (a server's session capacity): a batch with
+    more episodes plays in waves of this many, each wave scored and its instances closed (or
+    pooled) before the next starts. Null: the whole batch at once (one sampling call per turn
+    for all of it)."""
 
 
 @dataclass
@@ -55,11 +67,17 @@ class ToolsConfig:
     tools: List[str] = field(default_factory=list)
     """Dotted paths of functions, each with type hints and a Google-style docstring
     (``ppo_lightning.envs.calculator.calculator`` is a safe arithmetic tool)."""
-    environment: Optional[str] = None
-    """A class written for TRL's GRPOTrainer ``environment_factory``, unchanged: one instance per
-    episode, ``reset(**columns)`` returning None or text appended to the last user message, its
-    public methods the tools, and an optional ``get_reward()`` scoring the finished episode as one
-    more reward term named after the class."""
+    environment: Any = None
+    """What TRL's GRPOTrainer ``environment_factory`` takes, unchanged: the dotted path of a class or
+    of any zero-argument callable returning an instance (one instance per episode), whose
+    ``reset(**columns)`` returns None or text appended to the last user message, whose public
+    methods are the tools, with an optional ``get_reward()`` scoring the finished episode as one
+    more reward term named after the class and an optional ``close()``; or a mapping
+    ``{name: path}`` of several, each record choosing one by its ``environment`` column (TRL's
+    multi-environment mode)."""
+    environment_kwargs: Optional[Dict[str, Any]] = None
+    """Keyword arguments of ``environment``'s constructor; with a mapping of environments, a
+    mapping ``{name: {argument: value}}``."""
     parser: str = "hermes"
     """The tool-call format: ``hermes``, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
     (Hermes, Qwen2.5, Qwen3); or the dotted path of a parser class of your own, with

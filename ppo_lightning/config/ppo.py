@@ -55,7 +55,9 @@ class PPOConfig(_MovedPPOKeys):
     mean, averaged over responses (GRPO's original, DeepSeekMath eq. 3);
     ``seq_mean_token_sum``, each response's token sum, averaged; ``seq_mean_token_sum_norm``,
     that divided by the constant ``sampling.max_new_tokens`` (Dr. GRPO, TRL's ``dr_grpo``: no length bias,
-    and gradients at a token mean's scale, so ``max_grad_norm`` keeps its meaning). Exact under
+    and gradients at a token mean's scale, so ``max_grad_norm`` keeps its meaning); with an
+    environment the constant is the most policy tokens an episode can hold,
+    ``min(env.max_turns x sampling.max_new_tokens, env.max_total_tokens)``. Exact under
     micro-batches. The value loss is a token mean."""
     kl_in: str = param("reward", choices=choices.KL_PLACEMENTS)
     """Where the KL to the reference enters: ``reward``, as ``-kl_coef * KL_t`` per token

@@ -26,7 +26,7 @@ from ppo_lightning.config.reward import RewardConfig, RewardTermConfig, TERM_NAM
 from ppo_lightning.config.root import TrainConfig
 from ppo_lightning.config.task import DEFAULT_MAX_LENGTH, SFTConfig
 from ppo_lightning.config.sampling import SamplingConfig
-from ppo_lightning.config.schema import check_fields
+from ppo_lightning.config.schema import check_fields, check_types
 from ppo_lightning.config.trainer import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -374,8 +374,10 @@ def _check_env(cfg) -> None:
         return
     if not env.get("_target_"):
         raise ConfigError("env._target_ is null: name the environment class, env=function env._target_=my_pkg.MyEnv")
+    check_types(env, EnvConfig, "env")  # untyped at composition: its other keys are the class's
     check_fields(env, EnvConfig, "env")
     if env.get("_target_") in (TOOL_ENVIRONMENT, "ppo_lightning.envs.tools.ToolEnvironment"):
+        check_types(env, ToolsConfig, "env")
         check_fields(env, ToolsConfig, "env")
     if not cfg.sampling.stop_at_eos:
         raise ConfigError(

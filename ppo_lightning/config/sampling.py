@@ -15,8 +15,9 @@ class SamplingConfig:
     engine samples is the ``generation`` group."""
 
     max_new_tokens: int = param(32, ge=1)
-    """Response length limit; sampling stops early once every row has stopped. Also the constant
-    ``ppo.loss_agg=seq_mean_token_sum_norm`` divides by."""
+    """Response length limit (with an environment, each policy turn's); sampling stops early once
+    every row has stopped. Also the constant ``ppo.loss_agg=seq_mean_token_sum_norm`` divides by
+    (with an environment: ``env.max_turns`` times it, at most ``env.max_total_tokens``)."""
     temperature: float = param(1.0, gt=0, hint="logprobs divide by it")
     """Sampling temperature. Every log-probability (policy, reference, update ratio, entropy) is
     taken from logits / temperature; top-k/top-p truncation is not applied to them (as in TRL

@@ -87,3 +87,40 @@ def as_dataclass(cfg: Any, cls: type, key_prefix: str):
     if unknown:
         raise ConfigError(f"{key_prefix}.{unknown[0]}: unknown key; {cls.__name__} has {sorted(names)}")
     return cls(**dict(cfg))
+
+
+def check_types(node: Any, cls: type, prefix: str = "") -> None:
+    """Check that each field of dataclass ``cls`` present in ``node`` (a DictConfig or a dict)
+    holds a value of its annotated type: ``int`` (not a bool, not ``96.5``), ``float`` (an int is
+    fine), ``str``, ``bool``, a list, each optionally ``None``. For a node Hydra cannot type at
+    composition (``env``, whose other keys are a class's constructor arguments), so that
+    ``env.max_turns=abc`` fails here in one line naming the key, not later in a comparison or
+    after the model loads."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value = node.get(f.name) if hasattr(node, "get") else getattr(node, f.name, None)
+        if value is None or f.name.startswith("_"):
+            continue
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), hint) if args and optional else hint
+        base = typing.get_origin(base) or base
+        if base is int:
+            ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif base is float:
+            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        elif base is bool:
+            ok, what = isinstance(value, bool), "true or false"
+        elif base is str:
+            ok, what = isinstance(value, str), "a string"
+        elif base in (list, tuple, typing.List):
+            ok, what = isinstance(value, (list, tuple)) or OmegaConf.is_list(value), "a list"
+        else:
+            continue
+        if not ok:
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            null = " or null" if optional else ""
+            raise ConfigError(f"{key}={value!r}: must be {what}{null}")

@@ -34,6 +34,7 @@ __all__ = [
     "check_env",
     "check_env_reward",
     "env_factory",
+    "first_record",
 ]
 
 
@@ -51,6 +52,17 @@ def _plain(node) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+def first_record(path: str | None, field: str = "prompt") -> Record | None:
+    """The first record of ``data.path`` (None where there is no file to read yet): what
+    ``check_env`` resets one environment on before any model loads."""
+    if path is None:
+        return None
+    from ppo_lightning.data.records import read_prompt_records
+
+    records = read_prompt_records(path, field)
+    return Record(records[0].prompt, dict(records[0].columns)) if records else None
 
 
 def env_factory(node):
@@ -76,49 +88,83 @@ def env_factory(node):
     return make
 
 
-def check_env(node) -> None:
-    """Before any model loads: the environment class imports, and one instance builds from the
-    group's arguments (its tools import and have schemas)."""
+def check_env(node, record=None) -> None:
+    """Before any model loads: the environment class imports, one instance builds from the
+    group's arguments (its tools import and have schemas), it has ``reset`` and ``step``, and, with
+    ``record`` (the data's first, a ``Record``), its ``reset`` takes that record's columns. Every
+    failure is one ``ConfigError`` naming the key or the class; the instance is closed after."""
     from ppo_lightning.config.errors import ConfigError
+    from ppo_lightning.envs.base import EnvError, check_protocol, check_reset, close_env
 
     make = env_factory(node)
+    target = node.get("_target_")
     try:
-        make()
+        env = make()
     except ConfigError:
         raise
     except Exception as e:
         cause = e.__cause__ or e  # hydra wraps the constructor's error
         if isinstance(cause, ConfigError):  # the constructor's own check names its key
             raise cause from None
+        raise ConfigError(f"env._target_={target!r}: cannot build it ({type(cause).__name__}: {cause})") from None
+    try:
+        check_protocol(env)
+        if record is not None:
+            check_reset(env.reset(record), env)
+    except (ConfigError, EnvError) as e:
+        raise ConfigError(f"env._target_={target!r}: {e}") from None
+    except Exception as e:
         raise ConfigError(
-            f"env._target_={node.get('_target_')!r}: cannot build it ({type(cause).__name__}: {cause})"
+            f"env._target_={target!r}: {type(env).__name__}.reset raised {type(e).__name__} on the data's first record "
+            f"({e}); it must take every record's columns"
         ) from None
+    finally:
+        if "env" in locals():
+            error = close_env(env)
+            if error is not None:
+                raise ConfigError(f"env._target_={target!r}: {error}")
 
 
 def check_env_reward(node) -> None:
-    """``reward=environment``: the environment must score its own episodes (a TRL-style class
-    with ``get_reward``, ``env=tools env.environment=...``)."""
-    from ppo_lightning.envs.tools import reward_owner
+    """``reward=environment``: the episode's reward comes from the environment alone: a TRL-style
+    class's ``get_reward`` (``env=tools env.environment=...``), or the ``EnvStep.reward`` of each
+    turn of a ``reset``/``step`` environment (``env=function``). Refused only where there is no
+    environment, or a tool environment of plain functions, which gives no reward at all."""
     from ppo_lightning.config.errors import ConfigError
+    from ppo_lightning.envs.base import close_env
+    from ppo_lightning.envs.tools import ToolEnvironment, reward_owners
 
-    if not node or reward_owner(env_factory(node)()) is None:
+    if not node:
         raise ConfigError(
-            "reward=environment takes the reward from the environment's get_reward(), but "
-            + (f"env._target_={node.get('_target_')!r} has none" if node else "there is no environment (env=none)")
-            + "; set env=tools env.environment=my_pkg.MyEnv (a class with get_reward), or choose a reward "
-            "(reward=function reward.fn=...)"
+            "reward=environment takes the reward from the environment, but there is no environment (env=none); "
+            "set env=function env._target_=my_pkg.MyEnv (EnvStep rewards) or env=tools "
+            "env.environment=my_pkg.MyEnv (a class with get_reward), or choose a reward (reward=function reward.fn=...)"
         )
+    env = env_factory(node)()
+    try:
+        if isinstance(env, ToolEnvironment) and not reward_owners(env):
+            raise ConfigError(
+                "reward=environment takes the reward from the environment's get_reward(), but "
+                f"env._target_={node.get('_target_')!r} has none (its tools are plain functions); set "
+                "env.environment=my_pkg.MyEnv (a class with get_reward), or choose a reward (reward=function reward.fn=...)"
+            )
+    finally:
+        close_env(env)
 
 
-def build_runner(node, data_cfg, tokenizer, name: str) -> EpisodeRunner:
+def build_runner(node, data_cfg, tokenizer, name: str, context: int | None = None) -> EpisodeRunner:
     """The ``EpisodeRunner`` of the ``env`` node for a tokenizer (``name``: its path, for errors):
     the chat template (``data.chat_template``, else the tokenizer's) checked to be
-    prefix-preserving on the roles the run uses and, for a tool environment, to render tools."""
+    prefix-preserving on the roles the run uses and, for a tool environment, to render tools.
+    ``env.max_total_tokens: null`` becomes what fits, ``context`` (the model's positions) less
+    ``data.max_prompt_length``; no budget where the context is unknown."""
     from ppo_lightning.config import EnvConfig
     from ppo_lightning.data.prompts import chat_template_of
 
     renderer = ChatRenderer(tokenizer, chat_template_of(data_cfg.chat_template))
     loop = {k: v for k, v in _plain(node).items() if k in loop_keys() and k != "_target_"}
+    if loop.get("max_total_tokens") is None and context is not None:
+        loop["max_total_tokens"] = context - data_cfg.max_prompt_length
     runner = EpisodeRunner(
         env_factory(node),
         renderer,

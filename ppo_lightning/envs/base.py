@@ -18,13 +18,18 @@ lines::
             return EnvStep([{"role": "user", "content": hint}])
 
 ``python train.py env=function env._target_=my_pkg.Guess`` then runs it; every other key of the
-``env`` group that is not the episode loop's own (``EpisodeConfig``) is a constructor argument
-(``+env.some_arg=3``). One instance serves one episode, so an environment may keep state.
+``env`` group that is not the episode loop's own (``EnvConfig``) is a constructor argument
+(``+env.some_arg=3``). One instance serves one episode at a time, so an environment may keep
+state; with ``env.reuse_instances`` an instance is ``reset`` again for a later episode instead of
+being built anew.
 
 The episode loop (``envs/episodes.py``) calls ``reset`` once, then ``step`` after every policy
 turn, with the conversation so far ending with that turn's assistant message. It ends the episode
 on ``done``, on the budgets (``env.max_turns``, ``env.max_total_tokens``), or when ``step`` returns
-no messages (nothing for the policy to answer).
+no messages (nothing for the policy to answer). Once the episode is scored, ``close()`` (when the
+environment has one) frees what it holds: a session, a connection, a sandbox. Every instance the
+run builds is closed, whatever ends its episode (a budget, an error, SIGTERM); with
+``env.reuse_instances`` each is closed once, when the run ends.
 """
 
 from __future__ import annotations
@@ -75,6 +80,36 @@ class Environment:
     def step(self, messages: list[Message]) -> EnvStep:
         """Answer the policy's latest turn (``messages[-1]``, role ``assistant``)."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the episode holds (a session, a connection, a sandbox); called once the
+        episode is scored, or with ``env.reuse_instances`` once the run ends."""
+
+
+def check_protocol(env: object) -> None:
+    """Before any model loads: ``env`` has the methods the episode loop calls, ``reset`` and
+    ``step``; an ``EnvError`` naming its class and what is missing (a class without ``step`` would
+    otherwise train with every episode counted as an environment error)."""
+    name = type(env).__name__
+    missing = [m for m in ("reset", "step") if not callable(getattr(type(env), m, None))]
+    if missing:
+        raise EnvError(
+            f"{name} has no {' and no '.join(f'{m}()' for m in missing)}: an environment needs reset(record) -> "
+            "messages or None, and step(messages) -> EnvStep (ppo_lightning/envs/base.py)"
+        )
+
+
+def close_env(env: object) -> str | None:
+    """``env.close()`` where it has one; what it raised, as text, or None. A failing ``close`` is
+    reported by the caller, never raised: it must not stop the others from closing."""
+    close = getattr(env, "close", None)
+    if not callable(close):
+        return None
+    try:
+        close()
+    except Exception as e:  # noqa: BLE001 - a teardown error is reported, not raised
+        return f"{type(env).__name__}.close raised {type(e).__name__}: {e}"
+    return None
 
 
 def check_step(step: Any, env: object) -> EnvStep:

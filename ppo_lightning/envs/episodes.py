@@ -31,9 +31,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ppo_lightning.envs.base import EnvError, Message, check_reset, check_step
+from ppo_lightning.envs.base import EnvError, Message, check_protocol, check_reset, check_step, close_env
 from ppo_lightning.envs.template import ChatRenderer
-from ppo_lightning.envs.tools import COUNTERS, reward_owner
+from ppo_lightning.envs.tools import COUNTERS, reward_owners
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation import StopChecker
 
@@ -116,6 +116,7 @@ class EpisodeBatch:
     context_length: int
     env_time_s: float
     engine_logprobs: Tensor | None = None  # [B, R]: an engine backend's logprobs of the policy's tokens
+    scores: tuple | None = None  # the reward's (total [B], applies [B], {term: [B]}), scored while live
 
     def metrics(self) -> dict[str, Tensor]:
         """This rank's ``env/*`` statistics, the same names on every rank: means over its
@@ -146,19 +147,27 @@ class EpisodeBatch:
         return {k: (v[0], v[1]) for k, v in sums.items()}
 
 
-EVENTS = (*COUNTERS[1:], "env_errors", "truncated_observations", "template_fallbacks")
+EVENTS = (*COUNTERS[1:], "env_errors", "truncated_observations", "template_fallbacks", "budget_cut_turns")
 """What an episode counts (``Episode.counts``) and an iteration reports as ``env/<event>``: tool
 faults, environments that raised, observations cut to ``env.max_observation_tokens``, answers
-tokenised after the probe because the template re-rendered the conversation."""
+tokenised after the probe because the template re-rendered the conversation, policy turns cut
+short by ``env.max_total_tokens`` (before their own ``sampling.max_new_tokens``)."""
 COUNTED_METRICS = tuple(f"env/{k}" for k in EVENTS)
 """The ``env/*`` metrics that count events in an iteration: summed over ranks, not averaged."""
 
 
 class EpisodeRunner:
-    """Plays batches of records as episodes with ``make_env`` (one instance per episode), the
-    episode loop's ``cfg`` (``config.EnvConfig``), prompts rendered by ``renderer`` after
-    ``system_prompt`` (``data.system_prompt``) and cut as ``data.max_prompt_length`` /
-    ``data.truncation`` say."""
+    """Plays batches of records as episodes with ``make_env`` (a new instance per episode, or one
+    reset again with ``env.reuse_instances``), the episode loop's ``cfg`` (``config.EnvConfig``),
+    prompts rendered by ``renderer`` after ``system_prompt`` (``data.system_prompt``) and cut as
+    ``data.max_prompt_length`` / ``data.truncation`` say.
+
+    Lifecycle: every instance this runner builds is closed (``close()``, where it has one) once
+    the rollout no longer needs it: after its episode is scored, or after an error or a signal
+    ends the batch; with ``reuse_instances`` the idle ones are kept and closed by ``close()`` at
+    the end of the run. At most ``env.max_concurrent`` instances are live at once: a batch with
+    more records plays in waves of that many, each scored and released before the next starts.
+    The probe instance (what every episode shares: tools, reward owners) is closed at once."""
 
     def __init__(
         self,
@@ -173,33 +182,118 @@ class EpisodeRunner:
         self.make_env, self.renderer, self.cfg, self.tokenizer = make_env, renderer, cfg, tokenizer
         self.system_prompt, self.max_prompt_length, self.truncation = system_prompt, max_prompt_length, truncation
         self._warned_long = False
-        self.probe = make_env()  # one instance, for what every episode's shares (tools, reward owner)
+        self._pool: list[Any] = []  # idle instances (env.reuse_instances)
+        self.live = 0  # instances built and not yet closed (pooled ones included)
+        self.close_errors = 0  # close() calls that raised (logged once)
+        probe = make_env()  # one instance, for what every episode's shares; closed now
+        try:
+            check_protocol(probe)
+            self._tools = list(getattr(probe, "tools", None) or []) or None
+            self._owners = reward_owners(probe)
+            self.stop_strings = tuple(getattr(probe, "stop_strings", ()))
+        finally:
+            self._close(probe)
+
+    @property
+    def budget(self) -> int:
+        """Response positions an episode may fill (``env.max_total_tokens``; None: no bound)."""
+        return self.cfg.max_total_tokens if self.cfg.max_total_tokens is not None else NO_BUDGET
+
+    def max_policy_tokens(self, max_new_tokens: int) -> int:
+        """The most policy tokens one episode can hold: ``env.max_turns`` turns of at most
+        ``max_new_tokens`` (``sampling.max_new_tokens``), never more than ``env.max_total_tokens``."""
+        return min(self.budget, self.cfg.max_turns * max_new_tokens)
 
     def probe_tools(self) -> list[dict] | None:
         """The tool schemas the environment puts in every prompt (None: none)."""
-        return list(getattr(self.probe, "tools", None) or []) or None
+        return self._tools
 
-    def reward_owner(self) -> type | None:
-        """The class of a TRL-style environment that scores its own episodes (``get_reward``)."""
-        return reward_owner(self.probe)
+    def reward_owners(self) -> list[type]:
+        """The classes of TRL-style environments that score their own episodes (``get_reward``)."""
+        return self._owners
+
+    # ------------------------------------------------------------------------- instances
+    def _acquire(self) -> Any:
+        if self._pool:
+            return self._pool.pop()
+        env = self.make_env()
+        self.live += 1
+        return env
+
+    def _release(self, env: Any) -> None:
+        if self.cfg.reuse_instances:
+            self._pool.append(env)
+        else:
+            self.live -= 1
+            self._close(env)
+
+    def _close(self, env: Any) -> None:
+        error = close_env(env)
+        if error is not None:
+            if not self.close_errors:
+                log.warning("%s (the run goes on; later close() errors are not shown)", error)
+            self.close_errors += 1
+
+    def close(self) -> None:
+        """Close the idle instances ``env.reuse_instances`` kept: the run is over."""
+        while self._pool:
+            self.live -= 1
+            self._close(self._pool.pop())
 
     # ------------------------------------------------------------------------- one batch
     @torch.no_grad()
     def run(
-        self, prompts: list, columns: list[dict], sampler, params, generator: torch.Generator | None, device
+        self,
+        prompts: list,
+        columns: list[dict],
+        sampler,
+        params,
+        generator: torch.Generator | None,
+        device,
+        score: Callable[["EpisodeBatch"], tuple] | None = None,
     ) -> EpisodeBatch:
         """The episodes of ``prompts`` (as written) with their ``columns``, sampled through
-        ``sampler`` as ``params`` say (each turn at most ``params.max_new_tokens``)."""
+        ``sampler`` as ``params`` say (each turn at most ``params.max_new_tokens``), in waves of
+        at most ``env.max_concurrent`` episodes. ``score`` (the reward of a batch of episodes:
+        ``(total, applies, terms)``) runs on each wave while its environments are live (a TRL
+        reward may read them); the result is the batch's ``scores``. Every environment of a wave
+        is released (closed, or pooled) after it, whatever ends it."""
+        records = [Record(p, dict(c or {})) for p, c in zip(prompts, columns)]
+        wave = self.cfg.max_concurrent or max(len(records), 1)
+        episodes, scores, env_time = [], [], 0.0
+        for s in range(0, len(records), wave):
+            part: list[Episode] = []
+            try:
+                env_time += self._play(records[s : s + wave], part, sampler, params, generator, device)
+                if score is not None:
+                    scores.append(score(self._batch(part, device, 0.0)))
+            finally:
+                for e in part:
+                    self._release(e.env)
+            episodes += part
+        batch = self._batch(episodes, device, env_time)
+        if score is not None:
+            batch.scores = _cat_scores(scores)
+        return batch
+
+    def _play(self, records: list[Record], episodes: list[Episode], sampler, params, generator, device) -> float:
+        """Play ``records`` into ``episodes`` (appended as they start, so the caller releases every
+        instance even when one fails); the seconds spent in the environments."""
         env_time = 0.0
         t0 = time.perf_counter()
-        episodes = [self._start(Record(p, dict(c or {}))) for p, c in zip(prompts, columns)]
+        for record in records:
+            env = self._acquire()
+            try:
+                episodes.append(self._start(record, env))
+            except BaseException:
+                self._release(env)
+                raise
         env_time += time.perf_counter() - t0
-        extra_stops = tuple(getattr(episodes[0].env, "stop_strings", ())) if episodes else ()
-        turn_params = params.replace(stop_strings=tuple(dict.fromkeys((*params.stop_strings, *extra_stops))))
+        turn_params = params.replace(stop_strings=tuple(dict.fromkeys((*params.stop_strings, *self.stop_strings))))
         stops = StopChecker(
             self.tokenizer.eos_token_id, turn_params.stop_token_ids, turn_params.stop_strings, self.tokenizer
         )
-        budget = self.cfg.max_total_tokens
+        budget = self.budget
         while True:
             active = [e for e in episodes if not e.done]
             if not active:
@@ -216,20 +310,22 @@ class EpisodeRunner:
                 sampler.sampled_logprobs.tolist() if getattr(sampler, "sampled_logprobs", None) is not None else None
             )
             t0 = time.perf_counter()
-            for j, (e, row, n, room) in enumerate(zip(active, rows, lengths, rooms)):
+            for j, (e, row, n, limit) in enumerate(zip(active, rows, lengths, limits)):
+                tokens = row[: min(n, limit)]
                 if engine_lp is not None:  # an engine's own logprobs; 0 under the answers before
                     e.engine_logprobs += [0.0] * (len(e.response_ids) - len(e.engine_logprobs))
-                    e.engine_logprobs += engine_lp[j][: min(n, room)]
-                self._take_turn(e, row[: min(n, room)], stops)
+                    e.engine_logprobs += engine_lp[j][: len(tokens)]
+                if limit < params.max_new_tokens and len(tokens) >= limit and not stops.ends_at(tokens):
+                    e.counts["budget_cut_turns"] += 1  # cut by env.max_total_tokens, not by its own limit
+                self._take_turn(e, tokens, stops)
             env_time += time.perf_counter() - t0
-        return self._batch(episodes, device, env_time)
+        return env_time
 
     # ------------------------------------------------------------------------- one episode
-    def _start(self, record: Record) -> Episode:
-        env = self.make_env()
+    def _start(self, record: Record, env: Any) -> Episode:
         try:
             messages = check_reset(env.reset(record), env)
-        except EnvError:
+        except (EnvError, ConfigError):
             raise
         except Exception as e:
             raise EnvError(f"{type(env).__name__}.reset raised {type(e).__name__}: {e}") from e
@@ -261,13 +357,12 @@ class EpisodeRunner:
     def _take_turn(self, e: Episode, tokens: list[int], stops: StopChecker) -> None:
         """Append one policy turn as sampled, let the environment answer it, and append the
         answer's tokens, or end the episode."""
-        c, tok = self.cfg, self.tokenizer
+        c = self.cfg
         e.response_ids += tokens
         e.loss_mask += [1] * len(tokens)
         e.turn_ends.append(len(e.response_ids) - 1)
         e.stopped = stops.ends_at(tokens)
-        ended_with_eos = e.stopped and tokens[-1] == tok.eos_token_id
-        content = tok.decode(tokens[:-1] if ended_with_eos else tokens, skip_special_tokens=False)
+        content, ended_with = self.renderer.turn_text(tokens, stops if e.stopped else None)
         e.messages.append({"role": "assistant", "content": content})
         try:
             step = e.env.step(list(e.messages))
@@ -287,7 +382,7 @@ class EpisodeRunner:
                 e.counts[k] += v
             else:
                 e.info[k].append(float(v))
-        room = c.max_total_tokens - len(e.response_ids)
+        room = self.budget - len(e.response_ids)
         if step.done or not step.messages:
             e.done = True
             return
@@ -296,7 +391,7 @@ class EpisodeRunner:
             return
         answer = [self._cut(m, e) for m in step.messages]
         fallbacks = self.renderer.fallbacks
-        ids = self.renderer.observation_ids(e.messages, answer, e.tools, ended_with_eos)
+        ids = self.renderer.observation_ids(e.messages, answer, e.tools, ended_with)
         e.counts["template_fallbacks"] += self.renderer.fallbacks - fallbacks
         if len(ids) + 1 > room:  # no room left for the policy's answer to it
             e.done = e.truncated = True
@@ -354,6 +449,19 @@ class EpisodeRunner:
             env_time,
             engine,
         )
+
+
+NO_BUDGET = 2**62  # env.max_total_tokens: null where the model's context is unknown
+
+
+def _cat_scores(parts: list[tuple]) -> tuple:
+    """The waves' ``(total, applies, terms)`` joined in row order."""
+    if len(parts) == 1:
+        return parts[0]
+    total = torch.cat([p[0] for p in parts])
+    applies = torch.cat([p[1] for p in parts])
+    terms = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+    return total, applies, terms
 
 
 def _pad_left(rows: list[list[int]], pad: int, device) -> tuple[Tensor, Tensor]:

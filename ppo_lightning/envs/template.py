@@ -97,20 +97,42 @@ class ChatRenderer:
     def prompt_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         return self.encode(self.render(messages, tools, add_generation_prompt=True))
 
+    def turn_text(self, tokens: list[int], stops=None) -> tuple[str, str]:
+        """``(content, ended_with)`` of a policy turn's sampled ``tokens``: the assistant message's
+        content, and the text of its final stop that the template's assistant suffix starts with
+        (the policy sampled that much of the suffix; ``observation_ids`` adds the rest). ``stops``
+        (a ``StopChecker``, given when the turn stopped): EOS is never content; a stop token or
+        stop string whose text starts the suffix (``<|im_end|>`` where EOS is ``<|endoftext|>``,
+        Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``) is treated as EOS is, so it is
+        neither in the content the environment and the reward read nor written twice in the
+        sequence. Any other stop (``</tool_call>``) stays in the content."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        suffix = self.assistant_suffix
+        if stops is not None and tokens and tokens[-1] in stops.ids:
+            last = self.eos_text if tokens[-1] == self.tokenizer.eos_token_id else decode(tokens[-1:])
+            if tokens[-1] == self.tokenizer.eos_token_id or (last and suffix.startswith(last)):
+                return decode(tokens[:-1]), last if suffix.startswith(last) else ""
+        text = decode(tokens)
+        for stop in stops.strings if stops is not None else ():
+            i = text.rfind(stop)  # the stop's token may carry text after it (a BPE ">\n")
+            if i >= 0 and suffix.startswith(text[i:]):
+                return text[:i], text[i:]
+        return text, ""
+
     def observation_ids(
-        self, conversation: list[Message], answer: list[Message], tools: list[dict] | None, ended_with_eos: bool
+        self, conversation: list[Message], answer: list[Message], tools: list[dict] | None, ended_with: str = ""
     ) -> list[int]:
         """The tokens of ``answer`` (the environment's messages) after ``conversation``, whose last
         message is the policy's turn: the template's delta, preceded by the part of the assistant
-        suffix the policy did not sample (``ended_with_eos``: its last token was EOS, which the
-        suffix may start with)."""
+        suffix the policy did not sample (``ended_with``: the text of its final stop that starts
+        the suffix, ``turn_text``'s)."""
         before = self.render(conversation, tools)
         after = self.render(conversation + answer, tools, add_generation_prompt=True)
         if not after.startswith(before):  # the probe passed, this conversation does not
             after, before = self._delta_after_probe(answer)
         tail = self.assistant_suffix
-        if ended_with_eos and tail.startswith(self.eos_text):
-            tail = tail[len(self.eos_text) :]
+        if ended_with and tail.startswith(ended_with):
+            tail = tail[len(ended_with) :]
         return self.encode(tail + after[len(before) :])
 
     def _delta_after_probe(self, answer: list[Message]) -> tuple[str, str]:

@@ -34,14 +34,25 @@ COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed_calls")
 """``EnvStep.info`` keys that count events: summed over an iteration's episodes (``env/<key>``),
 not averaged; ``tool_calls`` is also reported per episode (``env/tool_calls_mean``)."""
 
-RESERVED_METHODS = ("reset", "get_reward")  # a TRL environment's lifecycle methods, never tools
+RESERVED_METHODS = ("reset", "get_reward", "close")  # a TRL environment's lifecycle methods, never tools
+
+ENVIRONMENT_COLUMN = "environment"
+"""The record column that selects an environment when ``env.environment`` names several (TRL's
+multi-environment mode: a dict ``environment_factory`` and an ``environment`` column)."""
 
 
-def reward_owner(env: object) -> type | None:
-    """The class of the TRL-style environment inside ``env`` (a ``ToolEnvironment``'s
-    ``environment``) when it scores its own episodes with ``get_reward``; else None."""
-    inner = getattr(env, "environment", None)
-    return type(inner) if inner is not None and callable(getattr(inner, "get_reward", None)) else None
+def reward_owners(env: object) -> list[type]:
+    """The classes of the TRL-style environments inside ``env`` (a ``ToolEnvironment``'s, every
+    one it may choose per record) that score their own episodes with ``get_reward``."""
+    if not isinstance(env, ToolEnvironment):
+        return []
+    owners = []
+    for name in env.factories:
+        env._select(name)
+        cls = type(env.environment)
+        if callable(getattr(cls, "get_reward", None)) and cls not in owners:
+            owners.append(cls)
+    return owners
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,10 +77,13 @@ def tool_schema(fn: Callable, key: str = "env.tools") -> dict:
 
 
 def environment_tools(env: object) -> dict[str, Callable]:
-    """A TRL-style environment's tools: its public methods but ``reset`` and ``get_reward``."""
+    """A TRL-style environment's tools: the public methods its class defines, but the lifecycle
+    ones (``RESERVED_METHODS``), each bound to ``env``. Read on the class, so that no property of
+    the instance is evaluated (one that needs ``reset()`` first would raise here)."""
+    cls = type(env)
     return {
-        name: member
-        for name, member in inspect.getmembers(env, predicate=inspect.ismethod)
+        name: getattr(env, name)
+        for name, member in inspect.getmembers(cls, predicate=inspect.isfunction)
         if not name.startswith("_") and name not in RESERVED_METHODS
     }
 
@@ -91,23 +105,72 @@ def resolve_tools(paths, key: str = "env.tools") -> list[Callable]:
     return tools
 
 
-def resolve_environment(path, key: str = "env.environment"):
-    """``env.environment``'s class imported and checked against TRL's contract (a ``reset``)."""
+CONTRACT = (
+    "TRL's environment_factory contract: a class or zero-argument callable whose instances have "
+    "reset(**columns) -> None or str, public methods as tools, optionally get_reward() and close()"
+)
+
+
+def resolve_environment(path, kwargs=None, key: str = "env.environment") -> Callable[[], Any] | None:
+    """``() -> a new instance`` of ``env.environment`` as TRL's ``environment_factory`` takes it: a
+    class or any zero-argument callable (a dotted path, or the object), built with
+    ``env.environment_kwargs`` as keyword arguments. The instance's ``reset`` is checked when it
+    is built (``ToolEnvironment``)."""
     if path is None:
         return None
     from ppo_lightning.rewards.function import import_callable
 
-    cls = import_callable(path, key) if isinstance(path, str) else path
-    if not inspect.isclass(cls) or not callable(getattr(cls, "reset", None)):
-        raise ConfigError(f"{key}={path!r}: expected a class with a reset method (TRL's environment_factory contract)")
-    return cls
+    factory = import_callable(path, key) if isinstance(path, str) else path
+    if not callable(factory):
+        raise ConfigError(f"{key}={path!r} is a {type(factory).__name__}, not a class or callable ({CONTRACT})")
+    if inspect.isclass(factory) and not callable(getattr(factory, "reset", None)):
+        raise ConfigError(f"{key}={path!r}: class {factory.__name__} has no reset method ({CONTRACT})")
+    kwargs = dict(kwargs or {})
+    return functools.partial(factory, **kwargs) if kwargs else factory
+
+
+def resolve_environments(spec, kwargs=None, key: str = "env.environment") -> dict[str | None, Callable[[], Any]]:
+    """``env.environment`` as factories by name: ``{None: factory}`` for one environment, or, for a
+    mapping ``{name: class or path}``, one factory per name, each with its own
+    ``env.environment_kwargs.<name>``; a record picks one by its ``environment`` column."""
+    if spec is None:
+        return {}
+    if isinstance(spec, dict):
+        if not spec:
+            raise ConfigError(
+                f"{key}: an empty mapping; name one environment per value of the records' {ENVIRONMENT_COLUMN!r} column"
+            )
+        per_name = dict(kwargs or {})
+        unknown = sorted(set(per_name) - set(spec))
+        if unknown:
+            raise ConfigError(
+                f"env.environment_kwargs.{unknown[0]}: no environment of that name; env.environment has {sorted(spec)}"
+            )
+        return {str(n): resolve_environment(p, per_name.get(n), f"{key}.{n}") for n, p in spec.items()}
+    return {None: resolve_environment(spec, kwargs, key)}
+
+
+def build_environment(factory: Callable[[], Any], key: str) -> Any:
+    """One instance from ``factory``, checked to have ``reset``; a ``ConfigError`` naming ``key``."""
+    try:
+        env = factory()
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{key}: building it raised {type(e).__name__}: {e}") from None
+    if not callable(getattr(env, "reset", None)):
+        raise ConfigError(f"{key}: its instance ({type(env).__name__}) has no reset method ({CONTRACT})")
+    return env
 
 
 class ToolEnvironment(Environment):
     """An episode's tools: ``tools`` (functions or their dotted paths) and the public methods of
-    one instance of ``environment`` (a TRL-style class or its dotted path), parsed by ``parser``
-    (``env.parser``), each call bounded by ``tool_timeout_s`` seconds (null: no bound); with
-    ``stop_at_tool_call`` a policy turn ends at the end of its first call."""
+    one instance of ``environment`` (TRL's ``environment_factory``: a class, a zero-argument
+    callable or a dotted path, built with ``environment_kwargs``; or a mapping of them, chosen per
+    record by its ``environment`` column), parsed by ``parser`` (``env.parser``), each call bounded
+    by ``tool_timeout_s`` seconds (null: no bound); with ``stop_at_tool_call`` a policy turn ends
+    at the end of its first call. The inner instance is kept (per name) while this object lives:
+    one instance per episode, or reset again with ``env.reuse_instances``."""
 
     def __init__(
         self,
@@ -116,20 +179,57 @@ class ToolEnvironment(Environment):
         parser: str = "hermes",
         tool_timeout_s: float | None = 10.0,
         stop_at_tool_call: bool = True,
+        environment_kwargs=None,
     ):
         self.parser = resolve_parser(parser)
         self.timeout, self.stop_at_tool_call = tool_timeout_s, stop_at_tool_call
-        cls = resolve_environment(environment)
-        self.environment = cls() if cls is not None else None  # one instance per episode, as TRL
-        functions = resolve_tools(tools)
-        self.functions: dict[str, Callable] = {fn.__name__: fn for fn in functions}
-        if self.environment is not None:
-            for name, method in environment_tools(self.environment).items():
-                tool_schema(method, f"env.environment={type(self.environment).__name__}")
-                self.functions.setdefault(name, method)
-        if not self.functions:
+        self.factories = resolve_environments(environment, environment_kwargs)
+        self.functions_only: dict[str, Callable] = {fn.__name__: fn for fn in resolve_tools(tools)}
+        self.instances: dict[str | None, Any] = {}
+        self.environment = None  # the inner instance of the current episode (get_reward's)
+        self.functions: dict[str, Callable] = dict(self.functions_only)
+        self._tools: list[dict] | None = None
+        if not self.factories and not self.functions_only:
             raise ConfigError("env=tools has no tools: set env.tools=[my_pkg.my_fn] or env.environment=my_pkg.MyEnv")
-        self.tools = [tool_schema(fn) for fn in self.functions.values()]
+        if not self.per_record:  # one environment: built now, as TRL builds one per episode
+            self._select(None)
+
+    @property
+    def per_record(self) -> bool:
+        """Several environments, one chosen per record by its ``environment`` column."""
+        return bool(self.factories) and None not in self.factories
+
+    @property
+    def tools(self) -> list[dict]:
+        """The current environment's tool schemas, with the functions'; before any record has
+        chosen one of several environments (a probe), the first one's."""
+        if self._tools is None:
+            self._select(next(iter(self.factories), None))
+        return self._tools
+
+    def _select(self, name: str | None) -> None:
+        """Make environment ``name`` the current one (built once, kept per name), and its methods
+        with the functions the tools."""
+        self.functions = dict(self.functions_only)
+        if self.factories:
+            if name not in self.instances:
+                key = "env.environment" if name is None else f"env.environment.{name}"
+                self.instances[name] = build_environment(self.factories[name], key)
+            self.environment = self.instances[name]
+            cls = type(self.environment).__name__
+            for member, method in environment_tools(self.environment).items():
+                tool_schema(method, f"env.environment={cls}.{member}")
+                self.functions.setdefault(member, method)
+        self._tools = [tool_schema(fn) for fn in self.functions.values()]
+
+    def close(self) -> None:
+        """Close every inner instance that has a ``close`` (its session, connection or sandbox)."""
+        from ppo_lightning.envs.base import close_env
+
+        errors = [e for e in (close_env(env) for env in self.instances.values()) if e]
+        self.instances, self.environment, self._tools = {}, None, None
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -137,6 +237,16 @@ class ToolEnvironment(Environment):
         return self.parser.stop_strings if self.stop_at_tool_call else ()
 
     def reset(self, record) -> list[Message] | None:
+        if self.per_record:
+            name = record.columns.get(ENVIRONMENT_COLUMN)
+            if name not in self.factories:
+                raise ConfigError(
+                    f"a record's {ENVIRONMENT_COLUMN!r} column is {name!r}; env.environment names "
+                    f"{sorted(self.factories)}: give every record one of them"
+                )
+            self._select(name)
+        elif self.factories and not self.instances:  # closed, then reused
+            self._select(None)
         if self.environment is None:
             return None
         text = self.environment.reset(prompt=record.prompt, **record.columns)  # as TRL calls it

@@ -22,7 +22,7 @@ from ppo_lightning.parallel.preemption import StopOnPreemption
 from ppo_lightning.config import validate
 from ppo_lightning.data.prompts import PromptDataModule
 from ppo_lightning.data.records import read_prompts, record_formats
-from ppo_lightning.envs import build_runner, check_env, check_env_reward
+from ppo_lightning.envs import build_runner, check_env, check_env_reward, first_record
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation import SamplingParams
 from ppo_lightning.train.evaluation import Evaluation
@@ -88,8 +88,10 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
         raise ConfigError(
             f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint (a .ckpt file, or the directory of a sharded one)"
         )
-    _check_code(cfg)
+    _check_code(cfg, pending)
     _check_model_sources(cfg, pending)
+    if not pending(cfg.model.name_or_path):
+        check_context(cfg)
     _warn_of_emulated_bf16(cfg)
 
 
@@ -152,7 +154,7 @@ def _warn_of_emulated_bf16(cfg: DictConfig) -> None:
         )
 
 
-def _check_code(cfg: DictConfig) -> None:
+def _check_code(cfg: DictConfig, pending) -> None:
     """The code the config names imports and builds: reward functions, eval metrics, the
     generation backend, the environment (and its ``get_reward`` when it is the reward)."""
     r = cfg.reward
@@ -161,7 +163,9 @@ def _check_code(cfg: DictConfig) -> None:
     build_eval_metrics(cfg.eval.metrics)  # imports each eval.metrics function
     check_backend(cfg.get("generation"))
     if cfg.get("env"):
-        check_env(cfg.env)  # the environment class imports and builds, its tools have schemas
+        # the environment class imports and builds, has reset and step, its tools have schemas, and
+        # its reset takes the data's first record (where the file is there to read)
+        check_env(cfg.env, first_record(None if pending(cfg.data.path) else cfg.data.path, cfg.data.prompt_field))
     if r.kind == "environment" and not r.terms:
         check_env_reward(cfg.get("env"))  # the environment scores its episodes (get_reward)
 
@@ -199,6 +203,43 @@ def _check_model_sources(cfg: DictConfig, pending) -> None:
         raise ConfigError(f"model.value_head_path={m.value_head_path!r}: no {VALUE_HEAD_FILE} there")
 
 
+def check_context(cfg: DictConfig) -> int | None:
+    """The model's context (positions), read from its config alone (``AutoConfig``: no weights),
+    and the run's longest sequence checked against it: ``data.max_prompt_length`` plus
+    ``sampling.max_new_tokens``, or with an environment ``env.max_total_tokens`` (null: the rest
+    of the context, which must leave the episode a token). None where the config cannot be read
+    yet (a model the run builds or a recipe builds next, a hub id out of reach: loading says so)."""
+    from transformers import AutoConfig
+
+    m = cfg.model
+    try:
+        config = AutoConfig.from_pretrained(
+            os.path.expanduser(m.name_or_path), trust_remote_code=m.trust_remote_code, local_files_only=True
+        )
+    except Exception:  # noqa: BLE001 - not there yet, or not a local model: the load reports it
+        return None
+    ctx = context_length(config)
+    if ctx is None:
+        return None
+    env = cfg.get("env")
+    response = "env.max_total_tokens" if env else "sampling.max_new_tokens"
+    budget = env.get("max_total_tokens") if env else cfg.sampling.max_new_tokens
+    if budget is None:  # env.max_total_tokens: null, what fits
+        budget = ctx - cfg.data.max_prompt_length
+        if budget < 1:
+            raise ConfigError(
+                f"data.max_prompt_length={cfg.data.max_prompt_length} leaves no room for an episode in the model's "
+                f"context of {ctx} tokens; lower data.max_prompt_length"
+            )
+    need = cfg.data.max_prompt_length + budget
+    if need > ctx:
+        raise ConfigError(
+            f"data.max_prompt_length + {response} = {need} exceeds the model's context of {ctx} tokens "
+            f"(model.name_or_path={m.name_or_path!r}); lower data.max_prompt_length or {response}"
+        )
+    return ctx
+
+
 def _built_by_hint(path: str, cfg: DictConfig) -> str:
     for name in RECIPES:
         if _under(path, recipe_root(cfg.paths.cache_dir, name, cfg.seed)):
@@ -226,15 +267,16 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
     # first: building the tiny model seeds the global RNG itself, and what follows must not
     # depend on whether this run built it (LoRA's adapter init draws from that RNG)
     ensure_tiny_model(cfg.model, cfg.paths.cache_dir)
+    context = check_context(cfg)  # from the model's config, before any weights load
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     reward_fn = None if needs_model(cfg.reward) else build_reward(cfg.reward)
 
     tokenizer_path = cfg.model.tokenizer_name_or_path or cfg.model.name_or_path
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
     # multi-turn: the chat template checked (prefix-preserving, renders tools) before any model loads
-    episodes = build_runner(cfg.env, cfg.data, tokenizer, tokenizer_path) if cfg.get("env") else None
+    episodes = build_runner(cfg.env, cfg.data, tokenizer, tokenizer_path, context) if cfg.get("env") else None
     datamodule, eval_metrics = build_prompts(cfg, tokenizer, episodes)
-    policy, ref_lm = build_policy(cfg, tokenizer, episodes)
+    policy, ref_lm = build_policy(cfg, tokenizer)
     reward = build_normalized_reward(cfg, reward_fn, tokenizer, episodes, policy)
 
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
@@ -274,18 +316,10 @@ def build_prompts(cfg: DictConfig, tokenizer, episodes) -> tuple[PromptDataModul
     return datamodule, eval_metrics
 
 
-def build_policy(cfg: DictConfig, tokenizer, episodes) -> tuple[PolicyWithValueHead, torch.nn.Module]:
+def build_policy(cfg: DictConfig, tokenizer) -> tuple[PolicyWithValueHead, torch.nn.Module]:
     """The policy (the LM, with LoRA adapters when ``model.lora.r`` > 0, and a value head when the
     estimator has a critic) and its frozen reference (the LoRA policy with its adapters disabled)."""
     lm = load_causal_lm(cfg.model.name_or_path, tokenizer, cfg.model.dtype, cfg.model.trust_remote_code)
-    ctx = context_length(lm.config)
-    response = "env.max_total_tokens" if episodes is not None else "sampling.max_new_tokens"
-    need = cfg.data.max_prompt_length + OmegaConf.select(cfg, response)
-    if ctx is not None and need > ctx:
-        raise ConfigError(
-            f"data.max_prompt_length + {response} = {need} exceeds the model's "
-            f"context of {ctx} tokens; lower data.max_prompt_length or {response}"
-        )
     ref_lm = build_reference(cfg, lm, tokenizer)  # before LoRA: a copy, if any, of the plain LM
     peft_model = None
     if cfg.model.lora.r > 0:
@@ -313,9 +347,8 @@ def build_normalized_reward(
     if needs_model(cfg.reward):
         reward_fn = build_reward(cfg.reward)
         reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
-    owner = episodes.reward_owner() if episodes is not None else None
-    if owner is not None:  # a TRL environment's get_reward(): one more term, named after its class
-        reward_fn = with_environment_reward(reward_fn, owner)
+    if episodes is not None:  # a TRL environment's get_reward(): one more term, named after its class
+        reward_fn = with_environment_reward(reward_fn, episodes.reward_owners())
     reward_norm = None if cfg.reward.normalize else (cfg.reward.gain, cfg.reward.bias)
     from_reward = cfg.model.value_head_init == "reward_model"
     if from_reward:  # on the raw scale when a fit will rescale it

@@ -5,7 +5,9 @@ no argument, a float from its own state once the episode is over (did the game e
 possibly ``async`` (a judge it calls over the network). TRL adds it as a reward source with weight
 1, named after the class; so does ``env=tools env.environment=...`` (``with_environment_reward``):
 the run's reward becomes ``reward.terms`` plus a term of that name, and ``rewards/<Class>/mean``
-is logged like any term's. As in TRL, it may be the only reward: ``reward=environment``.
+is logged like any term's. As in TRL, it may be the only reward: ``reward=environment``. With a
+``reset``/``step`` environment, ``reward=environment`` takes the turns' ``EnvStep`` rewards alone
+(``StepRewardsOnly``).
 """
 
 from __future__ import annotations
@@ -44,17 +46,35 @@ class EnvironmentReward:
         return values, applies
 
 
-def with_environment_reward(reward_fn, cls: type):
-    """``reward_fn`` plus ``cls.get_reward`` as a term named after ``cls`` (weight 1): the run's
-    terms with one more, or the one reward as a term under its own name beside it, or the only
-    term (``reward_fn`` None: ``reward=environment``)."""
+class StepRewardsOnly:
+    """``reward=environment`` with a ``reset``/``step`` environment and no ``get_reward``: the
+    episode's return is the sum of its turns' ``EnvStep.reward`` alone, so the final score is 0
+    on every episode (it applies everywhere: an episode the environment gave no reward scored 0,
+    as TRL scores it)."""
+
+    name = "environment"
+    required_columns: tuple[str, ...] = ()
+
+    def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(inputs.responses)
+        return torch.zeros(n), torch.ones(n, dtype=torch.bool)
+
+
+def with_environment_reward(reward_fn, owners: list[type]):
+    """``reward_fn`` plus each class's ``get_reward`` as a term named after it (weight 1): the
+    run's terms with more, or the one reward as a term under its own name beside them, or the
+    only terms (``reward_fn`` None: ``reward=environment``). No owners and no ``reward_fn``: the
+    turns' ``EnvStep`` rewards are the whole return (``StepRewardsOnly``)."""
     from ppo_lightning.rewards.weighted import WeightedReward
 
+    if not owners:
+        return StepRewardsOnly() if reward_fn is None else reward_fn
     if reward_fn is None:
         terms = {}
     elif isinstance(reward_fn, WeightedReward):
         terms = dict(reward_fn.terms)
     else:
         terms = {getattr(reward_fn, "short_name", None) or "reward": (reward_fn, 1.0)}
-    terms[cls.__name__] = (EnvironmentReward(cls), 1.0)
+    for cls in owners:
+        terms[cls.__name__] = (EnvironmentReward(cls), 1.0)
     return WeightedReward(terms)

@@ -50,13 +50,16 @@ def iteration_metrics(
     """The iteration's rollout and update statistics (``stats``: per-minibatch values), reduced
     over ranks in one collective (``runtime.reduce_mean``): means, except ``SUMMED_METRICS``."""
     mask = r.response_mask
+    # with episodes, the score of a response is its episode's return: the final score and the
+    # environment's turn rewards (on the training scale, as the advantages see them)
+    scores = r.scores if r.turn_rewards is None else r.scores + r.turn_rewards.sum(1)
     local = {
-        "objective/scores": r.scores.mean(),
+        "objective/scores": scores.mean(),
         "objective/raw_scores": r.raw_scores.mean(),
         "objective/kl": r.kl.sum(1).mean(),  # k1, summed over the response, mean over rows
         "objective/entropy": (-r.logprobs * mask).sum(1).mean(),  # sampled-token estimate
         "objective/non_score_reward": r.non_score_reward.mean(),
-        "objective/rlhf_reward": (r.scores + r.non_score_reward).mean(),
+        "objective/rlhf_reward": (scores + r.non_score_reward).mean(),
         "value/explained_variance": explained_variance(r.values, r.returns, mask),
         "rollout/response_length": mask.sum(1).mean(),
         **group_metrics(r, num_generations),

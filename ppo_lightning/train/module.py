@@ -119,6 +119,7 @@ class PPOModule(L.LightningModule):
         self.last_metrics: dict[str, float] = {}  # every metric of the last iteration
         self._callback_metrics: tuple[str, ...] = ()  # set in on_fit_start
         self._unsaved_policy_keys: frozenset[str] | None = None  # see checkpointed
+        self._warned: set[str] = set()  # _warn_of_empty_iteration's, once per run
 
     @property
     def eval_history(self) -> list[EvalPoint]:
@@ -212,6 +213,7 @@ class PPOModule(L.LightningModule):
         )
         m.update(self._eval_due)
         self._eval_due = {}
+        self._warn_of_empty_iteration(m, rows)
         self.last_metrics = m
         metrics.log_metrics(self, m, self._callback_metrics, r.batch_size)
         if self.ppo_cfg.rollout_dump and self.rollout_dir:
@@ -224,6 +226,26 @@ class PPOModule(L.LightningModule):
                 "written so far are intact. Check the reward function, or lower optimizer.lr."
             )
 
+    def _warn_of_empty_iteration(self, m: dict[str, float], rows: int) -> None:
+        """One line, once per run, where an iteration teaches nothing and would say so only as a
+        loss of 0: no reward applied to any episode (every one unscored), or, on the first
+        iteration, every episode cut by a budget (``env.max_turns``, ``env.max_total_tokens``)."""
+        warned = self._warned
+        if m.get("rollout/unscored") == rows and "unscored" not in warned:
+            warned.add("unscored")
+            log.warning(
+                "PPO iteration %d: no reward applied to any of its %d episodes (every one unscored, masked out of "
+                "the loss); check that the reward returns scores for these responses",
+                self.global_step - 1,
+                rows,
+            )
+        if self.global_step == 1 and m.get("env/truncated_frac") == 1.0 and "truncated" not in warned:
+            warned.add("truncated")
+            log.warning(
+                "PPO iteration 0: every episode was cut by a budget before the environment was done; raise "
+                "env.max_turns or env.max_total_tokens (env/budget_cut_turns counts turns the token budget cut)"
+            )
+
     def on_train_end(self) -> None:
         if self.global_step >= self.trainer.max_steps and self._evaluates_at(None):  # a run stopped early: none
             m = self.evaluation(self)
@@ -232,8 +254,11 @@ class PPOModule(L.LightningModule):
                 lg.save()
 
     def teardown(self, stage: str) -> None:
-        """The fit is over (finished, stopped or failed): an engine backend frees its engine."""
+        """The fit is over (finished, stopped or failed): an engine backend frees its engine, and
+        the environments kept for reuse are closed (``env.reuse_instances``)."""
         self.sampler.close()
+        if self.algo.episodes is not None:
+            self.algo.episodes.close()
 
     def _evaluates_at(self, step: int | None) -> bool:
         return self.evaluation.due(self.trainer.datamodule, step)
