@@ -197,3 +197,43 @@ class OpenSessions(_callback_base()):
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         OpenSessions.seen.append(Sessions.open_now)
+
+
+class EchoServer:
+    """A server of bounded capacity, as an OpenEnv space is: each client holds a session until the
+    process ends (the client of TRL's echo example is never closed)."""
+
+    capacity = 8
+    sessions = 0
+
+    @classmethod
+    def connect(cls) -> None:
+        if cls.sessions >= cls.capacity:
+            raise RuntimeError(f"Server at capacity: {cls.sessions}/{cls.capacity} sessions active")
+        cls.sessions += 1
+
+
+class EchoClientEnv:
+    """TRL's OpenEnv echo example, its shape kept: a client made in ``__init__``, ``reset()`` with
+    no arguments, the tool named ``step``, ``get_reward()``, and no ``close()``."""
+
+    def __init__(self):
+        EchoServer.connect()
+
+    def reset(self) -> None:
+        self._reward = 0.0
+
+    def step(self, message: str) -> str:
+        """Echo the message back from the environment.
+
+        Args:
+            message: The message to echo
+
+        Returns:
+            The echoed message.
+        """
+        self._reward = float(len(message))
+        return message
+
+    def get_reward(self) -> float:
+        return self._reward

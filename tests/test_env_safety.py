@@ -77,8 +77,13 @@ def test_an_environment_that_breaks_the_protocol_is_refused_before_any_model_loa
 def test_the_probe_instances_are_closed(tmp_path, cache_dir, bpe):
     """``check_inputs`` and the runner each build an instance to look at (protocol, tools, the
     reward owners) and close it at once."""
+    from ppo_lightning import envs
+
     Sessions.reset_counts()
-    check_inputs(compose_cfg(["env=function", "env._target_=tests.env_sessions.Sessions"], tmp_path, cache_dir))
+    envs._CHECKED.clear()  # a node that passed is checked once per process
+    cfg = compose_cfg(["env=function", "env._target_=tests.env_sessions.Sessions"], tmp_path, cache_dir)
+    check_inputs(cfg)
+    check_inputs(cfg)
     assert Sessions.built == 1 and Sessions.resets == 1 and Sessions.open_now == 0
     _runner(bpe, Sessions)
     assert Sessions.built == 2 and Sessions.open_now == 0
@@ -166,13 +171,14 @@ def test_an_error_that_stops_the_batch_still_closes_every_instance(bpe):
 
 def test_reused_instances_are_reset_for_later_episodes_and_closed_at_the_end(bpe):
     """``env.reuse_instances``: TRL's "construct once, reset often": a second batch builds no
-    instance, and ``close()`` (the module's teardown) closes the pool."""
+    instance, the runner's probe serves as one of the pool, and ``close()`` (the end of the run)
+    closes the pool."""
     Sessions.reset_counts()
     runner = _runner(bpe, Sessions, max_turns=4, reuse_instances=True)
     first = _play(bpe, runner, PROMPTS)
-    assert Sessions.built == 1 + len(PROMPTS) and Sessions.open_now == len(PROMPTS)
+    assert Sessions.built == len(PROMPTS) and Sessions.open_now == len(PROMPTS)  # the probe is the pool's first
     second = _play(bpe, runner, PROMPTS)
-    assert Sessions.built == 1 + len(PROMPTS) and Sessions.resets == 2 * len(PROMPTS)
+    assert Sessions.built == len(PROMPTS) and Sessions.resets == 2 * len(PROMPTS)
     assert [e.response_ids for e in first.episodes] == [e.response_ids for e in second.episodes]
     runner.close()
     assert Sessions.open_now == 0 and runner.live == 0
@@ -484,3 +490,36 @@ def test_a_first_iteration_where_every_episode_is_truncated_warns(tmp_path, cach
     with caplog.at_level(logging.WARNING, logger="ppo_lightning"):
         train(cfg)
     assert any("every episode was cut by a budget" in r.getMessage() for r in caplog.records)
+
+
+def test_trls_echo_example_runs_against_a_server_of_bounded_capacity(tmp_path, cache_dir):
+    """TRL builds each environment once and resets it for every later episode; ``env=tools`` does
+    the same (``env.reuse_instances: true``), so a class that opens a session in ``__init__`` and
+    never closes it (TRL's OpenEnv echo example) holds a fixed number of sessions however long the
+    run: here 6 iterations of 4 episodes against a server of 8 sessions. Its ``reset()`` takes no
+    arguments: it gets none of the record's columns."""
+    from ppo_lightning.jobs.run import train
+    from tests.env_sessions import EchoServer
+
+    EchoServer.sessions = 0
+    cfg = compose_cfg(
+        [
+            "env=tools",
+            "env.environment=tests.env_sessions.EchoClientEnv",
+            "reward=environment",
+            "reward.normalize=false",
+            "sampling.max_new_tokens=8",
+            "data.batch_size=4",
+            "ppo.minibatch_size=4",
+            "trainer.max_steps=6",
+            "trainer.enable_progress_bar=false",
+            "callbacks=none",
+            "logger=none",
+            "export_dir=null",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    metrics = train(cfg)
+    assert EchoServer.sessions <= 4 + 1  # the pool of 4 (the runner's probe its first), the check's, never closed
+    assert "rewards/EchoClientEnv/mean" in metrics

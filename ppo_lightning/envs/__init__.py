@@ -88,14 +88,23 @@ def env_factory(node):
     return make
 
 
-def check_env(node, record=None) -> None:
+_CHECKED: set[str] = set()  # the env nodes check_env passed in this process (each built once)
+
+
+def check_env(node, record=None, reward: bool = False) -> None:
     """Before any model loads: the environment class imports, one instance builds from the
     group's arguments (its tools import and have schemas), it has ``reset`` and ``step``, and, with
-    ``record`` (the data's first, a ``Record``), its ``reset`` takes that record's columns. Every
-    failure is one ``ConfigError`` naming the key or the class; the instance is closed after."""
+    ``record`` (the data's first, a ``Record``), its ``reset`` takes that record's columns; with
+    ``reward`` (``reward=environment``) it gives a reward (``check_env_reward``). Every failure is
+    one ``ConfigError`` naming the key or the class. The instance is closed after; a node that
+    passed is not built again in this process (an environment may hold a server session that its
+    class never closes)."""
     from ppo_lightning.config.errors import ConfigError
     from ppo_lightning.envs.base import EnvError, check_protocol, check_reset, close_env
 
+    key = repr((_plain(node), None if record is None else (record.prompt, record.columns), reward))
+    if key in _CHECKED:
+        return
     make = env_factory(node)
     target = node.get("_target_")
     try:
@@ -109,9 +118,13 @@ def check_env(node, record=None) -> None:
         raise ConfigError(f"env._target_={target!r}: cannot build it ({type(cause).__name__}: {cause})") from None
     try:
         check_protocol(env)
+        if reward:
+            check_env_reward(node, env)
         if record is not None:
             check_reset(env.reset(record), env)
-    except (ConfigError, EnvError) as e:
+    except ConfigError as e:
+        raise e if str(e).startswith(("env.", "reward=")) else ConfigError(f"env._target_={target!r}: {e}") from None
+    except EnvError as e:
         raise ConfigError(f"env._target_={target!r}: {e}") from None
     except Exception as e:
         raise ConfigError(
@@ -119,19 +132,19 @@ def check_env(node, record=None) -> None:
             f"({e}); it must take every record's columns"
         ) from None
     finally:
-        if "env" in locals():
-            error = close_env(env)
-            if error is not None:
-                raise ConfigError(f"env._target_={target!r}: {error}")
+        error = close_env(env)
+        if error is not None:
+            raise ConfigError(f"env._target_={target!r}: {error}")
+    _CHECKED.add(key)
 
 
-def check_env_reward(node) -> None:
+def check_env_reward(node, env=None) -> None:
     """``reward=environment``: the episode's reward comes from the environment alone: a TRL-style
     class's ``get_reward`` (``env=tools env.environment=...``), or the ``EnvStep.reward`` of each
-    turn of a ``reset``/``step`` environment (``env=function``). Refused only where there is no
-    environment, or a tool environment of plain functions, which gives no reward at all."""
+    turn of a ``reset``/``step`` environment (``env=function``). Refused where there is no
+    environment, or a tool environment of plain functions, which gives no reward at all. ``env``:
+    an instance of the node's environment (``check_env``'s)."""
     from ppo_lightning.config.errors import ConfigError
-    from ppo_lightning.envs.base import close_env
     from ppo_lightning.envs.tools import ToolEnvironment, reward_owners
 
     if not node:
@@ -140,16 +153,12 @@ def check_env_reward(node) -> None:
             "set env=function env._target_=my_pkg.MyEnv (EnvStep rewards) or env=tools "
             "env.environment=my_pkg.MyEnv (a class with get_reward), or choose a reward (reward=function reward.fn=...)"
         )
-    env = env_factory(node)()
-    try:
-        if isinstance(env, ToolEnvironment) and not reward_owners(env):
-            raise ConfigError(
-                "reward=environment takes the reward from the environment's get_reward(), but "
-                f"env._target_={node.get('_target_')!r} has none (its tools are plain functions); set "
-                "env.environment=my_pkg.MyEnv (a class with get_reward), or choose a reward (reward=function reward.fn=...)"
-            )
-    finally:
-        close_env(env)
+    if isinstance(env, ToolEnvironment) and not reward_owners(env):
+        raise ConfigError(
+            "reward=environment takes the reward from the environment's get_reward(), but "
+            f"env._target_={node.get('_target_')!r} has none (its tools are plain functions); set "
+            "env.environment=my_pkg.MyEnv (a class with get_reward), or choose a reward (reward=function reward.fn=...)"
+        )
 
 
 def build_runner(node, data_cfg, tokenizer, name: str, context: int | None = None) -> EpisodeRunner:

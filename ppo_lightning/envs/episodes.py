@@ -167,7 +167,8 @@ class EpisodeRunner:
     ends the batch; with ``reuse_instances`` the idle ones are kept and closed by ``close()`` at
     the end of the run. At most ``env.max_concurrent`` instances are live at once: a batch with
     more records plays in waves of that many, each scored and released before the next starts.
-    The probe instance (what every episode shares: tools, reward owners) is closed at once."""
+    The probe instance (what every episode shares: tools, reward owners) is closed at once, or
+    with ``reuse_instances`` kept as the pool's first."""
 
     def __init__(
         self,
@@ -185,14 +186,14 @@ class EpisodeRunner:
         self._pool: list[Any] = []  # idle instances (env.reuse_instances)
         self.live = 0  # instances built and not yet closed (pooled ones included)
         self.close_errors = 0  # close() calls that raised (logged once)
-        probe = make_env()  # one instance, for what every episode's shares; closed now
-        try:
+        probe = self._acquire()  # one instance, for what every episode's shares: the first of the
+        try:  # pool with env.reuse_instances, else closed now
             check_protocol(probe)
             self._tools = list(getattr(probe, "tools", None) or []) or None
             self._owners = reward_owners(probe)
             self.stop_strings = tuple(getattr(probe, "stop_strings", ()))
         finally:
-            self._close(probe)
+            self._release(probe)
 
     @property
     def budget(self) -> int:

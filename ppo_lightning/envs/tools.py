@@ -249,7 +249,8 @@ class ToolEnvironment(Environment):
             self._select(None)
         if self.environment is None:
             return None
-        text = self.environment.reset(prompt=record.prompt, **record.columns)  # as TRL calls it
+        columns = {k: v for k, v in record.columns.items() if not (self.per_record and k == ENVIRONMENT_COLUMN)}
+        text = self.environment.reset(**_accepted(self.environment.reset, {"prompt": record.prompt, **columns}))
         if text is None:
             return None
         if not isinstance(text, str):
@@ -291,6 +292,20 @@ class ToolEnvironment(Environment):
         if error is not None:
             return f"error: {call.name} raised {type(error).__name__}: {error}", "tool_errors"
         return _as_text(result), None
+
+
+def _accepted(fn: Callable, kwargs: dict) -> dict:
+    """The keyword arguments ``fn`` takes: all of them when it has ``**kwargs`` (TRL passes the
+    record's every column, ``prompt`` included), else those it names (a ``reset(self)`` gets none).
+    In multi-environment mode the ``environment`` column is a control field and never reaches it."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: as TRL calls it
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return kwargs
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in kwargs.items() if k in names}
 
 
 def _run_with_timeout(fn: Callable, kwargs: dict, timeout: float | None) -> tuple[bool, Any, BaseException | None]:

@@ -162,12 +162,14 @@ def _check_code(cfg: DictConfig, pending) -> None:
         build_reward(r)  # imports reward.fn (or every term's)
     build_eval_metrics(cfg.eval.metrics)  # imports each eval.metrics function
     check_backend(cfg.get("generation"))
+    own_reward = r.kind == "environment" and not r.terms  # the environment scores its episodes alone
     if cfg.get("env"):
-        # the environment class imports and builds, has reset and step, its tools have schemas, and
-        # its reset takes the data's first record (where the file is there to read)
-        check_env(cfg.env, first_record(None if pending(cfg.data.path) else cfg.data.path, cfg.data.prompt_field))
-    if r.kind == "environment" and not r.terms:
-        check_env_reward(cfg.get("env"))  # the environment scores its episodes (get_reward)
+        # the environment class imports and builds, has reset and step, its tools have schemas, its
+        # reset takes the data's first record (where the file is there to read), and it gives a reward
+        record = first_record(None if pending(cfg.data.path) else cfg.data.path, cfg.data.prompt_field)
+        check_env(cfg.env, record, reward=own_reward)
+    elif own_reward:
+        check_env_reward(None)
 
 
 def _check_model_sources(cfg: DictConfig, pending) -> None:
