@@ -16,9 +16,9 @@ class EnvConfig:
     and the whole conversation is scored. ``env=none`` (the default): no environment, an episode
     is one prompt and one response. ``env=tools``: tool calling (``ToolEnvironment``, keys below).
     ``env=function env._target_=my_pkg.MyEnv``: any class with ``reset(record)`` and
-    ``step(messages) -> EnvStep`` (``envs/base.py``), one instance per episode. These keys are
-    the episode loop's (``envs/episodes.py``); every other key of the group is an argument of
-    ``env._target_``'s constructor (``+env.some_arg=3``). Only the policy's own sampled tokens
+    ``step(messages) -> EnvStep`` (``envs/base.py``), one instance per episode unless
+    ``reuse_instances``. These keys are the episode loop's (``envs/episodes.py``); every other
+    key of the group is an argument of ``env._target_``'s constructor (``+env.some_arg=3``). Only the policy's own sampled tokens
     train: the environment's are in the sequence, with no loss, KL, entropy or value target, and
     GAE steps over policy tokens only."""
 
@@ -46,8 +46,9 @@ class EnvConfig:
     reward's."""
     reuse_instances: bool = False
     """Build each environment instance once and ``reset`` it for every later episode (TRL's
-    "construct once, reset often"), instead of one new instance per episode. Either way each
-    instance's ``close()`` runs: after its episode, or, reused, when the run ends."""
+    "construct once, reset often"), instead of one new instance per episode; ``env=tools`` sets
+    it true, as TRL runs its ``environment_factory`` classes. Either way each instance's
+    ``close()`` runs: after its episode, or, reused, when the run ends (SIGTERM included)."""
     max_concurrent: Optional[int] = param(None, ge=1)
     """Environment instances live at once at most (a server's session capacity): a batch with
     more episodes plays in waves of this many, each wave scored and its instances closed (or
@@ -69,7 +70,8 @@ class ToolsConfig:
     (``ppo_lightning.envs.calculator.calculator`` is a safe arithmetic tool)."""
     environment: Any = None
     """What TRL's GRPOTrainer ``environment_factory`` takes, unchanged: the dotted path of a class or
-    of any zero-argument callable returning an instance (one instance per episode), whose
+    of any zero-argument callable returning an instance (built once and reset for every later
+    episode, as TRL does: ``env.reuse_instances``), whose
     ``reset(**columns)`` returns None or text appended to the last user message, whose public
     methods are the tools, with an optional ``get_reward()`` scoring the finished episode as one
     more reward term named after the class and an optional ``close()``; or a mapping

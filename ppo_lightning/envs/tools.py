@@ -2,7 +2,8 @@
 
 ``env=tools env.tools=[my_pkg.calc,my_pkg.lookup]`` gives the policy those functions;
 ``env.environment=my_pkg.MyEnv`` gives it an environment written for TRL's GRPOTrainer
-``environment_factory``, unchanged: one instance per episode, ``reset(**columns)`` returning None or
+``environment_factory``, unchanged: built once and reset for every later episode, as TRL does
+(``env.reuse_instances``), ``reset(**columns)`` returning None or
 text appended to the last user message, its public methods the tools, and an optional
 ``get_reward()`` that scores the finished episode as one more reward term named after the class
 (``rewards.EnvironmentReward``). Both may be given together.
