@@ -133,7 +133,8 @@ def test_an_engines_logprobs_sit_on_the_tokens_it_sampled_and_zero_under_the_env
     a batch of episodes of different lengths, stepping together (rows padded in every call), each
     episode's ``engine_logprobs`` holds, position by position, the engine's value for the token
     sampled there and 0 under the environment's tokens and the padding: a naive walk over the
-    loss mask, taking the engine's values in the order it gave them."""
+    loss mask, taking the engine's values in the order it gave them. The episodes end after one,
+    two and three turns, so later calls sample fewer rows."""
     tok = bpe
     renderer = _renderer(tok)
     eos = [tok.eos_token_id]
@@ -145,10 +146,11 @@ def test_an_engines_logprobs_sit_on_the_tokens_it_sampled_and_zero_under_the_env
     played, backend, prompts = _play(
         tok,
         renderer,
-        lambda: Echo(turns=3),
+        CountedTurns,
         script,
         backend_cls=EngineScriptedBackend,
         questions=tuple(script),
+        columns=[{"turns": len(turns)} for turns in script.values()],
         max_turns=5,
         max_total_tokens=400,
     )
@@ -157,9 +159,9 @@ def test_an_engines_logprobs_sit_on_the_tokens_it_sampled_and_zero_under_the_env
     for i, (q, e) in enumerate(zip(script, played.episodes)):
         given = iter(backend.given[prompts[q]])
         want = [next(given) if m else 0.0 for m in e.loss_mask] + [0.0] * (R - len(e.loss_mask))
+        assert played.engine_logprobs[i].tolist() == pytest.approx(want), q
         assert next(given, None) is None, q  # every value the engine gave this episode was placed
         assert len(e.engine_logprobs) == len(e.response_ids), q
-        assert played.engine_logprobs[i].tolist() == pytest.approx(want), q
 
 
 # ----------------------------------------------------------------------------- stops
