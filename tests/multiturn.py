@@ -397,7 +397,9 @@ class ReachTargetBackend:
     """A generation backend that plays a rule instead of sampling (for runs whose episodes must
     call tools): a context whose last line is the user's asks for ``increment`` by the target the
     prompt names (``Reach N.``); a context after a tool's result answers ``done`` and EOS. Built as
-    any backend is, from ``(lm, tokenizer)``; records every call's contexts in ``calls``."""
+    any backend is, from ``(lm, tokenizer)``; records every call's contexts in ``calls`` (a class
+    list, since the run builds the backend: a test clears it before its run, or it would read
+    the contexts of every run before it)."""
 
     samples_live_module = True
     sampled_logprobs = None

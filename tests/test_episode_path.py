@@ -53,7 +53,9 @@ def _play(
     prompts = {q: tuple(renderer.prompt_ids([{"role": "user", "content": q}], tools)) for q in questions}
     by_prompt = {prompts[q]: turns for q, turns in script.items()}
     backend = (
-        backend_cls(by_prompt, tok) if backend_cls is StoppingScriptedBackend else backend_cls(by_prompt, tok.pad_token_id)
+        backend_cls(by_prompt, tok)
+        if backend_cls is StoppingScriptedBackend
+        else backend_cls(by_prompt, tok.pad_token_id)
     )
     runner = EpisodeRunner(make_env, renderer, EnvConfig(**{"max_observation_tokens": None, **loop}), tok)
     params = params or SamplingParams(max_new_tokens=32)
