@@ -77,8 +77,14 @@ def test_the_token_budget_at_its_exact_edge_never_ends_an_episode_on_environment
     tok = bpe
     renderer = _renderer(tok)
     turn = _ids(tok, "more?") + [tok.eos_token_id]
+    # the answer's tokens, as the template renders them after the turn (after the "\n" that ends
+    # an assistant message, which the policy did not sample)
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "more?"}]
-    answer = renderer.observation_ids(conversation, [{"role": "user", "content": "go on"}], None, ended_with_eos=True)
+    before = tok.apply_chat_template(conversation, tokenize=False)
+    after = tok.apply_chat_template(
+        conversation + [{"role": "user", "content": "go on"}], tokenize=False, add_generation_prompt=True
+    )
+    answer = tok.encode("\n" + after[len(before) :], add_special_tokens=False)
     n, k = len(turn), len(answer)
 
     def play(budget):
@@ -270,7 +276,7 @@ def test_an_answer_after_a_turn_ended_by_eos_does_not_repeat_the_eos():
 # ----------------------------------------------------------------------------- scoring
 def test_turn_rewards_are_scaled_by_the_reward_normalisation_gain(bpe):
     """With reward normalisation ``(gain, bias)``, an episode's return (score plus turn rewards)
-    is normalised as one number: ``gain * (raw + sum of turn rewards) + bias``, so each turn
+    is normalised as one number: ``gain * (score + sum of turn rewards) + bias``, so each turn
     reward is scaled by the gain as the score is; through ``sample_and_score`` (the rollout's
     sampling and scoring), each turn reward still on its turn's last token."""
     from ppo_lightning.algo.rollout import Prompts, Sampler, Scorer, sample_and_score
@@ -300,9 +306,9 @@ def test_turn_rewards_are_scaled_by_the_reward_normalisation_gain(bpe):
         Scorer(FunctionReward("tests.helpers.constant_reward"), tok, norm=(gain, bias)),
         ref,
     )
-    raw = s.raw_scores
     earned = s.episodes.turn_rewards.sum(1)
-    assert earned.tolist() == [1.0, 1.0] and raw.tolist() == [1.0, 1.0]  # Echo: 0.5 a turn; a constant 1
-    torch.testing.assert_close(s.scores + s.turn_rewards.sum(1), gain * (raw + earned) + bias)
+    assert earned.tolist() == [1.0, 1.0]  # Echo: 0.5 a turn
+    # constant_reward scores every episode 1
+    torch.testing.assert_close(s.scores + s.turn_rewards.sum(1), gain * (1.0 + earned) + bias)
     on_turns = s.episodes.turn_rewards != 0
     assert s.turn_rewards[on_turns].tolist() == [gain * 0.5] * 4 and (s.turn_rewards[~on_turns] == 0).all()
