@@ -63,6 +63,42 @@ def build_bpe_tokenizer(vocab_size: int = 600):
     )
 
 
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML (Qwen's layout, without tools): every message ends ``<|im_end|>\n``, so the assistant
+suffix starts with the end-of-turn token."""
+
+
+def build_chatml_tokenizer(vocab_size: int = 600):
+    """A byte-level BPE tokenizer (``bpe_corpus``, merges across every character) whose EOS is
+    ChatML's end-of-turn token ``<|im_end|>`` (Qwen's instruct layout), with ``<|im_start|>``, a
+    pad token and ``CHATML_TEMPLATE``: the assistant suffix ``<|im_end|>\n`` starts with EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|im_end|>", "<|im_start|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(bpe_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+        model_max_length=1_000_000,
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
 def save_bpe_lm(path: Path, seed: int = 0) -> Path:
     """A tiny random GPT-2 over the BPE tokenizer, saved with it (``from_pretrained`` loads both)."""
     from ppo_lightning.models.tiny import gpt2_config, save_random_model
@@ -121,6 +157,52 @@ class ScriptedBackend:
 
     def close(self):
         pass
+
+
+class StoppingScriptedBackend(ScriptedBackend):
+    """``ScriptedBackend`` that stops as a sampler does: each scripted turn is cut after its
+    first stop (EOS, ``params.stop_token_ids``, ``params.stop_strings`` matched on the decoded
+    text), so a script may ramble on past a stop that the sampler is told about. Only the stops
+    in the ``params`` of the call end a turn: what never reaches the sampler never stops it."""
+
+    def __init__(self, script, tokenizer):
+        super().__init__(script, tokenizer.pad_token_id)
+        self.tok = tokenizer
+
+    def generate(self, prompt_ids, attention_mask, params, generator=None):
+        from ppo_lightning.generation import StopChecker
+
+        out, mask = super().generate(prompt_ids, attention_mask, params, generator)
+        stops = StopChecker(self.tok.eos_token_id, params.stop_token_ids, params.stop_strings, self.tok)
+        first = stops.first_stops(out.masked_fill(mask == 0, self.pad))
+        cut = torch.arange(out.shape[1])[None, :] <= first[:, None]
+        mask = mask * cut
+        return out.masked_fill(mask == 0, self.pad), mask
+
+
+class EngineScriptedBackend(ScriptedBackend):
+    """``ScriptedBackend`` that reports an engine's own logprobs (``sampled_logprobs [B, R]``, as
+    the vLLM backends do): every sampled token gets a value of its own (-0.01, -0.02, ... in the
+    order sampled), the padding after a row -99, and ``given[prompt]`` keeps each episode's
+    values in order, so a test can tell which token a logprob landed on."""
+
+    def __init__(self, script, pad_token_id: int):
+        super().__init__(script, pad_token_id)
+        self.given: dict[tuple[int, ...], list[float]] = {}
+        self.sampled_logprobs = None
+        self._n = 0
+
+    def generate(self, prompt_ids, attention_mask, params, generator=None):
+        out, mask = super().generate(prompt_ids, attention_mask, params, generator)
+        lp = torch.full(out.shape, -99.0)
+        for i, row in enumerate(self.calls[-1]):
+            n = int(mask[i].sum())
+            values = [-0.01 * (self._n + k + 1) for k in range(n)]
+            self._n += n
+            lp[i, :n] = torch.tensor(values)
+            self.given.setdefault(self._prompt(row), []).extend(values)
+        self.sampled_logprobs = lp.to(out.device)
+        return out, mask
 
 
 # ----------------------------------------------------------------------------- tools
@@ -244,6 +326,20 @@ class Echo(Environment):
         )
 
 
+class CountedTurns(Environment):
+    """Answers with a user message until the record's ``turns`` column (default 3) turns; turn
+    ``j`` earns ``EnvStep.reward = j``, so a reward that lands on another turn shows."""
+
+    def reset(self, record):
+        self.turns, self.n = int(record.columns.get("turns", 3)), 0
+        return None
+
+    def step(self, messages):
+        self.n += 1
+        done = self.n >= self.turns
+        return EnvStep([] if done else [{"role": "user", "content": "go on"}], reward=float(self.n), done=done)
+
+
 class Raises(Environment):
     """``step`` raises on the first turn."""
 
@@ -301,7 +397,9 @@ class ReachTargetBackend:
     """A generation backend that plays a rule instead of sampling (for runs whose episodes must
     call tools): a context whose last line is the user's asks for ``increment`` by the target the
     prompt names (``Reach N.``); a context after a tool's result answers ``done`` and EOS. Built as
-    any backend is, from ``(lm, tokenizer)``; records every call's contexts in ``calls``."""
+    any backend is, from ``(lm, tokenizer)``; records every call's contexts in ``calls`` (a class
+    list, since the run builds the backend: a test clears it before its run, or it would read
+    the contexts of every run before it)."""
 
     samples_live_module = True
     sampled_logprobs = None

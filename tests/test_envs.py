@@ -430,4 +430,8 @@ def test_dump_rows_are_json(bpe):
     )
     row = json.loads(json.dumps(played.episodes[0].dump()))
     assert row["turns"] == 2 and len(row["loss_mask"]) == len(row["response_ids"]) and set(row["loss_mask"]) == {0, 1}
-    assert played.turn_rewards[0].sum() == pytest.approx(1.0)  # two turns of 0.5, each on its last token
+    e = played.episodes[0]
+    # two turns of 0.5, each on its last token: the last 1 of each run of the loss mask
+    ends = [t for t, m in enumerate(e.loss_mask) if m and (t + 1 == len(e.loss_mask) or not e.loss_mask[t + 1])]
+    assert e.turn_ends == ends and played.turn_rewards[0].nonzero().flatten().tolist() == ends
+    assert played.turn_rewards[0, ends].tolist() == [0.5, 0.5]

@@ -108,14 +108,15 @@ def test_turn_rewards_sit_on_their_turns_and_group_estimators_compare_episode_to
     r = finish_rollout(
         s, logprobs, None, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig(advantage="reinforce_pp", gamma=0.5)
     )
-    # REINFORCE++: the return-to-go over policy tokens, a turn reward discounted once per policy step
-    i, ends = 0, TURN_ENDS[0]
-    pos = [t for t in range(R) if MASKS[i][t]]
-    G, running = {}, 0.0
-    for t in reversed(pos):
-        running = float(s.turn_rewards[i, t]) + (float(s.scores[i]) if t == pos[-1] else 0.0) + 0.5 * running
-        G[t] = running
-    assert all(float(r.returns[i, t]) == pytest.approx(G[t], abs=1e-5) for t in pos) and ends
+    # REINFORCE++: the return-to-go over policy tokens, a turn reward discounted once per policy
+    # step, on every row (the score on the episode's last policy token)
+    for i in range(B):
+        pos = [t for t in range(R) if MASKS[i][t]]
+        G, running = {}, 0.0
+        for t in reversed(pos):
+            running = float(s.turn_rewards[i, t]) + (float(s.scores[i]) if t == pos[-1] else 0.0) + 0.5 * running
+            G[t] = running
+        assert [float(r.returns[i, t]) for t in pos] == pytest.approx([G[t] for t in pos], abs=1e-5), i
 
 
 def _algo(advantage: str, agg: str, kl_in: str):

@@ -129,14 +129,15 @@ def test_a_trl_environment_class_runs_a_whole_job_and_scores_its_episodes(tmp_pa
         "reward=function",
         "reward.fn=tests.multiturn.counts_tool_calls",
     ]
+    from tests.multiturn import ReachTargetBackend
+
+    ReachTargetBackend.calls.clear()  # this run's contexts only
     train(compose_cfg(overrides, tmp_path, cache_dir))
     rows = read_metrics(tmp_path / "metrics.csv")
     for r in rows:
         assert r["rewards/IncrementEnv/mean"] == 1.0  # every counter reached its record's target
         assert r["rewards/counts_tool_calls/mean"] == 1.0 and r["objective/raw_scores"] == 2.0
         assert r["env/turns_mean"] == 2.0 and r["env/tool_calls_mean"] == 1.0 and r["env/tool_errors"] == 0
-    from tests.multiturn import ReachTargetBackend
-
     assert any("Count. Reach 5." in c for c in ReachTargetBackend.calls)  # reset's text, appended
 
 

@@ -135,15 +135,91 @@ def test_the_failing_row_is_called_with_its_own_arguments():
 
 
 def test_in_an_episode_completions_are_the_conversation_after_the_prompt():
-    from tests.multiturn import counts_tool_calls
+    """Two episodes played through the episode loop (a tool call, its result and an answer; an
+    answer alone) and scored as the rollout scores them (``score_episodes``): ``prompts`` are the
+    prompt messages, ``completions`` every message after them as played, ``completion_ids`` every
+    response token (the environment's too); ``counts_tool_calls`` scores 1 and 0."""
+    from ppo_lightning.algo.rollout import score_episodes
+    from ppo_lightning.config import EnvConfig
+    from ppo_lightning.envs import ChatRenderer, EpisodeRunner, ToolEnvironment
+    from ppo_lightning.generation import SamplingParams
+    from tests.multiturn import ScriptedBackend, build_bpe_tokenizer, tool_call
 
-    conversation = [
-        {"role": "assistant", "content": "<tool_call>...</tool_call>"},
-        {"role": "tool", "name": "calculator", "content": "4"},
-        {"role": "assistant", "content": "4"},
+    seen = {}
+
+    def recorded(prompts, completions, completion_ids, **kwargs):
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
+        return [float(sum(m["role"] == "tool" for m in c)) for c in completions]
+
+    tok = build_bpe_tokenizer()
+    renderer = ChatRenderer(tok)
+    renderer.check_prefix_preserving("tiny-bpe")
+    runner = EpisodeRunner(
+        lambda: ToolEnvironment(tools=["ppo_lightning.envs.calculator.calculator"]),
+        renderer,
+        EnvConfig(max_turns=4, max_total_tokens=400),
+        tok,
+    )
+    questions = ["What is 2 + 2?", "What is 3 + 3?"]
+    call = tool_call("calculator", '{"expression": "2 + 2"}')
+    encode = lambda text: tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]  # noqa: E731
+    script = {
+        tuple(renderer.prompt_ids([{"role": "user", "content": questions[0]}], runner.probe_tools())): [
+            tok.encode(call, add_special_tokens=False),
+            encode("It is 4."),
+        ],
+        tuple(renderer.prompt_ids([{"role": "user", "content": questions[1]}], runner.probe_tools())): [
+            encode("It is 6.")
+        ],
+    }
+    played = runner.run(
+        questions, [{}, {}], ScriptedBackend(script, tok.pad_token_id), SamplingParams(max_new_tokens=64), None, "cpu"
+    )
+    total, _, _ = score_episodes(FunctionReward(f"{_module('user_recorded', recorded=recorded)}.recorded"), tok, played)
+    assert seen["prompts"] == [[{"role": "user", "content": q}] for q in questions]
+    assert seen["completions"] == [
+        [
+            {"role": "assistant", "content": call},
+            {"role": "tool", "name": "calculator", "content": "4"},
+            {"role": "assistant", "content": "It is 4."},
+        ],
+        [{"role": "assistant", "content": "It is 6."}],
     ]
-    inputs = _inputs(["x", "y"])
-    inputs.completions = [conversation, conversation[-1:]]
-    fn = FunctionReward("tests.multiturn.counts_tool_calls")
-    assert fn.score(inputs).tolist() == [1.0, 0.0] and counts_tool_calls
-    assert torch.is_tensor(fn.score(inputs))
+    assert seen["completion_ids"] == [e.response_ids for e in played.episodes]
+    assert 0 in played.episodes[0].loss_mask  # the tool's tokens are among them
+    total, _, _ = score_episodes(FunctionReward("tests.multiturn.counts_tool_calls"), tok, played)
+    assert total.tolist() == [1.0, 0.0]
+
+
+def test_completion_ids_are_each_rows_sampled_tokens_without_the_padding():
+    """Through the rollout's own sampling and scoring (``sample``, ``score_sampled``): prompts
+    left-padded to one width and responses of 6, 2 and 4 tokens right-padded to 6 reach a
+    function that asks for ``completion_ids`` as each row's sampled tokens, no pad among them."""
+    from ppo_lightning.algo.rollout import Prompts, Sampler, sample, score_sampled
+    from ppo_lightning.generation import SamplingParams
+    from tests.multiturn import ScriptedBackend, build_bpe_tokenizer
+
+    seen = []
+
+    def ids_length(completion_ids, **kwargs):
+        seen.extend(completion_ids)
+        return [float(len(ids)) for ids in completion_ids]
+
+    tok = build_bpe_tokenizer()
+    texts = ["What is 1 + 1?", "hi", "What is 347 * 26?"]
+    rows = [tok.encode(t, add_special_tokens=False) for t in texts]
+    chars = lambda text: [tok.encode(c, add_special_tokens=False)[0] for c in text]  # noqa: E731
+    sampled = [chars("It is") + [tok.eos_token_id], chars("4") + [tok.eos_token_id], chars("9022")]
+    assert [len(x) for x in sampled] == [6, 2, 4]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    prompts = Prompts(ids, mask, texts, [{}, {}, {}])
+    backend = ScriptedBackend({tuple(r): [s] for r, s in zip(rows, sampled)}, tok.pad_token_id)
+    s = sample(prompts, Sampler(backend, SamplingParams(max_new_tokens=8)))
+    assert s.responses.shape[1] == 6  # right-padded to the longest
+    total, applies, _ = score_sampled(
+        FunctionReward(f"{_module('user_ids', ids_length=ids_length)}.ids_length"), tok, s, prompts
+    )
+    assert seen == sampled
+    assert total.tolist() == [6.0, 2.0, 4.0] and applies.all()

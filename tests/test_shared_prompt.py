@@ -177,6 +177,11 @@ def test_auto_turns_it_on_only_where_it_applies(caplog):
     assert not shares_prompts(PPOConfig(num_generations=1, minibatch_size=8), policy)
     assert not shares_prompts(PPOConfig(num_generations=4, minibatch_size=6), policy)
     assert not shares_prompts(PPOConfig(num_generations=4, minibatch_size=8, shared_prompt_forward=False), policy)
+    checkpointed = PolicyWithValueHead(_lm("llama"), value_head=False)
+    checkpointed.enable_gradient_checkpointing()
+    assert checkpointed.checkpointing and not shares_prompts(
+        PPOConfig(num_generations=4, minibatch_size=8), checkpointed
+    )
     opt = OPTForCausalLM(
         OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2)
     )

@@ -136,6 +136,7 @@ def test_each_row_stops_at_its_own_limit_and_its_positions_stay_within_it(tiny_l
     short = save_random_model(tiny_lm_dir.parent / "short-ctx", gpt2_config(n_positions=24), tok)
     small = load_causal_lm(str(short), tok)
     ids = tok(["a" * 20, "b" * 8], return_tensors="pt", padding=True)
+    alone = tok(["b" * 8], return_tensors="pt")
     for fast in (True, False):
         out, m = generate(
             small,
@@ -145,7 +146,14 @@ def test_each_row_stops_at_its_own_limit_and_its_positions_stay_within_it(tiny_l
             fast_decode=fast,
             **{**kw, "max_new_tokens": 12},
         )
-        assert m.sum(1).tolist()[0] <= 4
+        # the long row samples what it samples alone, to its own limit (or its EOS), after the
+        # short row has stopped at 4 (its positions would have passed 24 otherwise)
+        want, want_mask = generate(
+            small, alone.input_ids, alone.attention_mask, fast_decode=fast, **{**kw, "max_new_tokens": 12}
+        )
+        n = int(want_mask.sum())
+        assert m[0].sum() <= 4 and int(m[1].sum()) == n > 4, (m.sum(1), n)
+        assert out[1, :n].tolist() == want[0, :n].tolist()
 
 
 @pytest.mark.parametrize("top_k, top_p, min_p", [(0, 1.0, 0.1), (20, 1.0, 0.05), (0, 0.9, 0.2), (30, 0.8, 0.1)])
