@@ -250,11 +250,15 @@ ENV_CASES = {
     ),
     "reward environment without an environment": (
         ["reward=environment"],
-        "reward=environment takes the reward from the environment's get_reward(), but there is no environment",
+        "reward=environment takes the reward from the environment, but there is no environment (env=none)",
     ),
-    "reward environment whose environment has no get_reward": (
-        ["reward=environment", "env=function", "env._target_=tests.multiturn.Echo"],
-        "but env._target_='tests.multiturn.Echo' has none; set env=tools env.environment=",
+    "reward environment whose tools give no reward": (
+        ["reward=environment", "env=tools", f"env.tools=[{CALC}]"],
+        "has none (its tools are plain functions); set env.environment=my_pkg.MyEnv",
+    ),
+    "env class without step": (
+        ["env=function", "env._target_=tests.env_sessions.NoStep"],
+        "env._target_='tests.env_sessions.NoStep': NoStep has no step()",
     ),
     "env without stops": (
         ["env=tools", f"env.tools=[{CALC}]", "sampling.stop_at_eos=false"],

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ppo_lightning.envs.base import EnvError, Message, check_protocol, check_reset, check_step, close_env
+from ppo_lightning.envs.base import EnvError, Message, check_protocol, check_reset, check_step
+from ppo_lightning.envs.pool import EnvPool
 from ppo_lightning.envs.template import ChatRenderer
 from ppo_lightning.envs.tools import COUNTERS, reward_owners
 from ppo_lightning.config.errors import ConfigError
@@ -183,17 +184,15 @@ class EpisodeRunner:
         self.make_env, self.renderer, self.cfg, self.tokenizer = make_env, renderer, cfg, tokenizer
         self.system_prompt, self.max_prompt_length, self.truncation = system_prompt, max_prompt_length, truncation
         self._warned_long = False
-        self._pool: list[Any] = []  # idle instances (env.reuse_instances)
-        self.live = 0  # instances built and not yet closed (pooled ones included)
-        self.close_errors = 0  # close() calls that raised (logged once)
-        probe = self._acquire()  # one instance, for what every episode's shares: the first of the
+        self.pool = EnvPool(make_env, cfg.reuse_instances)
+        probe = self.pool.acquire()  # one instance, for what every episode's shares: the first of the
         try:  # pool with env.reuse_instances, else closed now
             check_protocol(probe)
             self._tools = list(getattr(probe, "tools", None) or []) or None
             self._owners = reward_owners(probe)
             self.stop_strings = tuple(getattr(probe, "stop_strings", ()))
         finally:
-            self._release(probe)
+            self.pool.release(probe)
 
     @property
     def budget(self) -> int:
@@ -213,33 +212,14 @@ class EpisodeRunner:
         """The classes of TRL-style environments that score their own episodes (``get_reward``)."""
         return self._owners
 
-    # ------------------------------------------------------------------------- instances
-    def _acquire(self) -> Any:
-        if self._pool:
-            return self._pool.pop()
-        env = self.make_env()
-        self.live += 1
-        return env
-
-    def _release(self, env: Any) -> None:
-        if self.cfg.reuse_instances:
-            self._pool.append(env)
-        else:
-            self.live -= 1
-            self._close(env)
-
-    def _close(self, env: Any) -> None:
-        error = close_env(env)
-        if error is not None:
-            if not self.close_errors:
-                log.warning("%s (the run goes on; later close() errors are not shown)", error)
-            self.close_errors += 1
+    @property
+    def live(self) -> int:
+        """Environment instances built and not yet closed (``EnvPool.live``)."""
+        return self.pool.live
 
     def close(self) -> None:
         """Close the idle instances ``env.reuse_instances`` kept: the run is over."""
-        while self._pool:
-            self.live -= 1
-            self._close(self._pool.pop())
+        self.pool.close()
 
     # ------------------------------------------------------------------------- one batch
     @torch.no_grad()
@@ -267,12 +247,12 @@ class EpisodeRunner:
             try:
                 env_time += self._play(records[s : s + wave], part, sampler, params, generator, device)
                 if score is not None:
-                    scores.append(score(self._batch(part, device, 0.0)))
+                    scores.append(score(episode_batch(part, self.tokenizer.pad_token_id, device, 0.0)))
             finally:
                 for e in part:
-                    self._release(e.env)
+                    self.pool.release(e.env)
             episodes += part
-        batch = self._batch(episodes, device, env_time)
+        batch = episode_batch(episodes, self.tokenizer.pad_token_id, device, env_time)
         if score is not None:
             batch.scores = _cat_scores(scores)
         return batch
@@ -283,11 +263,11 @@ class EpisodeRunner:
         env_time = 0.0
         t0 = time.perf_counter()
         for record in records:
-            env = self._acquire()
+            env = self.pool.acquire()
             try:
                 episodes.append(self._start(record, env))
             except BaseException:
-                self._release(env)
+                self.pool.release(env)
                 raise
         env_time += time.perf_counter() - t0
         turn_params = params.replace(stop_strings=tuple(dict.fromkeys((*params.stop_strings, *self.stop_strings))))
@@ -412,44 +392,46 @@ class EpisodeRunner:
         e.counts["truncated_observations"] += 1
         return {**message, "content": self.tokenizer.decode(ids[:limit], skip_special_tokens=False)}
 
-    # ------------------------------------------------------------------------- tensors
-    def _batch(self, episodes: list[Episode], device, env_time: float) -> EpisodeBatch:
-        pad = self.tokenizer.pad_token_id
-        B = len(episodes)
-        P = max(len(e.prompt_ids) for e in episodes)
-        R = max(1, max(len(e.response_ids) for e in episodes))
-        qr = torch.full((B, P + R), pad, dtype=torch.long)
-        am = torch.zeros(B, P + R, dtype=torch.long)
-        loss = torch.zeros(B, R)
-        turn_rewards = torch.zeros(B, R)
+
+def episode_batch(episodes: list[Episode], pad: int, device, env_time: float) -> EpisodeBatch:
+    """``episodes`` as the rollout's tensors (``EpisodeBatch``): prompts left-padded with ``pad``,
+    responses right-padded, each turn reward on its turn's last token, an engine's logprobs
+    where every episode has them."""
+    B = len(episodes)
+    P = max(len(e.prompt_ids) for e in episodes)
+    R = max(1, max(len(e.response_ids) for e in episodes))
+    qr = torch.full((B, P + R), pad, dtype=torch.long)
+    am = torch.zeros(B, P + R, dtype=torch.long)
+    loss = torch.zeros(B, R)
+    turn_rewards = torch.zeros(B, R)
+    for i, e in enumerate(episodes):
+        p, r = len(e.prompt_ids), len(e.response_ids)
+        qr[i, P - p : P] = torch.tensor(e.prompt_ids)
+        am[i, P - p : P + r] = 1
+        if r:
+            qr[i, P : P + r] = torch.tensor(e.response_ids)
+            loss[i, :r] = torch.tensor(e.loss_mask, dtype=torch.float32)
+        for end, reward in zip(e.turn_ends, e.turn_rewards):
+            if reward is not None and end >= 0:
+                turn_rewards[i, end] += reward
+    stopped = torch.tensor([e.stopped for e in episodes], dtype=torch.bool)
+    engine = None
+    if episodes and all(e.engine_logprobs for e in episodes):
+        engine = torch.zeros(B, R)
         for i, e in enumerate(episodes):
-            p, r = len(e.prompt_ids), len(e.response_ids)
-            qr[i, P - p : P] = torch.tensor(e.prompt_ids)
-            am[i, P - p : P + r] = 1
-            if r:
-                qr[i, P : P + r] = torch.tensor(e.response_ids)
-                loss[i, :r] = torch.tensor(e.loss_mask, dtype=torch.float32)
-            for end, reward in zip(e.turn_ends, e.turn_rewards):
-                if reward is not None and end >= 0:
-                    turn_rewards[i, end] += reward
-        stopped = torch.tensor([e.stopped for e in episodes], dtype=torch.bool)
-        engine = None
-        if episodes and all(e.engine_logprobs for e in episodes):
-            engine = torch.zeros(B, R)
-            for i, e in enumerate(episodes):
-                engine[i, : len(e.engine_logprobs)] = torch.tensor(e.engine_logprobs[: len(e.response_ids)])
-            engine = engine.to(device)
-        return EpisodeBatch(
-            episodes,
-            qr.to(device),
-            am.to(device),
-            loss.to(device),
-            turn_rewards.to(device),
-            stopped.to(device),
-            P,
-            env_time,
-            engine,
-        )
+            engine[i, : len(e.engine_logprobs)] = torch.tensor(e.engine_logprobs[: len(e.response_ids)])
+        engine = engine.to(device)
+    return EpisodeBatch(
+        episodes,
+        qr.to(device),
+        am.to(device),
+        loss.to(device),
+        turn_rewards.to(device),
+        stopped.to(device),
+        P,
+        env_time,
+        engine,
+    )
 
 
 NO_BUDGET = 2**62  # env.max_total_tokens: null where the model's context is unknown

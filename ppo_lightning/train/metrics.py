@@ -5,6 +5,7 @@ TRL's where TRL has one.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -17,6 +18,8 @@ from ppo_lightning.algo.advantages import group_reward_stats
 from ppo_lightning.algo.stats import explained_variance, masked_mean
 from ppo_lightning.envs.episodes import COUNTED_METRICS
 from ppo_lightning.algo.rollout import Rollout
+
+log = logging.getLogger("ppo_lightning.train.module")  # the run log's name for the iteration's lines
 
 PROGRESS_BAR_METRICS = ("objective/scores", "objective/kl")
 UPDATE_METRICS = (
@@ -94,6 +97,27 @@ def iteration_metrics(
         metrics[f"rewards/{name}/std"] = max(square / count - mean * mean, 0.0) ** 0.5 if count > 0 else float("nan")
     metrics.update({"perf/time_rollout_s": time_rollout, "perf/time_update_s": time_update})
     return metrics
+
+
+def warn_of_empty_iteration(m: dict[str, float], rows: int, iteration: int, warned: set[str]) -> None:
+    """One line, once per run (``warned`` holds what was said), where an iteration teaches nothing
+    and would show it only as a loss of 0: no reward applied to any of its ``rows`` episodes
+    (every one unscored), or, on the first iteration, every episode cut by a budget
+    (``env.max_turns``, ``env.max_total_tokens``)."""
+    if m.get("rollout/unscored") == rows and "unscored" not in warned:
+        warned.add("unscored")
+        log.warning(
+            "PPO iteration %d: no reward applied to any of its %d episodes (every one unscored, masked out of the "
+            "loss); check that the reward returns scores for these responses",
+            iteration,
+            rows,
+        )
+    if iteration == 0 and m.get("env/truncated_frac") == 1.0 and "truncated" not in warned:
+        warned.add("truncated")
+        log.warning(
+            "PPO iteration 0: every episode was cut by a budget before the environment was done; raise "
+            "env.max_turns or env.max_total_tokens (env/budget_cut_turns counts turns the token budget cut)"
+        )
 
 
 def sparse_means(r: Rollout, runtime, device) -> dict[str, float]:

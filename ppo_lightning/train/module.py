@@ -213,7 +213,7 @@ class PPOModule(L.LightningModule):
         )
         m.update(self._eval_due)
         self._eval_due = {}
-        self._warn_of_empty_iteration(m, rows)
+        metrics.warn_of_empty_iteration(m, rows, self.global_step - 1, self._warned)
         self.last_metrics = m
         metrics.log_metrics(self, m, self._callback_metrics, r.batch_size)
         if self.ppo_cfg.rollout_dump and self.rollout_dir:
@@ -224,26 +224,6 @@ class PPOModule(L.LightningModule):
                 f"{self.nonfinite_streak} PPO iterations in a row had non-finite values (last: {learned.nonfinite}); "
                 f"stopping (ppo.max_nonfinite_iterations={self.ppo_cfg.max_nonfinite_iterations}). Checkpoints "
                 "written so far are intact. Check the reward function, or lower optimizer.lr."
-            )
-
-    def _warn_of_empty_iteration(self, m: dict[str, float], rows: int) -> None:
-        """One line, once per run, where an iteration teaches nothing and would say so only as a
-        loss of 0: no reward applied to any episode (every one unscored), or, on the first
-        iteration, every episode cut by a budget (``env.max_turns``, ``env.max_total_tokens``)."""
-        warned = self._warned
-        if m.get("rollout/unscored") == rows and "unscored" not in warned:
-            warned.add("unscored")
-            log.warning(
-                "PPO iteration %d: no reward applied to any of its %d episodes (every one unscored, masked out of "
-                "the loss); check that the reward returns scores for these responses",
-                self.global_step - 1,
-                rows,
-            )
-        if self.global_step == 1 and m.get("env/truncated_frac") == 1.0 and "truncated" not in warned:
-            warned.add("truncated")
-            log.warning(
-                "PPO iteration 0: every episode was cut by a budget before the environment was done; raise "
-                "env.max_turns or env.max_total_tokens (env/budget_cut_turns counts turns the token budget cut)"
             )
 
     def on_train_end(self) -> None:
