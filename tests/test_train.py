@@ -348,3 +348,18 @@ def test_a_small_sparse_reward_learns_under_the_defaults(tmp_path, cache_dir):
     first, last = sum(raw[:5]) / 5, sum(raw[-5:]) / 5
     assert first < 0.03, f"the reward should start small, at ~0.01: {first:.4f}"
     assert last >= first + 0.05 and last >= 1.5 * first, f"{first:.4f} -> {last:.4f}"
+
+
+def test_a_batch_of_four_trains_with_the_default_minibatch_size(tmp_path, cache_dir):
+    """``data.batch_size=4`` and no ``ppo.minibatch_size``: the update gets the resolved size (the
+    whole rollout of 4 rows, one minibatch per epoch), and the run trains."""
+    from ppo_lightning.jobs.factory import build_module
+
+    cfg = compose_cfg(
+        [*FAST, "trainer.max_steps=1", "data.batch_size=4", "callbacks=none", "export_dir=null"], tmp_path, cache_dir
+    )
+    assert cfg.ppo.minibatch_size is None
+    module, _ = build_module(cfg)
+    assert module.ppo_cfg.minibatch_size == module.algo.cfg.minibatch_size == 4
+    m = train(cfg)
+    assert m["policy/epochs"] == cfg.ppo.ppo_epochs and m["val/ratio"] > 0

@@ -8,6 +8,7 @@ before any recipe build or model load.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ from ppo_lightning.data.prompts import PromptDataModule
 from ppo_lightning.data.records import read_prompts, record_formats
 from ppo_lightning.envs import build_runner, check_env, check_env_reward
 from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.config.ppo import minibatch_size_for
 from ppo_lightning.generation import SamplingParams
 from ppo_lightning.train.evaluation import Evaluation
 from ppo_lightning.train.module import Generation, PPOModule
@@ -239,6 +241,9 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
 
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
+    # the update reads the minibatch size that validate checked (null: what fits the rollout)
+    rows = cfg.data.batch_size * ppo_cfg.num_generations
+    ppo_cfg = dataclasses.replace(ppo_cfg, minibatch_size=minibatch_size_for(ppo_cfg, rows))
     module = PPOModule(
         policy,
         ref_lm,
