@@ -363,6 +363,21 @@ def _fork_rank(target, rank: int, world_size: int, port: int, log, cache_dir: Pa
         os._exit(code)
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``). Unlike
+    wall time, a loaded machine does not stretch it: what "stops promptly" tests compare."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_seconds_of_children() -> float:
+    """The CPU seconds of every child of this process reaped so far (and of theirs)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def wall_clock(key: str) -> bool:
     """A metric that times something (``perf/*``, ``env/time_s``): no two runs agree on it."""
     return key.startswith("perf/") or key == "env/time_s"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.conftest import read_metrics
@@ -29,14 +27,17 @@ def test_cfg_job_prints_composed_config(cache_dir):
     assert "name_or_path: gpt2" in p.stdout and "clip: 0.2" in p.stdout
 
 
-def test_hub_model_offline_fails_fast_with_a_fix(cache_dir, tmp_path):
-    t0 = time.monotonic()
-    p = run_train(["model=gpt2", f"hydra.run.dir={tmp_path}"], cache_dir)
-    elapsed = time.monotonic() - t0
+def test_hub_model_offline_fails_fast_with_a_fix(tmp_path):
+    """``model=gpt2`` offline fails in its one line before anything is built or loaded: the
+    model's check comes first (without it ``from_pretrained`` retries for half a minute and ends
+    in a traceback), and the reviews recipe of the default job never starts its build in an
+    empty cache. An order of events rather than seconds, so it holds on a loaded machine."""
+    cache = tmp_path / "cache"
+    p = run_train(["model=gpt2", f"hydra.run.dir={tmp_path / 'run'}"], cache)
     assert p.returncode == 1
     assert "model.name_or_path='gpt2'" in p.stderr and "local directory" in p.stderr
     assert "Traceback" not in p.stderr
-    assert elapsed < 60, f"took {elapsed:.0f}s"  # interpreter + imports; the check itself is < 3 s
+    assert not cache.exists() or not any(cache.iterdir()), list(cache.iterdir())  # nothing built
 
 
 @pytest.mark.parametrize(

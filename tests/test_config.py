@@ -354,3 +354,46 @@ def test_the_tasks_are_their_folders_and_each_build_is_keyed_by_its_code_and_see
         sys.path.remove(str(tmp_path))
     with pytest.raises(ConfigError, match=r"recipe='arithmetc': choose one of \['arithmetic'"):
         task_dir("arithmetc")
+
+
+README_REWARD_EXAMPLE = [
+    "model=gpt2",
+    "data=file",
+    "data.path=problems.jsonl",
+    "reward=function",
+    "reward.fn=my_pkg.rewards.correct",
+]
+
+
+def test_the_readmes_reward_example_validates_with_any_batch_size(tmp_path, cache_dir):
+    """The README's own command with ``data.batch_size=4`` (or any other size, with or without
+    groups): the default ``ppo.minibatch_size`` is the largest divisor of the rollout's rows up to
+    8, so it fits every batch, and it is 8 wherever 8 fits (the former default's numbers)."""
+    from ppo_lightning.config.ppo import minibatch_size_for
+
+    for batch, extra, minibatch in (
+        (4, [], 4),
+        (32, [], 8),
+        (12, [], 6),
+        (3, [], 3),
+        (4, ["ppo.advantage=grpo", "ppo.num_generations=8"], 8),
+        (3, ["ppo.advantage=grpo", "ppo.num_generations=2"], 6),
+    ):
+        cfg = compose(tmp_path, cache_dir, *README_REWARD_EXAMPLE, f"data.batch_size={batch}", *extra)
+        assert cfg.ppo.minibatch_size is None
+        C.validate(cfg)
+        assert minibatch_size_for(cfg.ppo, batch * cfg.ppo.num_generations) == minibatch, (batch, extra)
+    assert minibatch_size_for(C.PPOConfig(minibatch_size=5), 32) == 5  # a size set is the size used
+
+
+def test_a_minibatch_size_set_that_does_not_divide_the_rollout_is_refused_in_one_line(tmp_path, cache_dir):
+    """The default fits any batch; a size the user sets is never replaced, and one that does not
+    divide the rollout is refused, with a divisor that would."""
+    cfg = compose(tmp_path, cache_dir, *README_REWARD_EXAMPLE, "data.batch_size=4", "ppo.minibatch_size=8")
+    with pytest.raises(
+        ConfigError, match=r"^ppo.minibatch_size=8: must divide data.batch_size=4 .*ppo.minibatch_size=4"
+    ):
+        C.validate(cfg)
+    cfg = compose(tmp_path, cache_dir, *README_REWARD_EXAMPLE, "data.batch_size=4", "ppo.micro_batch_size=8")
+    with pytest.raises(ConfigError, match=r"^ppo.micro_batch_size=8: must divide ppo.minibatch_size=4 \(null"):
+        C.validate(cfg)  # the resolved minibatch, not the null the user left

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import compose_cfg, read_metrics
-from tests.helpers import run_train
+from tests.helpers import cpu_seconds, cpu_seconds_of_children, run_train
 from tests.resume import (
     a_full_disk_stops_every_rank_with_one_line_and_the_run_resumes,
     FAST,
@@ -140,10 +140,12 @@ def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_previous_one(tmp
 
 
 @pytest.mark.slow
-def test_sigterm_from_outside_stops_a_long_run_within_seconds(tmp_path, cache_dir):
+def test_sigterm_from_outside_stops_a_long_run_at_the_iteration_it_is_in(tmp_path, cache_dir):
     """The measured failure: ``experiment=tiny_char trainer.max_steps=2000``, SIGTERM from outside
-    mid-PPO. The run stops within seconds, exits non-zero, and its checkpoint holds every
-    iteration it logged (before, ``last.ckpt`` was the periodic one and the exit status 0)."""
+    mid-PPO. The run stops at the end of the iteration it is in, exits non-zero, and its
+    checkpoint holds every iteration it logged (before, ``last.ckpt`` was the periodic one and the
+    exit status 0). "Stops promptly" is counted in iterations, not seconds, so that it holds on a
+    loaded machine: a few past those logged when the signal went, not the remaining ~1990."""
     import signal
     import time
 
@@ -151,17 +153,18 @@ def test_sigterm_from_outside_stops_a_long_run_within_seconds(tmp_path, cache_di
 
     proc = start_train([*FAST, "trainer.max_steps=2000", "export_dir=null", f"hydra.run.dir={tmp_path}"], cache_dir)
     metrics = tmp_path / "metrics.csv"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while not (metrics.exists() and len(metrics.read_text().splitlines()) > 12):  # header + 12 iterations
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be stopped"
         time.sleep(0.2)
+    seen = len(read_metrics(metrics))
     proc.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
-    _, stderr = proc.communicate(timeout=120)
-    took = time.monotonic() - signalled
+    _, stderr = proc.communicate(timeout=600)  # a generous bound: only the iteration count is strict
     assert proc.returncode == 143, stderr[-3000:]
-    assert took < 30, took  # one tiny iteration and a checkpoint, not the remaining ~1990
     logged = len(read_metrics(metrics))
+    # the CSV logger writes every 10 iterations: up to 9 done but unwritten when the signal went,
+    # then the one it stopped in, and one more where the signal landed between two iterations
+    assert seen <= logged <= seen + 11, (seen, logged)
     assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == logged
 
 
@@ -169,24 +172,28 @@ def test_sigterm_from_outside_stops_a_long_run_within_seconds(tmp_path, cache_di
 def test_sigterm_during_the_recipe_build_leaves_no_temporary_directory(tmp_path):
     """The measured failure: SIGTERM while the default job builds its recipe left
     ``reviews-<key>.tmp-*`` in the cache. Now the build's ``finally`` removes it, and the job exits
-    143 within seconds, saying that no checkpoint was written."""
+    143 at once, saying that no checkpoint was written. "At once" is the CPU time the job spends
+    after the signal, which a loaded machine does not stretch as it stretches seconds: unwinding
+    and removing the directory, not finishing the build step (SFT alone is tens of CPU seconds)."""
     import signal
     import time
 
     from tests.helpers import start_train
 
     cache = tmp_path / "cache"
+    before = cpu_seconds_of_children()
     proc = start_train([f"paths.cache_dir={cache}", f"hydra.run.dir={tmp_path / 'run'}"], None)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 600
     while not list(cache.glob("*.tmp-*")):
         assert proc.poll() is None and time.monotonic() < deadline, "the build never started"
         time.sleep(0.1)
     time.sleep(3)  # inside a build step
+    at_signal = cpu_seconds(proc.pid)
     proc.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = proc.communicate(timeout=600)  # a generous bound: the CPU time below is the check
     assert proc.returncode == 143, stderr[-3000:]
-    assert time.monotonic() - signalled < 30
+    after_signal = cpu_seconds_of_children() - before - at_signal
+    assert after_signal < 10, f"{after_signal:.1f} CPU seconds after SIGTERM"
     assert list(cache.iterdir()) == [], list(cache.iterdir())
     assert "stopped by SIGTERM. No checkpoint was written at the stop" in stderr
 
@@ -203,17 +210,19 @@ def test_sigterm_outside_training_raises_where_the_program_is_and_cleans_up(tmp_
     from ppo_lightning.parallel.preemption import Preempted, handle_sigterm
 
     class Interrupted:  # a task whose build a SIGTERM stops
+        finished_step = False
+
         def build(self, cfg, tmp):
             (tmp / "half_written.bin").write_bytes(b"0" * 1024)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)  # a long build step, interrupted
+            Interrupted.finished_step = True  # reached only when the signal waited for the step
 
     cfg = OmegaConf.create({"paths": {"cache_dir": str(tmp_path)}, "recipe": "arithmetic", "seed": 0})
     before = signal.getsignal(signal.SIGTERM)
-    started = time.monotonic()
     with handle_sigterm(), pytest.raises(Preempted):
         prepare(Interrupted(), cfg)
-    assert time.monotonic() - started < 10
+    assert not Interrupted.finished_step  # raised inside the step, not after it: an order, not seconds
     assert list(tmp_path.iterdir()) == []  # neither the temporary directory nor a half cache
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is the job's only
 

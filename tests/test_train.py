@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -348,3 +350,70 @@ def test_a_small_sparse_reward_learns_under_the_defaults(tmp_path, cache_dir):
     first, last = sum(raw[:5]) / 5, sum(raw[-5:]) / 5
     assert first < 0.03, f"the reward should start small, at ~0.01: {first:.4f}"
     assert last >= first + 0.05 and last >= 1.5 * first, f"{first:.4f} -> {last:.4f}"
+
+
+def test_a_batch_of_four_trains_with_the_default_minibatch_size(tmp_path, cache_dir):
+    """``data.batch_size=4`` and no ``ppo.minibatch_size``: the update gets the resolved size (the
+    whole rollout of 4 rows, one minibatch per epoch), and the run trains."""
+    from ppo_lightning.jobs.factory import build_module
+
+    cfg = compose_cfg(
+        [*FAST, "trainer.max_steps=1", "data.batch_size=4", "callbacks=none", "export_dir=null"], tmp_path, cache_dir
+    )
+    assert cfg.ppo.minibatch_size is None
+    module, _ = build_module(cfg)
+    assert module.ppo_cfg.minibatch_size == module.algo.cfg.minibatch_size == 4
+    m = train(cfg)
+    assert m["policy/epochs"] == cfg.ppo.ppo_epochs and m["val/ratio"] > 0
+
+
+def test_the_progress_bar_counts_iterations_out_of_max_steps_with_reward_and_kl(tmp_path, cache_dir, capfd):
+    """One bar for the whole run, ``iteration 3/3``, with the last iteration's
+    ``objective/scores`` and ``objective/kl``, across an epoch boundary (324 toy prompts make 2
+    batches of 128): not Lightning's per-epoch bar, whose rich version reads ``Epoch 1/-2``."""
+    cfg = compose_cfg(
+        [
+            "trainer.enable_model_summary=false",
+            "sampling.max_new_tokens=4",
+            "trainer.max_steps=3",
+            "data.batch_size=128",
+            "ppo.minibatch_size=64",
+            "ppo.ppo_epochs=1",
+            "callbacks=none",
+            "logger=csv",
+            "export_dir=null",
+        ],
+        tmp_path,
+        cache_dir,
+    )
+    train(cfg)
+    out = capfd.readouterr().out
+    states = [line.strip() for line in out.replace("\r", "\n").splitlines() if line.strip().startswith("iteration ")]
+    assert states[0].startswith("iteration 0/3 |"), states
+    final = states[-1]
+    assert final.startswith("iteration 3/3 |") and "Epoch" not in out, states
+    assert all(state.split()[1] in ("0/3", "1/3", "2/3", "3/3") for state in states), states  # one bar
+    shown = dict(re.findall(r"(objective/\w+)=([-+.\de]+)", final))  # tqdm's 3 significant digits
+    m = read_metrics(tmp_path / "metrics.csv")[-1]
+    assert list(shown) == ["objective/scores", "objective/kl"] and "v_num" not in final, final
+    for k, v in shown.items():
+        assert float(v) == pytest.approx(m[k], rel=1e-2, abs=1e-3), (k, final)
+
+
+def test_a_ppo_run_gets_the_iteration_bar_unless_it_brings_a_bar_or_shows_none(tmp_path, cache_dir):
+    """``callbacks=none`` keeps the bar (it is the run's, not a callback group's); a progress
+    bar of the user's own replaces it; ``trainer.enable_progress_bar=false`` shows none."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    from ppo_lightning.jobs.factory import build_trainer
+    from ppo_lightning.train.callbacks import IterationProgressBar
+
+    def bar(*overrides):
+        cfg = compose_cfg(["logger=none", *overrides], tmp_path, cache_dir)
+        return build_trainer(cfg, progress_bar=IterationProgressBar).progress_bar_callback
+
+    assert type(bar()) is IterationProgressBar
+    assert type(bar("callbacks=none")) is IterationProgressBar
+    own = "+callbacks.bar._target_=lightning.pytorch.callbacks.TQDMProgressBar"
+    assert type(bar("callbacks=none", own)) is TQDMProgressBar
+    assert bar("trainer.enable_progress_bar=false") is None

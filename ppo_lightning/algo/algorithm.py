@@ -109,7 +109,8 @@ class PPO:
     ``ref_lm``, scored by ``reward_fn``; samples through ``sampler`` (the policy's generation
     backend) as ``sampling`` says. State across iterations: ``kl_ctl`` (the KL coefficient),
     ``generator`` (this rank's sampling and shuffling stream) and ``reward_norm`` (the score's
-    ``(gain, bias)``), all checkpointed by the module."""
+    ``(gain, bias)``), all checkpointed by the module. ``cfg.minibatch_size`` is the resolved
+    one (``config.ppo.minibatch_size_for``, as ``jobs.factory`` passes it): rows, never null."""
 
     def __init__(
         self,

@@ -100,10 +100,12 @@ class PPOConfig(_MovedPPOKeys):
     """Weight of the entropy bonus; with 0 the entropy is a monitor computed without gradient."""
     ppo_epochs: int = param(4, ge=1)
     """Passes over each rollout."""
-    minibatch_size: int = param(8, ge=1)
+    minibatch_size: Optional[int] = param(None, ge=1)
     """Episodes (rows) per gradient step, per rank; must divide the rollout's rows,
-    ``data.batch_size * num_generations``. Updates per iteration: ``ppo_epochs * rows /
-    minibatch_size``."""
+    ``data.batch_size * num_generations``. Null (the default): the largest divisor of those rows
+    not above 8 (``minibatch_size_for``): 8 wherever 8 divides them, the whole rollout when it
+    has 8 rows or fewer, so that any ``data.batch_size`` runs as it is. Updates per iteration:
+    ``ppo_epochs * rows / minibatch_size``."""
     micro_batch_size: Optional[int] = param(None, ge=1)
     """Rows per forward and backward inside a minibatch (gradient accumulation); must divide
     ``minibatch_size``; null = the whole minibatch. Each micro-batch's losses are its share of the
@@ -198,3 +200,24 @@ class PPOConfig(_MovedPPOKeys):
     columns, ``prompt_ids`` and ``response_ids`` (no padding), ``loss_mask`` (one 0/1 per
     response id: 1 where the policy's own token trains), ``messages``, ``reward`` (raw),
     ``score`` (what PPO learned from) and ``turns``. Single-turn runs too (one assistant message)."""
+
+
+MINIBATCH_ROWS_AT_MOST = 8
+"""The rows of a minibatch that ``ppo.minibatch_size=null`` never exceeds: the key's former fixed
+default, so that every rollout it divided keeps its minibatches (and its numbers)."""
+
+
+def minibatch_size_for(p: Any, rows: int) -> int:
+    """``ppo.minibatch_size`` resolved for a rollout of ``rows`` rows per rank (``data.batch_size *
+    num_generations``): the key where it is set, else the largest divisor of ``rows`` not above
+    ``MINIBATCH_ROWS_AT_MOST``. ``p`` is the ``ppo`` node or a ``PPOConfig``. The one resolution:
+    the checks (``config.rules``) and the run (``jobs.factory``, whose ``PPOConfig`` the update
+    reads) both call this."""
+    if p.minibatch_size is not None:
+        return p.minibatch_size
+    return largest_divisor(rows, MINIBATCH_ROWS_AT_MOST)
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` not above ``at_most`` (1 at least)."""
+    return max(k for k in range(1, max(1, min(n, at_most)) + 1) if n % k == 0)

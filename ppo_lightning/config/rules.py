@@ -20,7 +20,7 @@ from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.config.eval import EvalConfig
 from ppo_lightning.config.model import LoRAConfig, ModelConfig, RefConfig, TinyModelConfig
 from ppo_lightning.config.optimizer import OptimizerConfig
-from ppo_lightning.config.ppo import PPOConfig
+from ppo_lightning.config.ppo import largest_divisor, minibatch_size_for, PPOConfig
 from ppo_lightning.config.recipes import task_dir
 from ppo_lightning.config.reward import RewardConfig, RewardTermConfig, TERM_NAME
 from ppo_lightning.config.root import TrainConfig
@@ -211,23 +211,27 @@ def _warn_ignored(cfg) -> None:
 
 
 def _check_minibatch(cfg) -> None:
+    """An explicit ``ppo.minibatch_size`` that does not divide the rollout's rows, and a
+    ``micro_batch_size`` that does not divide the minibatch (as resolved: null fits any rollout)."""
     p, d = cfg.ppo, cfg.data
     rows = d.batch_size * p.num_generations
-    if rows % p.minibatch_size:
+    minibatch = minibatch_size_for(p, rows)
+    if rows % minibatch:
         what = (
             f"data.batch_size={d.batch_size} (the rollout batch)"
             if p.num_generations == 1
             else f"the rollout's {rows} rows (data.batch_size={d.batch_size} x ppo.num_generations={p.num_generations})"
         )
         raise ConfigError(
-            f"ppo.minibatch_size={p.minibatch_size!r}: must divide {what}; choose a divisor, e.g. "
-            f"ppo.minibatch_size={_largest_divisor(rows, p.minibatch_size)}"
+            f"ppo.minibatch_size={minibatch!r}: must divide {what}; choose a divisor, e.g. "
+            f"ppo.minibatch_size={largest_divisor(rows, minibatch)}, or null (the largest that fits, up to 8)"
         )
-    if p.micro_batch_size is not None and p.minibatch_size % p.micro_batch_size:
+    if p.micro_batch_size is not None and minibatch % p.micro_batch_size:
+        auto = " (null: the largest divisor of the rollout's rows up to 8)" if p.minibatch_size is None else ""
         raise ConfigError(
             f"ppo.micro_batch_size={p.micro_batch_size!r}: must divide ppo.minibatch_size="
-            f"{p.minibatch_size}; choose a divisor, e.g. ppo.micro_batch_size="
-            f"{_largest_divisor(p.minibatch_size, p.micro_batch_size)}"
+            f"{minibatch}{auto}; choose a divisor, e.g. ppo.micro_batch_size="
+            f"{largest_divisor(minibatch, p.micro_batch_size)}"
         )
     if p.micro_batch_size is not None and p.micro_batch_tokens is not None:
         raise ConfigError(
@@ -244,9 +248,10 @@ def _check_shared_prompt(cfg) -> None:
     key = "ppo.shared_prompt_forward=true"
     if p.num_generations == 1:
         raise ConfigError(f"{key}: ppo.num_generations=1 repeats no prompt; set ppo.num_generations > 1, or auto")
-    if p.minibatch_size % p.num_generations:
+    minibatch = minibatch_size_for(p, cfg.data.batch_size * p.num_generations)
+    if minibatch % p.num_generations:
         raise ConfigError(
-            f"{key}: ppo.minibatch_size={p.minibatch_size} must hold whole groups of ppo.num_generations="
+            f"{key}: ppo.minibatch_size={minibatch} must hold whole groups of ppo.num_generations="
             f"{p.num_generations}; set ppo.minibatch_size to a multiple of it, or auto"
         )
     if cfg.model.get("gradient_checkpointing"):
@@ -424,10 +429,6 @@ def check_sweep_launch(cfg) -> None:
 def _check_recipe(cfg) -> None:
     if cfg.recipe is not None:
         task_dir(cfg.recipe)  # a task folder of the package, or a package of yours with a task.py
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(k for k in range(1, max(1, min(n, at_most)) + 1) if n % k == 0)
 
 
 RULES = (

@@ -42,7 +42,9 @@ class TrainerConfig:
     log_every_n_steps: int = 1
     """Stages: how often ``train/*`` reach the loggers. PPO metrics are logged every iteration."""
     enable_progress_bar: bool = True
-    """PPO shows ``objective/scores`` and ``objective/kl``."""
+    """PPO: one bar of iterations out of ``max_steps``, with ``objective/scores`` and
+    ``objective/kl`` (``train.callbacks.IterationProgressBar``, unless ``callbacks`` brings a bar).
+    Stages: Lightning's bar."""
     enable_model_summary: bool = True
     """The parameter table at the start."""
     enable_checkpointing: bool = True

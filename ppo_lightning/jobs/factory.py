@@ -8,12 +8,14 @@ before any recipe build or model load.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
 
 import hydra
 import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,7 +26,9 @@ from ppo_lightning.data.prompts import PromptDataModule
 from ppo_lightning.data.records import read_prompts, record_formats
 from ppo_lightning.envs import build_runner, check_env, check_env_reward, first_record
 from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.config.ppo import minibatch_size_for
 from ppo_lightning.generation import SamplingParams
+from ppo_lightning.train.callbacks import IterationProgressBar
 from ppo_lightning.train.evaluation import Evaluation
 from ppo_lightning.train.module import Generation, PPOModule
 from ppo_lightning.train.normalization import NormalizedReward
@@ -256,9 +260,11 @@ def _built_by_hint(path: str, cfg: DictConfig) -> str:
 # ----------------------------------------------------------------------------- the module
 def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
     """Module, prompts and Trainer for a composed config; every cheap check runs first. The
-    Trainer stops on SIGTERM at an iteration's end, with a checkpoint (``StopOnPreemption``)."""
+    Trainer stops on SIGTERM at an iteration's end, with a checkpoint (``StopOnPreemption``), and
+    its progress bar counts iterations (``IterationProgressBar``)."""
     module, datamodule = build_module(cfg)
-    return module, datamodule, build_trainer(cfg, extra_callbacks=[StopOnPreemption()])
+    trainer = build_trainer(cfg, extra_callbacks=[StopOnPreemption()], progress_bar=IterationProgressBar)
+    return module, datamodule, trainer
 
 
 def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
@@ -283,6 +289,9 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
 
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
+    # the update reads the minibatch size that validate checked (null: what fits the rollout)
+    rows = cfg.data.batch_size * ppo_cfg.num_generations
+    ppo_cfg = dataclasses.replace(ppo_cfg, minibatch_size=minibatch_size_for(ppo_cfg, rows))
     module = PPOModule(
         policy,
         ref_lm,
@@ -436,9 +445,18 @@ def instantiate_dict(group: DictConfig | None, key: str) -> list:
     return objs
 
 
-def build_trainer(cfg: DictConfig, extra_callbacks: tuple | list = ()) -> L.Trainer:
+def build_trainer(cfg: DictConfig, extra_callbacks: tuple | list = (), progress_bar: type | None = None) -> L.Trainer:
+    """The Trainer of ``cfg.trainer`` with the ``logger`` and ``callbacks`` groups, and
+    ``progress_bar`` (a ``ProgressBar`` class: the PPO run's ``IterationProgressBar``) where the
+    run shows one and the callbacks bring none; otherwise Lightning's own."""
     loggers = instantiate_dict(cfg.get("logger"), "logger")
     callbacks = [*instantiate_dict(cfg.get("callbacks"), "callbacks"), *extra_callbacks]
+    if (
+        progress_bar is not None
+        and cfg.trainer.get("enable_progress_bar", True)
+        and not any(isinstance(c, ProgressBar) for c in callbacks)
+    ):
+        callbacks.append(progress_bar())
     trainer = hydra.utils.instantiate(
         cfg.trainer, logger=loggers or False, callbacks=callbacks, plugins=[AtomicCheckpointIO()]
     )

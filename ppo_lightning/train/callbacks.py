@@ -3,13 +3,61 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import WandbLogger
 
 from ppo_lightning.envs.template import conversation_text
 from ppo_lightning.algo.rollout import decode_prompts_and_responses
+from ppo_lightning.train.metrics import PROGRESS_BAR_METRICS
+
+
+class IterationProgressBar(TQDMProgressBar):
+    """One bar for the whole PPO run: iterations out of ``trainer.max_steps``, with the last
+    iteration's reward and KL, ``iteration 3/100 |███| [..., objective/scores=0.412, objective/kl=0.0213]``.
+
+    Lightning's bars count batches per epoch and name the epoch, which says nothing in a PPO run:
+    an epoch is a pass over the prompts, ``trainer.max_epochs`` is -1 (so its rich bar reads
+    ``Epoch 1/-2``), and the run's length is ``trainer.max_steps`` iterations. Here the bar is
+    made once with that total, never reset between epochs, starts at ``global_step`` on a resumed
+    run (its rate then counts this run's iterations), and shows the metrics the module logs with
+    ``prog_bar`` (``train.metrics.PROGRESS_BAR_METRICS``), without the logger's version number.
+    ``jobs.factory.build`` adds it to every PPO run that shows a progress bar and brings none of
+    its own."""
+
+    BAR_FORMAT = "iteration {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+    def init_train_tqdm(self) -> Tqdm:
+        return Tqdm(
+            total=self.trainer.max_steps,
+            initial=self.trainer.global_step,
+            position=2 * self.process_position,
+            disable=self.is_disabled,
+            leave=True,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            smoothing=0,
+            bar_format=self.BAR_FORMAT,
+        )
+
+    def on_train_epoch_start(self, trainer, *_) -> None:
+        """Nothing: an epoch is no unit of a PPO run (Lightning's bar resets here)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        bar, n = self.train_progress_bar, trainer.global_step
+        if not bar.disable and (n % self.refresh_rate == 0 or n == bar.total):
+            bar.n = n
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger's version: the same on every line
+        first = {k: metrics.pop(k) for k in PROGRESS_BAR_METRICS if k in metrics}  # reward, then KL
+        return {**first, **metrics}
 
 
 class SampleTable(L.Callback):
