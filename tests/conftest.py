@@ -31,6 +31,7 @@ LONGEST_FIRST = (
     "test_config.py",
     "test_padding.py",
     "test_multiturn_train.py",
+    "test_env_safety.py",
     "test_fsdp.py",
     "test_vllm_distributed.py",  # make test-vllm: beside test_vllm.py, which must come last
 )
