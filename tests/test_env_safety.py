@@ -439,6 +439,17 @@ def test_sigterm_leaves_no_session_open(tmp_path, cache_dir):
     assert open_sessions(ledger) == 0
 
 
+QUIET = ["trainer.enable_progress_bar=false", "callbacks=none", "logger=none", "export_dir=null"]
+QUIET_SMALL_RUN = [
+    "reward.normalize=false",
+    "sampling.max_new_tokens=8",
+    "data.batch_size=4",
+    "ppo.minibatch_size=4",
+    *QUIET,
+]
+"""A run of 4 episodes an iteration, no normalisation fit, nothing written but what a test reads."""
+
+
 def test_an_iteration_with_no_score_at_all_says_so_once(tmp_path, cache_dir, caplog):
     """A reward that applies to no episode (None for every one) leaves nothing to learn but a
     loss of 0: the run says so, once, in one line."""
@@ -450,10 +461,7 @@ def test_an_iteration_with_no_score_at_all_says_so_once(tmp_path, cache_dir, cap
             "reward.fn=tests.env_sessions.no_score",
             "reward.normalize=false",
             "trainer.max_steps=2",
-            "trainer.enable_progress_bar=false",
-            "callbacks=none",
-            "logger=none",
-            "export_dir=null",
+            *QUIET,
         ],
         tmp_path,
         cache_dir,
@@ -474,15 +482,8 @@ def test_a_first_iteration_where_every_episode_is_truncated_warns(tmp_path, cach
             "+env.turns=3",
             "env.max_turns=1",
             "reward=environment",
-            "reward.normalize=false",
-            "sampling.max_new_tokens=8",
-            "data.batch_size=4",
-            "ppo.minibatch_size=4",
             "trainer.max_steps=1",
-            "trainer.enable_progress_bar=false",
-            "callbacks=none",
-            "logger=none",
-            "export_dir=null",
+            *QUIET_SMALL_RUN,
         ],
         tmp_path,
         cache_dir,
@@ -507,15 +508,8 @@ def test_trls_echo_example_runs_against_a_server_of_bounded_capacity(tmp_path, c
             "env=tools",
             "env.environment=tests.env_sessions.EchoClientEnv",
             "reward=environment",
-            "reward.normalize=false",
-            "sampling.max_new_tokens=8",
-            "data.batch_size=4",
-            "ppo.minibatch_size=4",
             "trainer.max_steps=6",
-            "trainer.enable_progress_bar=false",
-            "callbacks=none",
-            "logger=none",
-            "export_dir=null",
+            *QUIET_SMALL_RUN,
         ],
         tmp_path,
         cache_dir,
