@@ -62,7 +62,9 @@ def main() -> None:
             enc = tok([prompts[i % len(prompts)] for i in range(n)], return_tensors="pt", padding=True)
 
             def sample(backend, n=n, enc=enc):  # seconds for one batch of n rows, every row full length
-                (responses, _), seconds = timed(lambda: backend.generate(enc.input_ids, enc.attention_mask, params, g))
+                (responses, _, _), seconds = timed(
+                    lambda: backend.generate(enc.input_ids, enc.attention_mask, params, g)
+                )
                 assert responses.shape == (n, w.response_tokens), responses.shape
                 return seconds
 

@@ -9,7 +9,7 @@ The batch has the shape of an RL-from-verifiable-rewards rollout: 8 prompts of 1
 16 and 256 tokens (right-padded): 64 rows of 456 columns. The model is Qwen2-shaped (4 layers,
 256 wide, the byte vocabulary: the transformer's cost, not a large LM head's). One epoch is
 what ``algorithm.PPO.learn`` runs per pass: the rows shuffled into 4 minibatches of 16, each
-through ``algorithm.micro_batches`` and ``algorithm.policy_forward`` (the update's own code), a
+through ``algorithm.micro_batches`` and ``rollouts.forward.policy_forward`` (the update's own code), a
 backward per micro-batch. Variants, at the same activation memory bound (micro-batches of at
 most 8 x 456 = 3648 tokens):
 
@@ -87,7 +87,7 @@ def build_rollout(seed: int = 0):
     rows = torch.zeros(len(mask))
     r = Rollout(
         ids, mask, position_ids_from_mask(mask), mask[:, P:].float(), zeros, zeros, zeros, zeros, zeros, rows,
-        zeros, zeros, rows, rows, rows.bool(), P,
+        zeros, zeros, rows, rows, rows.bool(), P, {}, None, None, None, None, None, None, {}, None, 0.0,
     )  # fmt: skip
     return r, prompt_lens, response_lens
 
@@ -110,8 +110,8 @@ class _OneProcess:
 
 def epoch(policy, r, variant: dict, seed: int) -> dict:
     """One pass over the rows in shuffled minibatches: forward and backward of every micro-batch."""
-    from ppo_lightning.algo.algorithm import micro_batches, minibatch_rows, policy_forward
-    from ppo_lightning.algo.rollout import ForwardLayout
+    from ppo_lightning.algo.algorithm import micro_batches, minibatch_rows
+    from ppo_lightning.rollouts.forward import ForwardLayout, policy_forward
     from ppo_lightning.config import PPOConfig
 
     name, variant = variant
@@ -137,7 +137,7 @@ def epoch(policy, r, variant: dict, seed: int) -> dict:
 def _computed(part, layout) -> int:
     """The token positions a micro-batch's forward computes: rows x its window's width, or with
     each prompt once, the distinct prompts' columns once and every row's response columns."""
-    from ppo_lightning.algo.rollout import padding_window
+    from ppo_lightning.rollouts.forward import padding_window
     from ppo_lightning.models.shared_prompt import prompt_groups
 
     ids, mask, P = part.query_responses, part.attention_mask, part.context_length
@@ -156,7 +156,7 @@ def packing_epoch(policy, r, packed: bool, seed: int) -> dict:
     builds a block-diagonal causal mask from the position ids (SDPA with that mask: no varlen
     kernel on CPU, so the attention is computed over the packed row and masked)."""
     from ppo_lightning.algo.algorithm import micro_batches, minibatch_rows
-    from ppo_lightning.algo.rollout import unpadded
+    from ppo_lightning.rollouts.forward import unpadded
     from ppo_lightning.config import PPOConfig
 
     cfg = PPOConfig(minibatch_size=MINIBATCH, **VARIANTS["token_budget"])

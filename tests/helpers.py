@@ -5,6 +5,7 @@ rollout in one call."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,6 +13,10 @@ from pathlib import Path
 
 import lightning as L
 import torch
+
+from ppo_lightning.generation import GenerationBackend
+from ppo_lightning.models.policy import position_ids_from_mask
+from ppo_lightning.rollouts import Episodes
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -525,6 +530,91 @@ def greedy_by_full_forward(lm, input_ids: torch.Tensor, attention_mask: torch.Te
     return ids[:, input_ids.shape[1] :]
 
 
+@dataclasses.dataclass(frozen=True)
+class Played:
+    """A worker's episodes with the reference's logprobs of them: what ``PPO.collect`` holds before
+    the old policy's forward. Reads through to the episodes; ``scores`` are their raw scores
+    (the training scores when no normalisation or penalty shapes them)."""
+
+    episodes: Episodes
+    ref_logprobs: torch.Tensor
+
+    def __getattr__(self, name):
+        return getattr(self.episodes, name)
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self.episodes.raw_scores
+
+
+def samples(
+    *,
+    query_responses,
+    attention_mask,
+    response_mask,
+    ref_logprobs,
+    scores,
+    contains_eos,
+    context_length,
+    turn_rewards=None,
+    engine_logprobs=None,
+    **_derived,
+) -> Played:
+    """``Played`` episodes from given tensors (``scores``: the raw scores; what collect derives,
+    such as ``position_ids``, is ignored and derived again)."""
+    B = query_responses.shape[0]
+    return Played(
+        Episodes(
+            query_responses=query_responses,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            context_length=context_length,
+            raw_scores=scores,
+            scored=torch.ones(B, dtype=torch.bool),
+            term_scores={},
+            contains_eos=contains_eos,
+            turn_rewards=turn_rewards,
+            engine_logprobs=engine_logprobs,
+            played=None,
+            records=None,
+            reward_logs={},
+            policy_version=0,
+            play_time_s=0.0,
+        ),
+        ref_logprobs,
+    )
+
+
+def finish(s: Played, logprobs, values, **kwargs):
+    """``algo.rollout.finish_rollout`` of ``Played`` episodes."""
+    from ppo_lightning.algo.rollout import finish_rollout
+    from ppo_lightning.models.policy import position_ids_from_mask
+
+    return finish_rollout(
+        s.episodes, position_ids_from_mask(s.attention_mask), s.ref_logprobs, logprobs, values, **kwargs
+    )
+
+
+@torch.no_grad()
+def play_and_score(worker, prompts, ref_lm, shaping=None, generator=None, forward_chunk_size=None) -> Played:
+    """``worker.play(prompts)`` with the reference's logprobs of the episodes (row chunks of
+    ``forward_chunk_size``), as ``PPO.collect`` takes them."""
+    from ppo_lightning.rollouts.forward import Sequences, forward_logprobs
+
+    ep = worker.play(prompts, generator)
+    seq = Sequences.of(ep.query_responses, ep.attention_mask, ep.context_length)
+    ref, _ = forward_logprobs(None, ref_lm, *seq, worker.params.temperature, forward_chunk_size)
+    return Played(ep, ref)
+
+
+def shaped(s: Played, shaping, **kwargs):
+    """The rollout of ``s`` with the reference's logprobs as the old policy's (no policy forward)
+    and ``shaping`` (``algo.rollout.ScoreShaping``): its training scores and turn rewards."""
+    from ppo_lightning.config import PPOConfig
+
+    return finish(s, s.ref_logprobs, None, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig(), shaping=shaping, **kwargs)
+
+
 @torch.no_grad()
 def make_rollout(
     *,
@@ -550,36 +640,34 @@ def make_rollout(
     ``gen`` holds ``SamplingParams`` fields (``max_new_tokens, temperature, top_k, top_p,
     stop_at_eos``); the policy samples through the ``hf`` backend.
     """
+    from ppo_lightning.algo.rollout import ScoreShaping
+    from ppo_lightning.config import PPOConfig
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.algo.rollout import Prompts, Sampler, Scorer, finish_rollout, forward_logprobs, sample_and_score
+    from ppo_lightning.rollouts import Prompts, RolloutWorker
+    from ppo_lightning.rollouts.forward import forward_logprobs
 
-    s = sample_and_score(
-        Prompts(input_ids, attention_mask),
-        Sampler(HFBackend(policy.lm, tokenizer), SamplingParams(**gen), generator),
-        Scorer(reward_fn, tokenizer, missing_eos_penalty=missing_eos_penalty),
-        ref_lm,
-        forward_chunk_size=forward_chunk_size,
-    )
+    params = SamplingParams(**gen)
+    worker = RolloutWorker(HFBackend(policy.lm, tokenizer), params, reward_fn, tokenizer)
+    s = play_and_score(worker, Prompts(input_ids, attention_mask), ref_lm, None, generator, forward_chunk_size)
     logprobs, values = forward_logprobs(
         policy,
         None,
         s.query_responses,
         s.attention_mask,
-        s.position_ids,
+        position_ids_from_mask(s.attention_mask),
         s.context_length,
         gen["temperature"],
         forward_chunk_size,
     )
-    from ppo_lightning.config import PPOConfig
-
-    return finish_rollout(
+    return finish(
         s,
         logprobs,
         values,
         kl_coef=kl_coef,
         kl_estimator=kl_estimator,
         cfg=PPOConfig(gamma=gamma, lam=lam, whiten_rewards=whiten_rewards),
+        shaping=ScoreShaping(missing_eos_penalty=missing_eos_penalty, stop_at_eos=params.stop_at_eos),
     )
 
 
@@ -680,15 +768,13 @@ def constant_reward(prompts, responses):
     return [1.0] * len(prompts)
 
 
-class RecordingBackend:
+class RecordingBackend(GenerationBackend):
     """A generation backend (``generation._target_=tests.helpers.RecordingBackend``) that samples
     through the ``hf`` backend and records, for every ``generate``, the LM it samples and the
     ``SamplingParams`` it got, and every ``sync_weights`` (class-level lists: one test run)."""
 
     calls: list = []
     syncs: list = []
-    samples_live_module = True
-    sampled_logprobs = None
 
     def __init__(self, lm, tokenizer, fast_decode: bool = True):
         from ppo_lightning.generation.hf import HFBackend

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ppo_lightning.envs import Environment, EnvStep
+from ppo_lightning.generation import Generated, GenerationBackend
 
 CALL = '<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
 
@@ -112,14 +113,11 @@ def save_bpe_lm(path: Path, seed: int = 0) -> Path:
 
 
 # ----------------------------------------------------------------------------- a scripted backend
-class ScriptedBackend:
+class ScriptedBackend(GenerationBackend):
     """A generation backend that emits fixed token ids: ``script[prompt ids]`` is the list of
     turns an episode with that prompt says, one per ``generate`` call in which it takes part
     (each turn's ids as given: a model may split its text in any way). Turns longer than
     ``max_new_tokens`` are cut, as a sampler cuts them. ``calls`` records each call's contexts."""
-
-    samples_live_module = True
-    sampled_logprobs = None
 
     def __init__(self, script: dict[tuple[int, ...], list[list[int]]], pad_token_id: int):
         self.script, self.pad = script, pad_token_id
@@ -150,13 +148,7 @@ class ScriptedBackend:
         for i, t in enumerate(out):
             responses[i, : len(t)] = torch.tensor(t)
             mask[i, : len(t)] = 1.0
-        return responses.to(prompt_ids.device), mask.to(prompt_ids.device)
-
-    def sync_weights(self):
-        return None
-
-    def close(self):
-        pass
+        return Generated(responses.to(prompt_ids.device), mask.to(prompt_ids.device))
 
 
 class StoppingScriptedBackend(ScriptedBackend):
@@ -172,16 +164,16 @@ class StoppingScriptedBackend(ScriptedBackend):
     def generate(self, prompt_ids, attention_mask, params, generator=None):
         from ppo_lightning.generation import StopChecker
 
-        out, mask = super().generate(prompt_ids, attention_mask, params, generator)
+        out, mask, _ = super().generate(prompt_ids, attention_mask, params, generator)
         stops = StopChecker(self.tok.eos_token_id, params.stop_token_ids, params.stop_strings, self.tok)
         first = stops.first_stops(out.masked_fill(mask == 0, self.pad))
         cut = torch.arange(out.shape[1])[None, :] <= first[:, None]
         mask = mask * cut
-        return out.masked_fill(mask == 0, self.pad), mask
+        return Generated(out.masked_fill(mask == 0, self.pad), mask)
 
 
 class EngineScriptedBackend(ScriptedBackend):
-    """``ScriptedBackend`` that reports an engine's own logprobs (``sampled_logprobs [B, R]``, as
+    """``ScriptedBackend`` that reports an engine's own logprobs (``Generated.logprobs [B, R]``, as
     the vLLM backends do): every sampled token gets a value of its own (-0.01, -0.02, ... in the
     order sampled), the padding after a row -99, and ``given[prompt]`` keeps each episode's
     values in order, so a test can tell which token a logprob landed on."""
@@ -189,11 +181,10 @@ class EngineScriptedBackend(ScriptedBackend):
     def __init__(self, script, pad_token_id: int):
         super().__init__(script, pad_token_id)
         self.given: dict[tuple[int, ...], list[float]] = {}
-        self.sampled_logprobs = None
         self._n = 0
 
     def generate(self, prompt_ids, attention_mask, params, generator=None):
-        out, mask = super().generate(prompt_ids, attention_mask, params, generator)
+        out, mask, _ = super().generate(prompt_ids, attention_mask, params, generator)
         lp = torch.full(out.shape, -99.0)
         for i, row in enumerate(self.calls[-1]):
             n = int(mask[i].sum())
@@ -201,8 +192,7 @@ class EngineScriptedBackend(ScriptedBackend):
             self._n += n
             lp[i, :n] = torch.tensor(values)
             self.given.setdefault(self._prompt(row), []).extend(values)
-        self.sampled_logprobs = lp.to(out.device)
-        return out, mask
+        return Generated(out, mask, lp.to(out.device))
 
 
 # ----------------------------------------------------------------------------- tools
@@ -393,7 +383,7 @@ def counts_tool_calls(completions, **kwargs):
     return [float(sum(m["role"] == "tool" for m in messages)) for messages in completions]
 
 
-class ReachTargetBackend:
+class ReachTargetBackend(GenerationBackend):
     """A generation backend that plays a rule instead of sampling (for runs whose episodes must
     call tools): a context whose last line is the user's asks for ``increment`` by the target the
     prompt names (``Reach N.``); a context after a tool's result answers ``done`` and EOS. Built as
@@ -401,8 +391,6 @@ class ReachTargetBackend:
     list, since the run builds the backend: a test clears it before its run, or it would read
     the contexts of every run before it)."""
 
-    samples_live_module = True
-    sampled_logprobs = None
     calls: list = []
 
     def __init__(self, lm, tokenizer, **kwargs):
@@ -427,10 +415,4 @@ class ReachTargetBackend:
         for i, t in enumerate(out):
             responses[i, : len(t)] = torch.tensor(t)
             mask[i, : len(t)] = 1.0
-        return responses.to(prompt_ids.device), mask.to(prompt_ids.device)
-
-    def sync_weights(self):
-        return None
-
-    def close(self):
-        pass
+        return Generated(responses.to(prompt_ids.device), mask.to(prompt_ids.device))

@@ -377,7 +377,7 @@ def test_an_episode_whose_environment_raised_scores_error_reward_and_keeps_its_e
     (its terms NaN: they were not asked); the turn rewards it earned before the fault stay on
     their turns. The other episodes of the batch are scored as usual."""
     from ppo_lightning.rewards.function import FunctionReward
-    from ppo_lightning.algo.rollout import score_episodes
+    from ppo_lightning.rewards.dispatch import score_episodes
     from tests.multiturn import DownOnSecondTurn
 
     tok = bpe

@@ -277,9 +277,11 @@ def test_an_answer_after_a_turn_ended_by_eos_does_not_repeat_the_eos():
 def test_turn_rewards_are_scaled_by_the_reward_normalisation_gain(bpe):
     """With reward normalisation ``(gain, bias)``, an episode's return (score plus turn rewards)
     is normalised as one number: ``gain * (score + sum of turn rewards) + bias``, so each turn
-    reward is scaled by the gain as the score is; through ``sample_and_score`` (the rollout's
-    sampling and scoring), each turn reward still on its turn's last token."""
-    from ppo_lightning.algo.rollout import Prompts, Sampler, Scorer, sample_and_score
+    reward is scaled by the gain as the score is; through the rollout worker's episodes and
+    ``finish_rollout``'s shaping, each turn reward still on its turn's last token."""
+    from ppo_lightning.algo.rollout import ScoreShaping
+    from ppo_lightning.rollouts import Prompts, RolloutWorker
+    from tests.helpers import play_and_score, shaped
     from ppo_lightning.models.tiny import gpt2_config
     from ppo_lightning.rewards.function import FunctionReward
     from transformers import GPT2LMHeadModel
@@ -300,11 +302,15 @@ def test_turn_rewards_are_scaled_by_the_reward_normalisation_gain(bpe):
     ref = GPT2LMHeadModel(config).eval()
     gain, bias = 2.5, -1.0
     ids = torch.zeros(2, 1, dtype=torch.long)  # the episodes render their own prompts from the texts
-    s = sample_and_score(
-        Prompts(ids, torch.ones_like(ids), questions, [{}, {}]),
-        Sampler(ScriptedBackend(script, tok.pad_token_id), SamplingParams(max_new_tokens=16), None, runner),
-        Scorer(FunctionReward("tests.helpers.constant_reward"), tok, norm=(gain, bias)),
-        ref,
+    worker = RolloutWorker(
+        ScriptedBackend(script, tok.pad_token_id),
+        SamplingParams(max_new_tokens=16),
+        FunctionReward("tests.helpers.constant_reward"),
+        tok,
+        runner,
+    )
+    s = shaped(
+        play_and_score(worker, Prompts(ids, torch.ones_like(ids), questions, [{}, {}]), ref), ScoreShaping((gain, bias))
     )
     earned = s.episodes.turn_rewards.sum(1)
     assert earned.tolist() == [1.0, 1.0]  # Echo: 0.5 a turn

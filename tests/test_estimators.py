@@ -96,16 +96,16 @@ def test_group_estimators_refuse_groups_they_cannot_form(fn):
 
 # ----------------------------------------------------------------------------- with the KL penalty
 def _samples(scores: list[float], lengths: list[int], R: int = 6, P: int = 2, seed: int = 0):
-    """A ``rollout.Samples`` of ``len(scores)`` rows whose responses have ``lengths`` tokens, with
+    """``Played`` episodes (``tests.helpers.samples``) of ``len(scores)`` rows whose responses have ``lengths`` tokens, with
     reference logprobs around -1 (what ``finish_rollout`` reads; the token ids are placeholders)."""
-    from ppo_lightning.algo.rollout import Samples
+    from tests.helpers import samples
 
     B = len(scores)
     mask = torch.tensor([[1.0] * n + [0.0] * (R - n) for n in lengths])
     ref = -1.0 - torch.rand(B, R, generator=torch.Generator().manual_seed(seed))
     ids = torch.zeros(B, P + R, dtype=torch.long)
     am = torch.cat([torch.ones(B, P, dtype=torch.long), mask.long()], 1)
-    return Samples(
+    return samples(
         query_responses=ids,
         attention_mask=am,
         position_ids=am.cumsum(1) - 1,
@@ -126,12 +126,12 @@ def test_group_estimators_compare_scores_and_add_the_kl_penalty_per_token(advant
     scales any spread up to 1, whatever beta). Here the scores are compared and each token adds
     its return-to-go of the KL penalty (OpenRLHF): group 0's advantages are of size beta * KL,
     group 1's are its score advantages plus that. A naive loop over the formula checks each."""
-    from ppo_lightning.algo.rollout import finish_rollout
+    from tests.helpers import finish
 
     scores, lengths, beta = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], [3, 6, 2, 5, 4, 6, 1, 3], 0.05
     s = _samples(scores, lengths)
     logprobs = s.ref_logprobs + 0.05 * torch.randn(s.ref_logprobs.shape, generator=torch.Generator().manual_seed(1))
-    r = finish_rollout(
+    r = finish(
         s, logprobs, None, kl_coef=beta, kl_estimator="k1", cfg=PPOConfig(advantage=advantage, num_generations=4)
     )
     for g in range(2):
@@ -165,15 +165,15 @@ def test_reward_whitening_is_refused_without_a_critic(advantage):
     """Whitening per-token rewards while keeping their mean adds a term proportional to each
     response's length: with equal scores within each group and lengths 2 and 6, GRPO's
     advantages would be about +-0.87 (short answers rewarded for being short) instead of 0."""
-    from ppo_lightning.algo.rollout import finish_rollout
+    from tests.helpers import finish
 
     s = _samples([1.0, 1.0, 0.0, 0.0], [2, 6, 3, 6])
     cfg = PPOConfig(advantage=advantage, num_generations=2)
-    r = finish_rollout(s, s.ref_logprobs.clone(), None, kl_coef=0.0, kl_estimator="k1", cfg=cfg)
+    r = finish(s, s.ref_logprobs.clone(), None, kl_coef=0.0, kl_estimator="k1", cfg=cfg)
     if advantage != "reinforce_pp":
         assert r.advantages.abs().max() == 0  # no signal in equal scores
     with pytest.raises(ValueError, match="length bias"):
-        finish_rollout(
+        finish(
             s,
             s.ref_logprobs.clone(),
             None,

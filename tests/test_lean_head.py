@@ -10,7 +10,7 @@ from torch import nn
 
 from ppo_lightning.models.lean_head import unsupported
 from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
-from ppo_lightning.algo.rollout import forward_logprobs
+from ppo_lightning.rollouts.forward import forward_logprobs
 from ppo_lightning.models.tiny import ARCHITECTURES, causal_lm_config
 from tests import helpers
 from tests.conftest import compose_cfg, read_metrics

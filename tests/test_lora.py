@@ -11,7 +11,7 @@ from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.jobs.factory import build_module
 from ppo_lightning.models.policy import position_ids_from_mask
 from ppo_lightning.generation.hf import generate
-from ppo_lightning.algo.rollout import forward_logprobs
+from ppo_lightning.rollouts.forward import forward_logprobs
 from ppo_lightning.jobs.run import export, train
 from tests.conftest import compose_cfg, read_metrics
 

@@ -341,21 +341,21 @@ def test_engine_mismatch_metrics_against_their_definitions():
 @pytest.mark.parametrize("mode", ENGINE_MODES)
 def test_an_engines_own_logprobs_weigh_the_update_as_a_naive_weighted_loss(mode):
     """``ppo.engine_correction`` from the sampler to the update: a backend that reports logprobs
-    of its own (``sampled_logprobs``, as the vLLM backends do) that differ from the trainer's
+    of its own (``Generated.logprobs``, as the vLLM backends do) that differ from the trainer's
     old logprobs makes the update's loss (``PPO._loss``) and its gradient exactly those of a
     naive per-token loop weighing each token's clipped loss by its ``rho = pi_old / pi_engine``
     (capped or dropped as ``mode`` says); with ``none``, the unweighted loss, which differs."""
-    from types import SimpleNamespace
-
-    from ppo_lightning.algo.algorithm import PPO, engine_view
-    from ppo_lightning.algo.rollout import Samples, finish_rollout
+    from ppo_lightning.algo.algorithm import PPO
+    from ppo_lightning.algo.rollout import EngineView
     from ppo_lightning.config import PPOConfig
     from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.rollouts import RolloutWorker
+    from tests.helpers import finish, samples
 
     g = torch.Generator().manual_seed(11)
     P = 2
     attention = torch.cat([torch.ones(B, P), MASK], 1).long()
-    s = Samples(
+    s = samples(
         query_responses=torch.randint(0, 50, (B, P + R), generator=g),
         attention_mask=attention,
         position_ids=(attention.cumsum(1) - 1).clamp(min=0),
@@ -368,15 +368,15 @@ def test_an_engines_own_logprobs_weigh_the_update_as_a_naive_weighted_loss(mode)
     )
     old = -torch.rand(B, R, generator=g) * 3
     values = torch.randn(B, R, generator=g)
-    engine = SimpleNamespace(sampled_logprobs=(old + torch.randn(B, R, generator=g) * 0.6) * MASK)
+    engine_logp = (old + torch.randn(B, R, generator=g) * 0.6) * MASK  # the backend's Generated.logprobs
     new_logp = old + torch.randn(B, R, generator=g) * 0.3  # some ratios past the clip, some within
     sampling = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
 
     def loss_and_grad(correction: str):
         cfg = PPOConfig(engine_correction=correction, engine_correction_cap=2.0, vf_coef=0.0, ent_coef=0.0)
-        algo = PPO(None, None, None, None, cfg, sampling, None, None)
-        r = finish_rollout(s, old, values, kl_coef=0.0, kl_estimator="k1", cfg=cfg)
-        engine_view(r, s, None, sampling, engine, cfg)
+        algo = PPO(None, None, RolloutWorker(None, sampling, None, None), cfg, None)
+        view = EngineView(engine_logp, None, cfg.engine_correction, cfg.engine_correction_cap)
+        r = finish(s, old, values, kl_coef=0.0, kl_estimator="k1", cfg=cfg, engine=view)
         x = new_logp.clone().requires_grad_()
         loss, _, _ = algo._loss(r, (torch.zeros(B, R), values, x), MASK.sum(), B)
         (grad,) = torch.autograd.grad(loss, x)
@@ -388,7 +388,7 @@ def test_an_engines_own_logprobs_weigh_the_update_as_a_naive_weighted_loss(mode)
     for b in range(B):
         for t in range(R):
             if MASK[b, t]:
-                w = _naive_engine_weight(old, engine.sampled_logprobs, MASK, b, t, mode, 2.0)
+                w = _naive_engine_weight(old, engine_logp, MASK, b, t, mode, 2.0)
                 ratio, a = torch.exp(x[b, t] - old[b, t]), r.advantages[b, t]
                 naive = naive + w * torch.maximum(-a * ratio, -a * torch.clamp(ratio, 0.8, 1.2))
     naive = naive / MASK.sum()

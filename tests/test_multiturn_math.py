@@ -15,7 +15,7 @@ from ppo_lightning.algo.advantages import from_policy_tokens, policy_token_order
 from ppo_lightning.models.lean_head import entropy_from_logits, logprobs_from_logits
 from ppo_lightning.config.choices import ESTIMATORS, LOSS_AGGREGATIONS
 from ppo_lightning.config import PPOConfig
-from ppo_lightning.algo.rollout import Samples, finish_rollout
+from tests.helpers import Played, finish, samples
 
 B, P, R, V = 4, 3, 14, 11
 # 1 = a policy token, 0 = the environment's (between turns) or padding (after the episode)
@@ -28,7 +28,7 @@ MASKS = [
 TURN_ENDS = [[2, 6, 11], [13], [0, 4, 8], [1, 4, 7, 12]]
 
 
-def _samples(seed: int = 0, turn_rewards: bool = True) -> tuple[Samples, torch.Tensor, torch.Tensor]:
+def _samples(seed: int = 0, turn_rewards: bool = True) -> tuple[Played, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     mask = torch.tensor(MASKS, dtype=torch.float32)
     attention = torch.cat([torch.ones(B, P), torch.ones(B, R)], 1).long()
@@ -38,7 +38,7 @@ def _samples(seed: int = 0, turn_rewards: bool = True) -> tuple[Samples, torch.T
     for i, ends in enumerate(TURN_ENDS):
         for t in ends[:-1]:
             turn[i, t] = float(torch.randn((), generator=g))
-    s = Samples(
+    s = samples(
         query_responses=torch.randint(0, V, (B, P + R), generator=g),
         attention_mask=attention,
         position_ids=(attention.cumsum(1) - 1).clamp(min=0),
@@ -70,7 +70,7 @@ def naive_gae(rewards, values, positions, gamma, lam):
 def test_gae_steps_over_policy_tokens_only_against_a_naive_loop_over_turns(gamma, lam):
     s, logprobs, values = _samples()
     beta = 0.1
-    r = finish_rollout(s, logprobs, values, kl_coef=beta, kl_estimator="k1", cfg=PPOConfig(gamma=gamma, lam=lam))
+    r = finish(s, logprobs, values, kl_coef=beta, kl_estimator="k1", cfg=PPOConfig(gamma=gamma, lam=lam))
     for i in range(B):
         pos = [t for t in range(R) if MASKS[i][t]]
         rewards = {
@@ -98,16 +98,12 @@ def test_single_turn_masks_take_the_unchanged_path():
 
 def test_turn_rewards_sit_on_their_turns_and_group_estimators_compare_episode_totals():
     s, logprobs, values = _samples(1)
-    r = finish_rollout(
-        s, logprobs, None, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig(advantage="rloo", num_generations=2)
-    )
+    r = finish(s, logprobs, None, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig(advantage="rloo", num_generations=2))
     totals = s.scores + s.turn_rewards.sum(1)
     want = torch.stack([totals[0] - totals[1], totals[1] - totals[0], totals[2] - totals[3], totals[3] - totals[2]])
     mask = torch.tensor(MASKS, dtype=torch.float32)
     assert torch.allclose(r.advantages, want[:, None] * mask, atol=1e-6)
-    r = finish_rollout(
-        s, logprobs, None, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig(advantage="reinforce_pp", gamma=0.5)
-    )
+    r = finish(s, logprobs, None, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig(advantage="reinforce_pp", gamma=0.5))
     # REINFORCE++: the return-to-go over policy tokens, a turn reward discounted once per policy
     # step, on every row (the score on the episode's last policy token)
     for i in range(B):
@@ -122,6 +118,7 @@ def test_turn_rewards_sit_on_their_turns_and_group_estimators_compare_episode_to
 def _algo(advantage: str, agg: str, kl_in: str):
     from ppo_lightning.algo.algorithm import PPO
     from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.rollouts import RolloutWorker
 
     cfg = PPOConfig(
         advantage=advantage,
@@ -132,7 +129,7 @@ def _algo(advantage: str, agg: str, kl_in: str):
         kl_coef=0.1,
         shared_prompt_forward=False,  # no policy here: nothing to encode
     )
-    return PPO(None, None, None, None, cfg, SamplingParams(max_new_tokens=R), None, None), cfg
+    return PPO(None, None, RolloutWorker(None, SamplingParams(max_new_tokens=R), None, None), cfg, None), cfg
 
 
 @pytest.mark.parametrize("advantage", ESTIMATORS)
@@ -147,7 +144,7 @@ def test_the_environments_logits_have_no_effect_on_any_loss(advantage, agg):
     s, logprobs, values = _samples(2)
     algo, cfg = _algo(advantage, agg, kl_in)
     critic = advantage == "gae"
-    rollout = finish_rollout(
+    rollout = finish(
         s, logprobs, values if critic else None, kl_coef=0.05, kl_estimator="k3" if kl_in == "loss" else "k1", cfg=cfg
     )
     responses = rollout.responses
@@ -178,8 +175,8 @@ def test_the_environments_logits_have_no_effect_on_any_loss(advantage, agg):
 
 def test_the_rollout_keeps_turn_rewards_in_its_record_of_rewards():
     s, logprobs, values = _samples(3)
-    r = finish_rollout(s, logprobs, values, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig())
+    r = finish(s, logprobs, values, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig())
     assert torch.allclose(r.rewards.sum(1), s.scores + s.turn_rewards.sum(1), atol=1e-6)
     single = dataclasses.replace(s, turn_rewards=None)
-    r1 = finish_rollout(single, logprobs, values, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig())
+    r1 = finish(single, logprobs, values, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig())
     assert torch.allclose(r1.rewards.sum(1), s.scores, atol=1e-6)

@@ -34,7 +34,7 @@ def test_the_default_job_has_no_environment(tmp_path, cache_dir):
     cfg = compose_cfg([], tmp_path, cache_dir, experiment=None)
     assert cfg.env == {}
     module, _ = build_module(compose_cfg([], tmp_path, cache_dir))
-    assert module.algo.episodes is None
+    assert module.worker.episodes is None
 
 
 @pytest.mark.slow  # 20 iterations, about 100 s on 2 cores

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ppo_lightning.algo.losses import aggregate, global_token_count
-from ppo_lightning.algo.rollout import (
+from ppo_lightning.rollouts.forward import (
     pad_responses,
     padding_window,
     row_windows,

@@ -9,7 +9,7 @@ import torch
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.jobs.factory import build_module, check_inputs
 from ppo_lightning.models.policy import position_ids_from_mask
-from ppo_lightning.algo.rollout import forward_logprobs
+from ppo_lightning.rollouts.forward import forward_logprobs
 from ppo_lightning.models.tiny import save_tiny_causal_lm
 from tests.conftest import compose_cfg
 

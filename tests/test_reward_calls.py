@@ -139,7 +139,7 @@ def test_in_an_episode_completions_are_the_conversation_after_the_prompt():
     answer alone) and scored as the rollout scores them (``score_episodes``): ``prompts`` are the
     prompt messages, ``completions`` every message after them as played, ``completion_ids`` every
     response token (the environment's too); ``counts_tool_calls`` scores 1 and 0."""
-    from ppo_lightning.algo.rollout import score_episodes
+    from ppo_lightning.rewards.dispatch import score_episodes
     from ppo_lightning.config import EnvConfig
     from ppo_lightning.envs import ChatRenderer, EpisodeRunner, ToolEnvironment
     from ppo_lightning.generation import SamplingParams
@@ -192,10 +192,11 @@ def test_in_an_episode_completions_are_the_conversation_after_the_prompt():
 
 
 def test_completion_ids_are_each_rows_sampled_tokens_without_the_padding():
-    """Through the rollout's own sampling and scoring (``sample``, ``score_sampled``): prompts
+    """Through the rollout's own sampling and scoring (``RolloutWorker.play``, ``score``): prompts
     left-padded to one width and responses of 6, 2 and 4 tokens right-padded to 6 reach a
     function that asks for ``completion_ids`` as each row's sampled tokens, no pad among them."""
-    from ppo_lightning.algo.rollout import Prompts, Sampler, sample, score_sampled
+    from ppo_lightning.rollouts import Prompts, RolloutWorker
+    from tests.helpers import constant_reward
     from ppo_lightning.generation import SamplingParams
     from tests.multiturn import ScriptedBackend, build_bpe_tokenizer
 
@@ -216,10 +217,9 @@ def test_completion_ids_are_each_rows_sampled_tokens_without_the_padding():
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     prompts = Prompts(ids, mask, texts, [{}, {}, {}])
     backend = ScriptedBackend({tuple(r): [s] for r, s in zip(rows, sampled)}, tok.pad_token_id)
-    s = sample(prompts, Sampler(backend, SamplingParams(max_new_tokens=8)))
+    worker = RolloutWorker(backend, SamplingParams(max_new_tokens=8), constant_reward, tok)
+    s = worker.play(prompts)
     assert s.responses.shape[1] == 6  # right-padded to the longest
-    total, applies, _ = score_sampled(
-        FunctionReward(f"{_module('user_ids', ids_length=ids_length)}.ids_length"), tok, s, prompts
-    )
+    total, applies, _ = worker.score(s, FunctionReward(f"{_module('user_ids', ids_length=ids_length)}.ids_length"))
     assert seen == sampled
     assert total.tolist() == [6.0, 2.0, 4.0] and applies.all()

@@ -242,7 +242,7 @@ def test_reward_model_matches_unpadded_forward(tiny_rm_dir, rm_texts):
 def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_texts):
     """Scoring the policy's token ids (left pads, EOS, pads after EOS) gives the text path's scores."""
     from ppo_lightning.models.policy import load_tokenizer
-    from ppo_lightning.algo.rollout import decode_prompts_and_responses, score_responses
+    from ppo_lightning.rewards.dispatch import decode_prompts_and_responses, score_responses
 
     tok = load_tokenizer(str(tiny_lm_dir))  # the policy's: left padding, pad distinct from EOS
     prompts, responses = rm_texts
@@ -371,12 +371,14 @@ def test_fit_normalization_leaves_out_non_finite_scores():
         fit_normalization(torch.tensor([float("nan"), float("nan")]))
 
 
-def test_sample_and_score_applies_the_normalisation_and_keeps_the_raw_scores(tiny_lm_dir):
+def test_the_rollout_applies_the_normalisation_and_keeps_the_raw_scores(tiny_lm_dir):
     from ppo_lightning.models.policy import PolicyWithValueHead, load_causal_lm, load_tokenizer, make_reference
     from ppo_lightning.rewards.rules import char_fraction
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.algo.rollout import Prompts, Sampler, Scorer, sample_and_score
+    from ppo_lightning.algo.rollout import ScoreShaping
+    from ppo_lightning.rollouts import Prompts, RolloutWorker
+    from tests.helpers import play_and_score, shaped
 
     tok = load_tokenizer(str(tiny_lm_dir))
     lm = load_causal_lm(str(tiny_lm_dir), tok)
@@ -384,12 +386,15 @@ def test_sample_and_score_applies_the_normalisation_and_keeps_the_raw_scores(tin
     params = SamplingParams(max_new_tokens=6)
     out = {}
     for norm in ((1.0, 0.0), (4.0, -0.5)):
-        out[norm] = sample_and_score(
+        worker = RolloutWorker(HFBackend(PolicyWithValueHead(lm).lm, tok), params, char_fraction, tok)
+        played = play_and_score(
+            worker,
             Prompts(enc.input_ids, enc.attention_mask),
-            Sampler(HFBackend(PolicyWithValueHead(lm).lm, tok), params, torch.Generator().manual_seed(0)),
-            Scorer(char_fraction, tok, norm),
             make_reference(lm),
+            None,
+            torch.Generator().manual_seed(0),
         )
+        out[norm] = shaped(played, ScoreShaping(norm))
     plain, scaled = out[(1.0, 0.0)], out[(4.0, -0.5)]
     assert torch.equal(plain.scores, plain.raw_scores) and torch.equal(scaled.raw_scores, plain.raw_scores)
     torch.testing.assert_close(scaled.scores, 4.0 * plain.raw_scores - 0.5)

@@ -246,7 +246,8 @@ def test_truncated_logprobs_match_a_naive_truncation(tiny_lm_dir, top_k, top_p, 
     import math
     import random
 
-    from ppo_lightning.algo.rollout import TRUNCATED_LOGPROB_FLOOR, forward_logprobs, truncated_logprobs
+    from ppo_lightning.rollouts.engine import TRUNCATED_LOGPROB_FLOOR, truncated_logprobs
+    from ppo_lightning.rollouts.forward import forward_logprobs
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.models.policy import position_ids_from_mask
 

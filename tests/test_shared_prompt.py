@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ppo_lightning.algo.algorithm import minibatch_rows, policy_forward, shares_prompts
-from ppo_lightning.algo.rollout import ForwardLayout, forward_logprobs
+from ppo_lightning.algo.algorithm import minibatch_rows
+from ppo_lightning.rollouts.forward import policy_forward, shares_prompts
+from ppo_lightning.rollouts.forward import ForwardLayout, forward_logprobs
 from ppo_lightning.config import PPOConfig
 from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
 from ppo_lightning.models.shared_prompt import prompt_groups, shared_prompt_forward
@@ -217,7 +218,7 @@ def test_true_where_it_cannot_apply_is_refused_naming_the_keys(tmp_path, cache_d
 def test_token_budget_groups_of_shared_prompts_cover_every_row_once_within_the_budget(budget):
     """With each row's prompt: every row in one group, rows by response length (longest first),
     and a group of several rows costs at most the budget counting each distinct prompt once."""
-    from ppo_lightning.algo.rollout import token_budget_groups
+    from ppo_lightning.rollouts.forward import token_budget_groups
 
     g = torch.Generator().manual_seed(budget)
     prompts = torch.arange(4).repeat_interleave(4).tolist()

@@ -153,19 +153,19 @@ def test_seeded_samples_replay_and_the_engines_logprobs_are_the_training_forward
     what it sampled, at the sampling temperature, equal the training forward's."""
     from ppo_lightning.generation.params import SamplingParams
     from ppo_lightning.models.policy import position_ids_from_mask
-    from ppo_lightning.algo.rollout import forward_logprobs
+    from ppo_lightning.rollouts.forward import forward_logprobs
 
     lm, tok = tiny_lm(cache_dir, "llama")
     vb = engine(lm, tok)
     params = SamplingParams(max_new_tokens=10, temperature=0.7)
     am = (PROMPTS != 257).long()
     a = vb.generate(PROMPTS, am, params, torch.Generator().manual_seed(3))
-    engine_logp = vb.sampled_logprobs
+    engine_logp = a.logprobs
     b = vb.generate(PROMPTS, am, params, torch.Generator().manual_seed(3))
     c = vb.generate(PROMPTS, am, params, torch.Generator().manual_seed(4))
     assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
 
-    responses, mask = a
+    responses, mask, _ = a
     full = torch.cat([am, mask.long()], 1)
     ours, _ = forward_logprobs(
         None, lm, torch.cat([PROMPTS, responses], 1), full, position_ids_from_mask(full), PROMPTS.shape[1], 0.7

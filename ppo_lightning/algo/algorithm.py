@@ -1,20 +1,21 @@
 """One PPO iteration, top to bottom: ``collect`` a rollout, then ``learn`` from it.
 
-    rollout = algo.collect(batch)      # sample, score, old logprobs and values, advantages
+    rollout = algo.collect(batch)      # play and score episodes, old logprobs and values, advantages
     learned = algo.learn(rollout, opt)  # ppo_epochs x minibatches of clipped updates
     algo.end_iteration(kl, rows)        # KL controller; an engine with its own weights gets the new ones
 
-The math is in ``ppo.py`` (losses, GAE, whitening, KL estimators), ``estimators.py`` (critic-free
-advantages) and ``rollout.py`` (sampling and scoring, ``finish_rollout``). Every concern of
-running on several ranks or in another precision goes through ``self.runtime``
-(``distributed.Runtime``); on one process it is plain PyTorch. ``module.PPOModule`` adapts this
-to Lightning's hooks: ``collect`` in ``on_train_batch_start``, ``learn`` in ``training_step``.
+The episodes come from a ``rollouts.RolloutWorker`` (sampling, environments, reward); the math is
+in ``losses.py`` (policy and value losses), ``advantages.py`` (GAE, whitening, the critic-free
+estimators), ``kl.py`` (KL estimators and controllers) and ``rollout.py`` (``finish_rollout``,
+the update's record). The forwards are ``rollouts.forward``'s. Every concern of running on
+several ranks or in another precision goes through ``self.runtime`` (``parallel.distributed.Runtime``);
+on one process it is plain PyTorch. ``train.module.PPOModule`` adapts this to Lightning's hooks:
+``collect`` in ``on_train_batch_start``, ``learn`` in ``training_step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import time
 from collections import defaultdict
@@ -23,76 +24,33 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from ppo_lightning.algo.kl import approx_kl, kl_estimator_for, kl_penalty
-
+from ppo_lightning.algo.kl import approx_kl, build_kl_controller, kl_estimator_for, kl_penalty
 from ppo_lightning.algo.losses import (
     Aggregation,
     clip_fractions,
-    engine_weights,
     global_token_count,
     ppo_policy_loss,
     ppo_value_loss,
     token_mean,
 )
-
+from ppo_lightning.algo.rollout import EngineView, Rollout, ScoreShaping, finish_rollout
 from ppo_lightning.algo.stats import masked_mean, masked_var
-from ppo_lightning.config.choices import LOSS_AGGREGATIONS
 from ppo_lightning.config import PPOConfig
-from ppo_lightning.generation import GenerationBackend, SamplingParams
-from ppo_lightning.algo.kl import build_kl_controller
-from ppo_lightning.models.policy import PolicyWithValueHead
-from ppo_lightning.models.shared_prompt import prompt_groups
-from ppo_lightning.models.shared_prompt import unsupported as shared_prompt_unsupported
-from ppo_lightning.rewards import pop_reward_logs
-from ppo_lightning.algo.rollout import (
+from ppo_lightning.config.choices import LOSS_AGGREGATIONS
+from ppo_lightning.rollouts import Episodes, Prompts, RolloutWorker
+from ppo_lightning.rollouts.engine import truncated_logprobs
+from ppo_lightning.rollouts.forward import (
     ForwardLayout,
     PolicyOutput,
-    Prompts,
-    Rollout,
-    Sampler,
-    Samples,
-    Scorer,
-    finish_rollout,
+    Sequences,
     forward_logprobs,
-    pad_responses,
+    policy_forward,
+    row_prompts,
     row_windows,
-    sample_and_score,
+    shares_prompts,
     split_to,
     token_budget_groups,
-    truncated_logprobs,
-    unpadded,
 )
-
-
-log = logging.getLogger(__name__)
-
-
-def engine_view(r: Rollout, s: Samples, lm, sampling, sampler, c) -> None:
-    """An engine backend's own view of its samples, into ``r``: its logprobs (each turn's, in
-    place, for episodes; None with the ``hf`` backend, and then nothing else), the old policy's
-    logprobs of the same distribution (the old logprobs, or under the sampling's top-k / top-p /
-    min-p when it truncates: ``truncated_logprobs``, one more no-grad forward, in the engine's
-    order), and ``ppo.engine_correction``'s weights from the two. Runs in the rollout's context
-    (weights gathered, the update's numerics)."""
-    r.engine_logprobs = sampler.sampled_logprobs if r.episodes is None else r.episodes.engine_logprobs
-    if r.engine_logprobs is None:
-        return
-    r.sampling_logprobs = r.logprobs
-    if sampling.truncates:
-        r.sampling_logprobs = truncated_logprobs(
-            lm,
-            s.query_responses,
-            s.attention_mask,
-            s.position_ids,
-            s.context_length,
-            sampling,
-            c.rollout_forward_batch_size,
-            c.remove_padding,
-            getattr(sampler, "min_p_first", False),
-        )
-    r.engine_weights = engine_weights(
-        r.sampling_logprobs, r.engine_logprobs, r.response_mask, c.engine_correction, c.engine_correction_cap
-    )
 
 
 @dataclasses.dataclass
@@ -106,106 +64,114 @@ class Learned:
 
 class PPO:
     """PPO (or a critic-free estimator, ``cfg.advantage``) on ``policy`` against the frozen
-    ``ref_lm``, scored by ``reward_fn``; samples through ``sampler`` (the policy's generation
-    backend) as ``sampling`` says. State across iterations: ``kl_ctl`` (the KL coefficient),
-    ``generator`` (this rank's sampling and shuffling stream) and ``reward_norm`` (the score's
-    ``(gain, bias)``), all checkpointed by the module. ``cfg.minibatch_size`` is the resolved
-    one (``config.ppo.minibatch_size_for``, as ``jobs.factory`` passes it): rows, never null."""
+    ``ref_lm``, on the episodes ``worker`` plays (``rollouts.RolloutWorker``: the policy's
+    generation backend, the sampling, the environment, the reward). State across iterations:
+    ``kl_ctl`` (the KL coefficient), ``generator`` (this rank's sampling and shuffling stream) and
+    ``reward_norm`` (the score's ``(gain, bias)``), all checkpointed by the module.
+    ``cfg.minibatch_size`` is the resolved one (``config.ppo.minibatch_size_for``, as
+    ``jobs.factory`` passes it): rows, never null."""
 
-    def __init__(
-        self,
-        policy: PolicyWithValueHead,
-        ref_lm: nn.Module,
-        reward_fn,
-        tokenizer,
-        cfg: PPOConfig,
-        sampling: SamplingParams,
-        sampler: GenerationBackend,
-        runtime,
-        episodes=None,
-    ):
-        self.policy, self.ref_lm, self.reward_fn, self.tokenizer = policy, ref_lm, reward_fn, tokenizer
-        self.cfg, self.sampling, self.sampler, self.runtime = cfg, sampling, sampler, runtime
-        self.episodes = episodes  # an envs.EpisodeRunner: multi-turn episodes (env=...); None: single-turn
+    def __init__(self, policy, ref_lm: nn.Module, worker: RolloutWorker, cfg: PPOConfig, runtime):
+        self.policy, self.ref_lm, self.worker, self.cfg, self.runtime = policy, ref_lm, worker, cfg, runtime
         self.kl_ctl = build_kl_controller(cfg.kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
         self.kl_estimator = kl_estimator_for(cfg.kl_in, cfg.kl_estimator)  # null: per placement
         self.reward_norm: tuple[float, float] | None = None  # set by the module: configured, fitted or restored
         self.generator: torch.Generator | None = None
-        self.layout = ForwardLayout(cfg.remove_padding, shares_prompts(cfg, policy))
-        # seq_mean_token_sum_norm's constant: the most policy tokens a response can hold (with an
+        self.layout = ForwardLayout(cfg.remove_padding, policy is not None and shares_prompts(cfg, policy))
+        # seq_mean_token_sum_norm's constant: the most policy tokens an episode can hold (with an
         # environment, every turn's: env.max_turns x max_new_tokens, at most env.max_total_tokens)
-        self.norm_length = (
-            sampling.max_new_tokens if episodes is None else episodes.max_policy_tokens(sampling.max_new_tokens)
-        )
+        self.norm_length = worker.max_policy_tokens if worker is not None else 0
+        self._fused: tuple[Rollout, PolicyOutput] | None = None  # collect's forward, for learn's first update
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature: every logprob PPO takes divides the logits by it ([N+])."""
+        return self.worker.params.temperature
 
     # ------------------------------------------------------------------------- part 1: collect
-    def collect(self, batch: dict) -> Rollout:
-        """Sample ``num_generations`` responses per prompt (a group, on consecutive rows), score
-        them, take the old policy's logprobs and values and the reference's logprobs, and turn
-        scores and KL into advantages. Runs in the update's numerics, weights gathered once."""
+    def collect(self, batch: dict, policy_version: int = 0) -> Rollout:
+        """Play ``num_generations`` episodes per prompt (a group, on consecutive rows) through the
+        worker, take the old policy's logprobs and values and the reference's logprobs, and turn
+        scores and KL into advantages. Runs in the update's numerics, weights gathered once.
+        ``policy_version``: the iteration, recorded with the episodes."""
         c, t0 = self.cfg, time.perf_counter()
-        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        prompts, columns = batch.get("prompts"), batch.get("columns")  # as written; each one's metadata
-        if c.num_generations > 1:
-            input_ids = input_ids.repeat_interleave(c.num_generations, dim=0)
-            attention_mask = attention_mask.repeat_interleave(c.num_generations, dim=0)
-            prompts, columns = _repeat(prompts, c.num_generations), _repeat(columns, c.num_generations)
+        prompts = Prompts.of(batch).repeated(c.num_generations)
         with self.runtime.rollout_context(self.policy, self.ref_lm):
-            samples = sample_and_score(
-                Prompts(input_ids, attention_mask, prompts, columns),
-                Sampler(self.sampler, self.sampling, self.generator, self.episodes),
-                Scorer(
-                    self.reward_fn,
-                    self.tokenizer,
+            ep = self.worker.play(prompts, self.generator, policy_version)
+            seq = Sequences.of(ep.query_responses, ep.attention_mask, ep.context_length)
+            ref_logprobs, _ = forward_logprobs(
+                None,
+                self.ref_lm,
+                *seq,
+                self.temperature,
+                c.rollout_forward_batch_size,
+                c.lm_head_chunk_size,
+                self.layout,
+            )
+            logprobs, values, fused = self._old_logprobs_and_values(seq)
+            kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
+            r = finish_rollout(
+                ep,
+                seq.position_ids,
+                ref_logprobs,
+                logprobs,
+                values,
+                kl_coef=kl_coef,
+                kl_estimator=self.kl_estimator,
+                cfg=c,
+                shaping=ScoreShaping(
                     self.reward_norm,
                     c.missing_eos_penalty,
                     c.mask_truncated_completions,
+                    self.worker.params.stop_at_eos,
                 ),
-                self.ref_lm,
-                forward_chunk_size=c.rollout_forward_batch_size,
-                head_chunk=c.lm_head_chunk_size,
-                layout=self.layout,
+                engine=self._engine_view(ep, seq),
+                collect_time_s=time.perf_counter() - t0,
             )
-            reward_logs = pop_reward_logs(self.reward_fn)  # log_metric calls of the reward functions
-            logprobs, values, first_forward = self._old_logprobs_and_values(samples)
-            kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
-            r = finish_rollout(samples, logprobs, values, kl_coef=kl_coef, kl_estimator=self.kl_estimator, cfg=c)
-            engine_view(r, samples, self.policy.lm, self.sampling, self.sampler, c)
-        r.first_forward, r.collect_time_s = first_forward, time.perf_counter() - t0
-        r.reward_logs, r.records = reward_logs, (prompts, columns) if prompts is not None else None
+        self._fused = None if fused is None else (r, fused)
         return r
 
-    def _old_logprobs_and_values(self, s: Samples) -> tuple[Tensor, Tensor | None, PolicyOutput | None]:
+    def _engine_view(self, ep: Episodes, seq: Sequences) -> EngineView | None:
+        """An engine backend's own logprobs of its samples (each turn's, in place, for episodes;
+        None with the ``hf`` backend, and then no view), with the old policy's logprobs of the
+        same distribution when the sampling truncates it (top-k / top-p / min-p:
+        ``truncated_logprobs``, one more no-grad forward, in the engine's order). Runs in the
+        rollout's context (weights gathered, the update's numerics)."""
+        if ep.engine_logprobs is None:
+            return None
+        c, params = self.cfg, self.worker.params
+        sampling = None
+        if params.truncates:
+            sampling = truncated_logprobs(
+                self.policy.lm,
+                *seq,
+                params,
+                c.rollout_forward_batch_size,
+                c.remove_padding,
+                self.worker.backend.min_p_first,
+            )
+        return EngineView(ep.engine_logprobs, sampling, c.engine_correction, c.engine_correction_cap)
+
+    def _old_logprobs_and_values(self, seq: Sequences) -> tuple[Tensor, Tensor | None, PolicyOutput | None]:
         """The old policy's logprobs and values ``[B, R]`` (values None without a value head), and
         the forward they came from when it is fused (``ppo.fuse_rollout_forward``): when one
         minibatch and one micro-batch are the whole batch, the first update would run exactly
         this forward again, on the same rows and weights. It then runs once, with gradients,
-        and the first update reuses it (``Rollout.first_forward``)."""
-        c, whole = self.cfg, s.batch_size
+        and the first update reuses it (``learn``)."""
+        c, whole = self.cfg, seq.query_responses.shape[0]
         one_part = (c.micro_batch_size or whole) >= whole and c.micro_batch_tokens is None
         if c.fuse_rollout_forward and c.minibatch_size >= whole and one_part:
             with torch.enable_grad():
-                out = self._policy_forward(s)
+                out = self._policy_forward(seq)
             return out[2].detach(), (out[1].detach() if out[1] is not None else None), out
         logprobs, values = forward_logprobs(
-            self.policy,
-            None,
-            s.query_responses,
-            s.attention_mask,
-            s.position_ids,
-            s.context_length,
-            self.sampling.temperature,
-            c.rollout_forward_batch_size,
-            c.lm_head_chunk_size,
-            self.layout,
+            self.policy, None, *seq, self.temperature, c.rollout_forward_batch_size, c.lm_head_chunk_size, self.layout
         )
         return logprobs, values, None
 
-    def _policy_forward(self, mb: Rollout | Samples) -> PolicyOutput:
+    def _policy_forward(self, mb: Rollout | Sequences) -> PolicyOutput:
         c = self.cfg
-        return policy_forward(
-            self.policy, mb, self.sampling.temperature, c.lm_head_chunk_size, c.ent_coef > 0, self.layout
-        )
+        return policy_forward(self.policy, mb, self.temperature, c.lm_head_chunk_size, c.ent_coef > 0, self.layout)
 
     # ------------------------------------------------------------------------- part 2: learn
     def learn(self, r: Rollout, opt) -> Learned:
@@ -213,14 +179,15 @@ class PPO:
         until ``target_kl`` stops them. A rollout that is not finite on every rank is skipped."""
         c, stats = self.cfg, defaultdict(list)
         per_epoch = max(1, r.batch_size // c.minibatch_size)
+        # collect's forward with gradients, when fused: the first update's, used once and then stale
+        fused, self._fused = (self._fused[1] if self._fused is not None and self._fused[0] is r else None), None
         if not self.runtime.all_ranks(bool(r.is_finite())):  # every update would be NaN
-            r.first_forward = None
-            return Learned(stats, c.ppo_epochs * per_epoch, r.describe_nonfinite(self.tokenizer))
+            return Learned(stats, c.ppo_epochs * per_epoch, r.describe_nonfinite(self.worker.tokenizer))
         done = skipped = 0
         nonfinite = ""
         for mb in (mb for _ in range(c.ppo_epochs) for mb in self._minibatches(r)):
-            mb_stats, why = self._update(mb, opt, first_forward=r.first_forward if mb is r else None)
-            r.first_forward = None  # used once, and then stale
+            mb_stats, why = self._update(mb, opt, first_forward=fused if mb is r else None)
+            fused = None
             if why == "target_kl":  # no further update this iteration
                 break
             done, skipped, nonfinite = done + 1, skipped + (why is not None), why or nonfinite
@@ -343,7 +310,7 @@ class PPO:
         seconds that took (``perf/time_weight_sync_s``), or None for a backend with none."""
         if math.isfinite(kl):
             self.kl_ctl.update(kl, rows)
-        return self.sampler.sync_weights()
+        return self.worker.sync_weights()
 
 
 def minibatch_rows(rows: int, c: PPOConfig, whole_groups: bool, generator, device=None) -> list[Tensor]:
@@ -359,38 +326,6 @@ def minibatch_rows(rows: int, c: PPOConfig, whole_groups: bool, generator, devic
     return list(order.split(c.minibatch_size))
 
 
-def shares_prompts(c: PPOConfig, policy: PolicyWithValueHead) -> bool:
-    """``ppo.shared_prompt_forward`` resolved for this run: whether each distinct prompt is
-    encoded once per forward (``models.shared_prompt``). ``auto`` turns it on wherever it
-    applies: groups of ``num_generations > 1``, minibatches of whole groups, no gradient
-    checkpointing (``true`` where one of these fails is refused by ``config.rules``), and an
-    architecture it is tested on (any other: a warning, and each row encodes its prompt)."""
-    n = c.num_generations
-    if c.shared_prompt_forward is False or n == 1 or c.minibatch_size % n or policy.checkpointing:
-        return False
-    why = shared_prompt_unsupported(policy.lm)
-    if why is not None:
-        log.warning("ppo.shared_prompt_forward: %s; every row encodes its prompt itself", why)
-        return False
-    return True
-
-
-def policy_forward(
-    policy, mb: Rollout | Samples, temperature: float, head_chunk: int | None, entropy_grad: bool, layout: ForwardLayout
-) -> PolicyOutput:
-    """Entropies, values and logprobs of the responses ``[B, R]`` at the sampling temperature
-    (as the rollout's logprobs), the LM head in chunks of ``head_chunk`` (``ppo.lm_head_chunk_size``);
-    laid out as ``layout`` says (on the rows' ``padding_window``: zeros past the longest
-    response; each prompt once)."""
-    rows = (mb.query_responses, mb.attention_mask, mb.position_ids)
-    ids, mask, pos, P = unpadded(*rows, mb.context_length) if layout.remove_padding else (*rows, mb.context_length)
-    logp, entropy, values = policy.score_responses(
-        ids, mask, pos, P, temperature, head_chunk, entropy_grad=entropy_grad, shared=layout.shared_prompt
-    )
-    R = mb.responses.shape[1]
-    return pad_responses(entropy, R), pad_responses(values, R), pad_responses(logp, R)
-
-
 def micro_batches(
     mb: Rollout, c: PPOConfig, runtime, shared_prompt: bool = False
 ) -> tuple[list[Rollout], Tensor | None]:
@@ -401,8 +336,7 @@ def micro_batches(
     if c.micro_batch_tokens is not None:
         P = mb.context_length
         starts, stops = row_windows(mb.attention_mask, P)
-        groups = prompt_groups(mb.query_responses, mb.attention_mask, P) if shared_prompt else None
-        prompts = None if groups is None else groups[1].tolist()
+        prompts = row_prompts(mb.query_responses, mb.attention_mask, P) if shared_prompt else None
         groups = token_budget_groups(starts, stops, c.micro_batch_tokens, prompts, P)
         groups = [g.to(mb.scores.device) for g in split_to(groups, runtime.max_over_ranks(len(groups)))]
         return [mb.index(g) for g in groups], torch.cat(groups)
@@ -410,8 +344,3 @@ def micro_batches(
     if size == mb.batch_size:
         return [mb], None
     return [mb.index(slice(s, s + size)) for s in range(0, mb.batch_size, size)], None
-
-
-def _repeat(rows: list | None, n: int) -> list | None:
-    """Each row ``n`` times in a row (as ``repeat_interleave`` repeats a prompt's tensors)."""
-    return None if rows is None else [row for row in rows for _ in range(n)]

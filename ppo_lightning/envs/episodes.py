@@ -284,12 +284,10 @@ class EpisodeRunner:
             ids, mask = _pad_left(contexts, self.tokenizer.pad_token_id, device)
             limits = tuple(min(params.max_new_tokens, r) for r in rooms)  # no episode samples past its budget
             call = turn_params.replace(max_new_tokens=max(limits), row_max_new_tokens=limits)
-            out, out_mask = sampler.generate(ids, mask, call, generator)
+            out, out_mask, out_logprobs = sampler.generate(ids, mask, call, generator)
             lengths = out_mask.sum(1).long().tolist()
             rows = out.tolist()
-            engine_lp = (
-                sampler.sampled_logprobs.tolist() if getattr(sampler, "sampled_logprobs", None) is not None else None
-            )
+            engine_lp = None if out_logprobs is None else out_logprobs.tolist()
             t0 = time.perf_counter()
             for j, (e, row, n, limit) in enumerate(zip(active, rows, lengths, limits)):
                 tokens = row[: min(n, limit)]

@@ -18,7 +18,7 @@ whatever the group says: an engine holds one model's weights, the policy's.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,10 +27,34 @@ from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.generation.stops import StopChecker
 
 
-class GenerationBackend(Protocol):
-    samples_live_module: bool
+class Generated(NamedTuple):
+    """What ``generate`` returns: ``responses [B, R]`` (pad after each row's stop, ``R <=
+    params.max_new_tokens``), ``response_mask [B, R]`` (1 up to and including the stop), and the
+    backend's own ``logprobs [B, R]`` of the sampled tokens (0 after each stop), or None where the
+    backend samples the training module itself and has none of its own (``hf``)."""
+
+    responses: Tensor
+    response_mask: Tensor
+    logprobs: Tensor | None = None
+
+
+class GenerationBackend:
+    """The protocol every backend implements, with the defaults of a backend that samples the live
+    module. A caller reads nothing off a backend but what is declared here."""
+
+    samples_live_module: bool = True
     """True: ``generate`` runs the module it was given (``hf``); False: an engine's copy of its
     weights, which ``sync_weights`` refreshes (``vllm``)."""
+
+    min_p_first: bool = False
+    """Whether the backend applies min-p before top-k and top-p (vLLM's sampler), so that the
+    trainer's view of the truncated distribution (``rollouts.engine.truncated_logprobs``)
+    follows the same order."""
+
+    @staticmethod
+    def preflight() -> None:
+        """Checks that need no model (the engine's package imports): ``jobs.factory`` runs them
+        before any model loads. Nothing by default."""
 
     def generate(
         self,
@@ -38,20 +62,15 @@ class GenerationBackend(Protocol):
         attention_mask: Tensor,
         params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """``(responses [B, R], response_mask [B, R])`` for left-padded ``prompt_ids [B, P]``:
-        pad after each row's stop, ``R <= params.max_new_tokens``, the mask 1 up to and
-        including the stop."""
-
-    sampled_logprobs: Tensor | None
-    """The engine's own logprobs ``[B, R]`` of the tokens the last ``generate`` sampled (0 after
-    each stop), to compare with the training forward's; None for a backend that samples the
-    training module itself."""
+    ) -> Generated:
+        """The responses to left-padded ``prompt_ids [B, P]`` as ``params`` say (``Generated``)."""
+        raise NotImplementedError
 
     def sync_weights(self) -> float | None:
         """Take the policy's new weights after an iteration's updates: the seconds it took, or
         None when there was nothing to take (the backend samples the live module, or its engine
         has not started)."""
+        return None
 
     def close(self) -> None:
         """Free what the backend holds of its own (an engine); the next ``generate`` starts over.
@@ -80,4 +99,12 @@ def default_backend() -> BackendFactory:
     return HFBackend
 
 
-__all__ = ["BackendFactory", "GenerationBackend", "SamplingParams", "StopChecker", "default_backend", "stopped_rows"]
+__all__ = [
+    "BackendFactory",
+    "Generated",
+    "GenerationBackend",
+    "SamplingParams",
+    "StopChecker",
+    "default_backend",
+    "stopped_rows",
+]

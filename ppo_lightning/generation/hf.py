@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ppo_lightning.generation import Generated, GenerationBackend
 from ppo_lightning.generation.fast_decode import decoder_for
 from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.generation.stops import StopChecker
@@ -28,7 +29,7 @@ from ppo_lightning.models.signature import cache_kwarg, logits_to_keep
 from ppo_lightning.models.weights import is_sharded
 
 
-class HFBackend:
+class HFBackend(GenerationBackend):
     """Samples ``lm`` (a live ``transformers`` causal LM, LoRA-wrapped or FSDP-sharded alike) with
     the tokenizer's EOS and pad ids. ``fast_decode``: an exact GPT-2, Llama, Qwen2 or GPT-NeoX
     decodes with the lean step (``generation.fast_decode``; the same logits to float32 rounding,
@@ -38,7 +39,6 @@ class HFBackend:
 
     def __init__(self, lm: nn.Module, tokenizer, fast_decode: bool = True):
         self.lm, self.fast_decode, self.tokenizer = lm, fast_decode, tokenizer
-        self.sampled_logprobs = None  # the logprobs PPO uses are the training forward's
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def generate(
@@ -47,25 +47,22 @@ class HFBackend:
         attention_mask: Tensor,
         params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """``(responses [B, R], response_mask [B, R])`` for left-padded ``prompt_ids [B, P]``."""
-        return generate(
-            self.lm,
-            prompt_ids,
-            attention_mask,
-            params,
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-            generator=generator,
-            fast_decode=self.fast_decode,
-            tokenizer=self.tokenizer,
+    ) -> Generated:
+        """``Generated(responses, response_mask)`` for left-padded ``prompt_ids [B, P]``: no
+        logprobs of its own (the training forward's are the ones PPO uses)."""
+        return Generated(
+            *generate(
+                self.lm,
+                prompt_ids,
+                attention_mask,
+                params,
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id,
+                generator=generator,
+                fast_decode=self.fast_decode,
+                tokenizer=self.tokenizer,
+            )
         )
-
-    def sync_weights(self) -> None:
-        """Nothing to do: this backend samples the module the optimizer updates."""
-
-    def close(self) -> None:
-        """Nothing to free: the module is the policy's."""
 
 
 def sample_next_token(

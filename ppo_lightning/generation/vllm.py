@@ -10,8 +10,8 @@ weight repacking).
 
 What stays as it is with the ``hf`` backend: old logprobs, reference logprobs and values come
 from the training forward over the finished sequences, so the first update's ratio is exactly 1
-whatever the engine's numerics. The engine's own logprobs of the tokens it sampled are kept
-(``sampled_logprobs``) to measure that mismatch (``rollout/engine_*``) and, with
+whatever the engine's numerics. The engine's own logprobs of the tokens it sampled come back
+with them (``Generated.logprobs``) to measure that mismatch (``rollout/engine_*``) and, with
 ``ppo.engine_correction``, to weigh the policy loss by ``pi_old / pi_engine`` (the samples are
 the engine's, not exactly the old policy's).
 
@@ -62,6 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.generation import Generated, GenerationBackend
 from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.models.lora import underlying
 
@@ -115,7 +116,7 @@ def _transformers_backend(registered) -> bool:
     return module.startswith("vllm.model_executor.models.transformers")
 
 
-class VLLMBackend:
+class VLLMBackend(GenerationBackend):
     """Samples the policy ``lm`` with a vLLM engine holding a copy of its weights.
 
     ``dtype``: the engine's weights (``auto``: the policy's parameters' dtype). ``enforce_eager``:
@@ -128,7 +129,11 @@ class VLLMBackend:
 
     samples_live_module = False
     min_p_first = True  # vLLM's sampler: min-p before top-k / top-p (truncated_logprobs follows it)
-    preflight = staticmethod(require_vllm)  # factory.check_inputs: before any model loads
+
+    @staticmethod
+    def preflight() -> None:
+        """``factory.check_inputs``, before any model loads: vllm imports."""
+        require_vllm()
 
     def __init__(
         self,
@@ -159,7 +164,6 @@ class VLLMBackend:
         }
         self.llm = None  # started by the first generate
         self.fused: dict[str, list[str]] = {}  # vLLM's fused module -> the Hugging Face modules in it
-        self.sampled_logprobs: Tensor | None = None  # [B, R] of the last generate, 0 after each stop
         self._config_dir: tempfile.TemporaryDirectory | None = None
         self._owns_process_group = False  # the engine initialised torch.distributed (one process)
         self._warned_min_p = False
@@ -280,10 +284,10 @@ class VLLMBackend:
         attention_mask: Tensor,
         params: SamplingParams,
         generator: torch.Generator | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """``(responses [B, R], response_mask [B, R])`` for left-padded ``prompt_ids [B, P]``, as
-        the ``hf`` backend returns them; the engine's logprobs of the sampled tokens are left in
-        ``sampled_logprobs``."""
+    ) -> Generated:
+        """``Generated(responses, response_mask, logprobs)`` for left-padded ``prompt_ids [B, P]``:
+        the tokens as the ``hf`` backend returns them, with the engine's logprobs of them (0 after
+        each stop)."""
         llm = self._engine()
         B, device = prompt_ids.shape[0], prompt_ids.device
         engine_params = self._engine_params(params, B, generator)
@@ -292,8 +296,7 @@ class VLLMBackend:
         with _no_autocast():  # the engine runs in this thread: keep the rollout's autocast out of it
             outputs = llm.generate(requests, engine_params, use_tqdm=False)
         responses, response_mask, sampled = _padded(outputs, B, self.pad_token_id)
-        self.sampled_logprobs = (sampled * response_mask).to(device)
-        return responses.to(device), response_mask.to(device)
+        return Generated(responses.to(device), response_mask.to(device), (sampled * response_mask).to(device))
 
     def _engine_params(self, params: SamplingParams, B: int, generator: torch.Generator | None) -> list:
         """One vLLM ``SamplingParams`` per row: ``params`` in the engine's terms, each row with its

@@ -27,7 +27,7 @@ from ppo_lightning.data.records import read_prompts, record_formats
 from ppo_lightning.envs import build_runner, check_env, check_env_reward, first_record
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.config.ppo import minibatch_size_for
-from ppo_lightning.generation import SamplingParams
+from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.train.callbacks import IterationProgressBar
 from ppo_lightning.train.evaluation import Evaluation
 from ppo_lightning.train.module import Generation, PPOModule
@@ -381,17 +381,20 @@ def build_backend(node: DictConfig | None):
 
 
 def check_backend(node: DictConfig | None) -> None:
-    """The generation backend's class imports, and its ``preflight`` (if it has one: vllm's
-    checks that the package imports) passes, before any model loads."""
+    """The generation backend's class imports, is a ``GenerationBackend``, and its ``preflight``
+    (vllm's: the package imports) passes, before any model loads."""
     if not node or "_target_" not in node:
         return  # build_backend says what is missing
     try:
         cls = hydra.utils.get_object(node._target_)
     except (ImportError, ValueError) as e:
         raise ConfigError(f"generation._target_={node._target_!r}: cannot import it ({e})") from None
-    preflight = getattr(cls, "preflight", None)
-    if preflight is not None:
-        preflight()
+    if not (isinstance(cls, type) and issubclass(cls, GenerationBackend)):
+        raise ConfigError(
+            f"generation._target_={node._target_!r} is not a generation backend: subclass "
+            "ppo_lightning.generation.GenerationBackend (generate, sync_weights, close)"
+        )
+    cls.preflight()
 
 
 def build_reference(cfg: DictConfig, lm, tokenizer):

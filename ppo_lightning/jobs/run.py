@@ -80,8 +80,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             table = recipe.evaluate(cfg, module, Path(cfg.paths.output_dir))
             print(f"\n{cfg.recipe}: held-out prompts, before and after PPO\n{table}\n", flush=True)
     finally:
-        if module.algo.episodes is not None:  # whatever stopped the run (SIGTERM, an error): idle
-            module.algo.episodes.close()  # environments kept for reuse close now
+        if module.worker.episodes is not None:  # whatever stopped the run (SIGTERM, an error): idle
+            module.worker.episodes.close()  # environments kept for reuse close now
         finish_loggers(trainer)
     return dict(module.last_metrics)
 

@@ -8,7 +8,7 @@ own (None): the episode's environment scores it (``environment.py``, added by th
 """
 
 from ppo_lightning.config.errors import ConfigError
-from ppo_lightning.rewards.base import Normalization, RewardError, check_scores, fit_normalization, normalized
+from ppo_lightning.rewards.base import RewardError, check_scores, fit_normalization
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
 from ppo_lightning.rewards.weighted import WeightedReward
@@ -17,11 +17,9 @@ from ppo_lightning.config.choices import REWARD_KINDS as KINDS
 
 __all__ = [
     "KINDS",
-    "Normalization",
     "RewardError",
     "check_scores",
     "fit_normalization",
-    "normalized",
     "FunctionReward",
     "import_callable",
     "RewardModel",

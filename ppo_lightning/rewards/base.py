@@ -4,7 +4,7 @@ Prompts and responses are decoded strings, so any scorer (a Python rule, a rewar
 own tokenizer, a remote judge) plugs in without sharing the policy's tokenizer. ``check_scores``
 turns whatever a scorer returned into a float tensor, or raises ``RewardError`` naming the scorer
 and the first bad row. ``fit_normalization`` is reward normalisation, the same for every scorer:
-the rollout turns a scorer's raw output into ``gain * raw + bias``.
+the update turns a scorer's raw output into ``gain * raw + bias`` (``algo.rollout.normalized``).
 """
 
 from __future__ import annotations
@@ -17,16 +17,6 @@ from typing import Any, Callable
 import torch
 
 log = logging.getLogger(__name__)
-
-Normalization = tuple[float, float]  # (gain, bias) of reward normalisation
-
-
-def normalized(raw: torch.Tensor, norm: Normalization | None) -> torch.Tensor:
-    """The training score of raw scores, ``gain * raw + bias`` ([N+] reward normalisation;
-    ``norm`` None or ``(1, 0)`` leaves them raw): the one place the map is written, for the
-    rollouts and for every other caller that scores text as training does."""
-    gain, bias = norm or (1.0, 0.0)
-    return raw * gain + bias
 
 
 @dataclasses.dataclass

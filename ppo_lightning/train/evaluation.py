@@ -3,8 +3,8 @@
 ``evaluate`` samples ``n`` responses per eval prompt through the same generation backend and
 ``SamplingParams`` as the rollout (greedy, or another temperature, as ``eval.*`` says), with a
 generator of its own so the training trajectory does not move, on this rank's share of the
-prompts; it scores them as the rollout does (``rollout.score_terms``: the prompt as written and
-its columns reach the reward), and reduces sums over ranks once. Metrics (``docs/metrics.md``):
+prompts; it plays and scores them through the run's ``rollouts.RolloutWorker`` as the rollout
+does (the prompt as written and its columns reach the reward), and reduces sums over ranks once. Metrics (``docs/metrics.md``):
 
 - ``eval/reward/mean@n``: the raw reward, mean over every response;
 - ``eval/rewards/<name>/mean@n``: each ``reward.terms`` term's raw score;
@@ -28,19 +28,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ppo_lightning.models.policy import position_ids_from_mask
 from ppo_lightning.envs.template import conversation_text
-from ppo_lightning.rewards import pop_reward_logs
-from ppo_lightning.algo.rollout import (
-    Prompts,
-    Sampled,
-    Sampler,
-    Scorer,
-    decode_prompts_and_responses,
-    forward_logprobs,
-    sample_returns,
-    score_sampled,
-)
+from ppo_lightning.rewards.dispatch import decode_prompts_and_responses
+from ppo_lightning.rollouts import Episodes, Prompts, RolloutWorker
+from ppo_lightning.rollouts.forward import Sequences, forward_logprobs
 
 
 class EvalPoint(NamedTuple):
@@ -94,62 +85,51 @@ class EvalSpec:
 
 @torch.no_grad()
 def evaluate(
-    batches, sampler: Sampler, scorer: Scorer, policy, ref_lm, spec: EvalSpec, runtime, device, samples=None
+    batches, worker: RolloutWorker, policy, ref_lm, spec: EvalSpec, runtime, device, generator=None, samples=None
 ) -> dict[str, float]:
     """The ``eval/*`` metrics over every rank's ``batches`` (``(batch, weight [B])`` pairs: a row of
-    weight 0 pads a rank's share, and counts nowhere): each batch sampled through ``sampler``,
-    scored by ``scorer``'s raw reward (and ``spec.metrics``), its KL to ``ref_lm`` measured, and
-    the sums reduced over ranks once. ``samples``, when given, receives up to ``spec.max_samples``
-    of this rank's ``(prompt, response, reward)`` rows. With episodes (``sampler.episodes``) each
-    prompt is played as a multi-turn episode, scored on its outcome (its score plus its turn
+    weight 0 pads a rank's share, and counts nowhere): each batch played by ``worker`` from
+    ``generator``'s stream, scored by its raw reward (and ``spec.metrics``), its KL to ``ref_lm``
+    measured, and the sums reduced over ranks once. ``samples``, when given, receives up to
+    ``spec.max_samples`` of this rank's ``(prompt, response, reward)`` rows. With an environment
+    each prompt is played as a multi-turn episode, scored on its outcome (its score plus its turn
     rewards), its length the policy's tokens, and ``eval/env/turns_mean`` and
     ``eval/env/tool_calls_mean`` are logged too."""
     sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
     with runtime.rollout_context(policy, ref_lm):
         for batch, weight in batches:
-            prompts = _each_n_times(batch, spec.num_samples, device)
-            s, raw, _, terms = sample_returns(prompts, sampler, scorer.reward_fn, scorer.tokenizer)
-            kl = _kl_to_reference(policy, ref_lm, s, sampler.params.temperature, spec)
-            per_row = {**_per_row(s, raw, terms, kl), **_metric_scores(spec, scorer.tokenizer, s, prompts, sampler)}
+            ep = worker.play(Prompts.of(batch, device).repeated(spec.num_samples), generator)
+            raw, terms = ep.returns, ep.term_scores
+            kl = _kl_to_reference(policy, ref_lm, ep, worker.params.temperature, spec)
+            per_row = {**_per_row(ep, raw, terms, kl), **_metric_scores(spec, worker, ep)}
             w = weight.to(device, torch.float64)
             if samples is not None and len(samples) < spec.max_samples:
                 real = w.repeat_interleave(spec.num_samples) > 0
-                _keep_samples(samples, spec.max_samples, scorer.tokenizer, s, raw, real)
+                _keep_samples(samples, spec.max_samples, worker.tokenizer, ep, raw, real)
             judged = terms[spec.pass_term] if spec.pass_term else raw
             groups = _groups(batch, w, spec.sources, device)
             _add(sums, per_row, _pass_at_ks(judged, spec, device), groups, spec.num_samples)
     return _means(sums, runtime, spec)
 
 
-def _each_n_times(batch: dict, n: int, device) -> Prompts:
-    """The batch's prompts on ``device``, each ``n`` times in a row."""
-    return Prompts(
-        batch["input_ids"].to(device).repeat_interleave(n, dim=0),
-        batch["attention_mask"].to(device).repeat_interleave(n, dim=0),
-        [p for p in batch["prompts"] for _ in range(n)],
-        [c for c in batch["columns"] for _ in range(n)],
-    )
-
-
-def _kl_to_reference(policy, ref_lm, s: Sampled, temperature: float, spec: EvalSpec) -> Tensor:
+def _kl_to_reference(policy, ref_lm, ep: Episodes, temperature: float, spec: EvalSpec) -> Tensor:
     """``[B, R]`` k1 = logp - ref of the sampled tokens (at the sampling temperature)."""
-    seq, full, P = s.query_responses, s.attention_mask, s.context_length
-    pos = position_ids_from_mask(full)
-    logp, _ = forward_logprobs(policy, None, seq, full, pos, P, temperature, head_chunk=spec.head_chunk)
-    ref, _ = forward_logprobs(None, ref_lm, seq, full, pos, P, temperature, head_chunk=spec.head_chunk)
+    seq = Sequences.of(ep.query_responses, ep.attention_mask, ep.context_length)
+    logp, _ = forward_logprobs(policy, None, *seq, temperature, head_chunk=spec.head_chunk)
+    ref, _ = forward_logprobs(None, ref_lm, *seq, temperature, head_chunk=spec.head_chunk)
     return logp - ref
 
 
-def _per_row(s: Sampled, raw: Tensor, terms: dict[str, Tensor], kl: Tensor) -> dict[str, Tensor]:
+def _per_row(ep: Episodes, raw: Tensor, terms: dict[str, Tensor], kl: Tensor) -> dict[str, Tensor]:
     """Each row's measures ``[B]`` float64: reward, length, KL (summed over the response), each
     term's raw score, and with episodes their turns and tool calls."""
-    mask, device = s.response_mask, raw.device
+    mask, device = ep.response_mask, raw.device
     extra = {}
-    if s.played is not None:
+    if ep.played is not None:
         extra = {
-            "env/turns_mean": torch.tensor([e.turns for e in s.played.episodes], dtype=torch.float64),
+            "env/turns_mean": torch.tensor([e.turns for e in ep.played.episodes], dtype=torch.float64),
             "env/tool_calls_mean": torch.tensor(
-                [e.counts["tool_calls"] for e in s.played.episodes], dtype=torch.float64
+                [e.counts["tool_calls"] for e in ep.played.episodes], dtype=torch.float64
             ),
         }
     return {
@@ -161,24 +141,21 @@ def _per_row(s: Sampled, raw: Tensor, terms: dict[str, Tensor], kl: Tensor) -> d
     }
 
 
-def _metric_scores(spec: EvalSpec, tokenizer, s: Sampled, prompts: Prompts, sampler: Sampler) -> dict[str, Tensor]:
-    """Each ``eval.metrics`` scorer's score ``[B]`` of the same samples (not part of the reward)."""
-    return {
-        f"metric/{name}": score_sampled(fn, tokenizer, s, prompts, sampler.error_reward)[0].double()
-        for name, fn in spec.metrics.items()
-    }
+def _metric_scores(spec: EvalSpec, worker: RolloutWorker, ep: Episodes) -> dict[str, Tensor]:
+    """Each ``eval.metrics`` scorer's score ``[B]`` of the same episodes (not part of the reward)."""
+    return {f"metric/{name}": worker.score(ep, fn).total.double() for name, fn in spec.metrics.items()}
 
 
-def _keep_samples(samples: list, max_samples: int, tokenizer, s: Sampled, raw: Tensor, real: Tensor) -> None:
+def _keep_samples(samples: list, max_samples: int, tokenizer, ep: Episodes, raw: Tensor, real: Tensor) -> None:
     """Append the real rows' ``(prompt, response, reward)`` to ``samples``, up to ``max_samples``;
     with episodes the whole conversation, each message under its role."""
-    if s.played is None:
+    if ep.played is None:
         prompt_texts, texts = decode_prompts_and_responses(
-            tokenizer, s.query_responses[:, : s.context_length], s.responses, s.response_mask
+            tokenizer, ep.query_responses[:, : ep.context_length], ep.responses, ep.response_mask
         )
     else:
-        prompt_texts = [conversation_text(e.prompt_messages) for e in s.played.episodes]
-        texts = [conversation_text(e.completion) for e in s.played.episodes]
+        prompt_texts = [conversation_text(e.prompt_messages) for e in ep.played.episodes]
+        texts = [conversation_text(e.completion) for e in ep.played.episodes]
     rows_here = [(p, r, float(x)) for p, r, x, ok in zip(prompt_texts, texts, raw.tolist(), real) if ok]
     samples.extend(rows_here[: max_samples - len(samples)])
 
@@ -261,60 +238,67 @@ class Evaluation:
         """Whether to evaluate before iteration ``step`` (None: after the last one; ``due``)."""
         return due(self.cfg, datamodule, step)
 
-    def __call__(self, module) -> dict[str, float]:
-        """The ``eval/*`` metrics of the module's policy as it is now, also kept with rank 0's first
-        samples in ``history``."""
+    def __call__(self, step: int, worker: RolloutWorker, policy, ref_lm, runtime, datamodule, **where) -> EvalPoint:
+        """The ``eval/*`` metrics of ``policy`` as it is now (``run``), kept with rank 0's first
+        samples in ``history`` as the evaluation before iteration ``step``."""
         samples: list = []
-        m = self.run(module, samples)
-        self.history.append(EvalPoint(module.global_step, m, samples))
-        return m
-
-    def run(self, module, samples: list | None = None) -> dict[str, float]:
-        """``evaluate`` for a ``PPOModule`` as it is now: its backend and sampling (greedy, or at
-        ``eval.temperature``), a generator of its own (the same eval samples for the same weights;
-        the training stream untouched); rank 0's first samples go to a W&B logger as a table, and
-        to ``samples`` when given."""
-        e, dm = self.cfg, module.trainer.datamodule
-        samples = [] if samples is None else samples
-        greedy = e.temperature == 0
-        params = module.sampling.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
-        sampler = Sampler(
-            module.sampler, params, module.runtime.new_generator(module.seed + 104_729, stride=1), module.algo.episodes
+        point = EvalPoint(
+            step, self.run(worker, policy, ref_lm, runtime, datamodule, samples=samples, **where), samples
         )
+        self.history.append(point)
+        return point
+
+    def run(
+        self,
+        worker: RolloutWorker,
+        policy,
+        ref_lm,
+        runtime,
+        datamodule,
+        *,
+        device,
+        seed: int,
+        head_chunk: int | None = None,
+        samples: list | None = None,
+    ) -> dict[str, float]:
+        """``evaluate`` of ``policy`` as it is now, on ``datamodule``'s eval prompts (moved to
+        ``device``): through the run's ``worker`` with its sampling made greedy (or at
+        ``eval.temperature``), from a generator of its own (``seed``: the same eval samples for the
+        same weights; the training stream untouched), the LM head in chunks of ``head_chunk``
+        (``ppo.lm_head_chunk_size``); rank 0's first samples go to ``samples`` when given."""
+        e = self.cfg
+        greedy = e.temperature == 0
+        params = worker.params.replace(greedy=greedy, **({} if greedy else {"temperature": e.temperature}))
         spec = EvalSpec(
             e.num_samples,
             e.pass_threshold,
             e.pass_term,
-            tuple(dm.eval_sources()),
+            tuple(datamodule.eval_sources()),
             self.metrics,
-            head_chunk=module.ppo_cfg.lm_head_chunk_size,
+            head_chunk=head_chunk,
         )
-        scorer = Scorer(module.reward_fn, module.tokenizer)
-        metrics = evaluate(
-            dm.eval_batches(),
-            sampler,
-            scorer,
-            module.policy,
-            module.ref_lm,
+        return evaluate(
+            datamodule.eval_batches(),
+            worker.replace(params=params),
+            policy,
+            ref_lm,
             spec,
-            module.runtime,
-            module.device,
+            runtime,
+            device,
+            runtime.new_generator(seed + 104_729, stride=1),
             samples,
         )
-        pop_reward_logs(module.reward_fn)  # log_metric calls of eval scoring are not the training rollout's
-        _log_sample_table(module, samples)
-        return metrics
 
 
-def _log_sample_table(module, samples: list) -> None:
-    """Rank 0's first eval samples as the W&B table ``eval_samples``, at the module's step."""
+def log_sample_table(loggers, step: int, samples: list) -> None:
+    """Rank 0's first eval samples as the W&B table ``eval_samples``, at ``step``."""
     from lightning.pytorch.loggers import WandbLogger
 
-    for lg in module.loggers:
+    for lg in loggers:
         if isinstance(lg, WandbLogger) and samples:
             lg.log_table(
                 key="eval_samples",
                 columns=["step", "prompt", "response", "reward"],
-                data=[[module.global_step, *row] for row in samples],
-                step=module.global_step,
+                data=[[step, *row] for row in samples],
+                step=step,
             )

@@ -5,8 +5,8 @@
    iteration: Lightning's step counter and the scheduler, the KL controller, the run's counters,
    and the iteration's metrics (``metrics.py``).
 
-The algorithm is in ``algorithm.py``; the math in ``ppo.py``, ``estimators.py`` and
-``rollout.py``; ranks and precision in ``distributed.py``. This module adds what Lightning owns:
+The algorithm is ``algo.algorithm.PPO``, its episodes a ``rollouts.RolloutWorker``'s; ranks and
+precision are ``parallel.distributed``'s. This module adds what Lightning owns:
 hooks, the optimizer and scheduler, FSDP2 sharding, checkpoints. Lightning's ``global_step``
 counts PPO iterations (not the optimizer steps inside one), so ``trainer.max_steps``,
 checkpoint intervals and logger steps all speak in iterations.
@@ -23,9 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from ppo_lightning.train import metrics, normalization
-from ppo_lightning.train.evaluation import EvalPoint, Evaluation
+from ppo_lightning.train.evaluation import EvalPoint, Evaluation, log_sample_table
 from ppo_lightning.train.normalization import NormalizedReward
 from ppo_lightning.algo.algorithm import PPO
+from ppo_lightning.algo.rollout import Rollout, normalized
 from ppo_lightning.config import OptimizerConfig, PPOConfig
 from ppo_lightning.parallel.distributed import Runtime
 from ppo_lightning.train.dumps import episode_rows, write_rollout
@@ -33,8 +34,7 @@ from ppo_lightning.generation import BackendFactory, SamplingParams, default_bac
 from ppo_lightning.parallel.lightning_compat import count_iteration
 from ppo_lightning.train.optim import configure_optimizers
 from ppo_lightning.models.policy import PolicyWithValueHead
-from ppo_lightning.rewards import normalized
-from ppo_lightning.algo.rollout import Rollout
+from ppo_lightning.rollouts import RolloutWorker
 from ppo_lightning.parallel.sharding import FSDP2Strategy, initialize_root, shard_module
 from ppo_lightning.models.weights import is_sharded, tied_aliases
 
@@ -65,9 +65,9 @@ class PPOModule(L.LightningModule):
     ``(prompts, responses) -> raw scores`` with its normalisation (``normalization.NormalizedReward``:
     a fixed ``(gain, bias)``, or fitted on reference samples when the run starts);
     ``ppo_cfg`` / ``optim_cfg``: ``PPOConfig`` / ``OptimizerConfig``. ``generation``: the backend,
-    the sampling parameters and the episodes (``Generation``); the backend's factory makes the
-    policy's ``sampler`` and the reference's ``ref_sampler`` (the ``hf`` backend when the policy's
-    is an engine with weights of its own). ``evaluation``: ``evaluation.Evaluation`` (``eval.*``;
+    the sampling parameters and the episodes (``Generation``): with the reward and the tokenizer
+    they make the algorithm's ``worker``; the backend's factory also makes the reference's
+    ``ref_backend`` (the ``hf`` backend when the policy's is an engine with weights of its own). ``evaluation``: ``evaluation.Evaluation`` (``eval.*``;
     None: never). ``rollout_dir``: where ``ppo.rollout_dump`` writes each iteration's episodes.
     """
 
@@ -87,29 +87,21 @@ class PPOModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # frozen weights are not checkpointed (see checkpointed)
-        self.policy, self.ref_lm, self.reward_fn = policy, ref_lm, reward.fn  # submodules, when modules
-        self.tokenizer, self.ppo_cfg, self.optim_cfg, self.seed = tokenizer, ppo_cfg, optim_cfg, seed
-        self.sampling = generation.sampling or SamplingParams(max_new_tokens=32)
+        # the trained and frozen modules are registered here, where Lightning moves, shards and
+        # checkpoints them; the algorithm and its worker use the same objects
+        self.policy, self.ref_lm, self.reward_fn = policy, ref_lm, reward.fn
+        self.ppo_cfg, self.optim_cfg, self.seed = ppo_cfg, optim_cfg, seed
         make = generation.backend or default_backend()
-        self.sampler = make(policy.lm, tokenizer)
+        backend = make(policy.lm, tokenizer)
         # an engine with weights of its own holds the policy's: the reference samples live (hf)
-        live = self.sampler.samples_live_module
-        self.ref_sampler = (make if live else default_backend())(ref_lm, tokenizer)
+        self.ref_backend = (make if backend.samples_live_module else default_backend())(ref_lm, tokenizer)
+        sampling = generation.sampling or SamplingParams(max_new_tokens=32)
+        worker = RolloutWorker(backend, sampling, reward.fn, tokenizer, generation.episodes)
         self.runtime = Runtime(self)
-        self.algo = PPO(
-            policy,
-            ref_lm,
-            reward.fn,
-            tokenizer,
-            ppo_cfg,
-            self.sampling,
-            self.sampler,
-            self.runtime,
-            generation.episodes,
-        )
+        self.algo = PPO(policy, ref_lm, worker, ppo_cfg, self.runtime)
         self.rollout_dir = rollout_dir  # ppo.rollout_dump's directory (the run's rollouts/)
         self.algo.reward_norm = reward.norm
-        self.reward_normalization = reward  # what normalization.fit reads
+        self.reward_normalization = reward  # what normalization.fit reads: the fit's settings
         self.episode = 0  # episodes (sampled responses) so far, summed over ranks
         self.skipped_updates = 0  # updates skipped for a non-finite loss or gradient
         self.nonfinite_streak = 0  # consecutive iterations with a skip
@@ -129,6 +121,20 @@ class PPOModule(L.LightningModule):
     @property
     def reward_norm(self) -> tuple[float, float] | None:
         return self.algo.reward_norm
+
+    @property
+    def worker(self) -> RolloutWorker:
+        """The algorithm's rollout worker: the policy's backend, the sampling, the environment and
+        the reward (evaluation plays through it too)."""
+        return self.algo.worker
+
+    @property
+    def tokenizer(self):
+        return self.algo.worker.tokenizer
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.algo.worker.params
 
     @torch.no_grad()
     def score(self, prompts: list[str], responses: list[str]) -> Tensor:
@@ -162,12 +168,30 @@ class PPOModule(L.LightningModule):
             # (here, not in on_fit_start: sharded strategies restore checkpoints after on_fit_start)
             self._fit_reward_normalization()
         if self._evaluates_at(self.global_step):  # the policy before this iteration's update
-            self._eval_due = self.evaluation(self)
-        self.rollout = self.algo.collect(batch)
+            self._eval_due = self._evaluate()
+        self.rollout = self.algo.collect(batch, policy_version=self.global_step)
 
+    @torch.no_grad()
     def _fit_reward_normalization(self) -> None:
-        """Fix ``reward_norm`` from reference samples (``normalization.fit``)."""
-        normalization.fit(self)
+        """Fix ``reward_norm`` from the reference's episodes on this rank's share of
+        ``reward.normalize_samples`` prompts (``normalization.fit``), played in the rollouts'
+        numerics with a stream of their own. A value head copied from the reward model's raw head
+        is mapped onto the new scale too."""
+        spec, world = self.reward_normalization, self.trainer.world_size
+        batches = self.trainer.datamodule.normalization_batches(normalization.samples_per_rank(spec, world))
+        with self.runtime.rollout_context(self.ref_lm):
+            generator = self.runtime.new_generator(self.seed + normalization.FIT_SEED_OFFSET, stride=1)
+            gain, bias = normalization.fit(
+                self.worker.replace(backend=self.ref_backend),
+                batches,
+                self.device,
+                generator,
+                self.runtime.reduce_sum if world > 1 else None,
+            )
+        self.algo.reward_norm = (gain, bias)
+        if spec.value_head_from_reward:
+            self.policy.v_head.weight.mul_(gain)
+            self.policy.v_head.bias.mul_(gain).add_(bias)
 
     # ------------------------------------------------------------------------- part 2: learn
     def training_step(self, batch: dict, batch_idx: int) -> None:
@@ -228,7 +252,7 @@ class PPOModule(L.LightningModule):
 
     def on_train_end(self) -> None:
         if self.global_step >= self.trainer.max_steps and self._evaluates_at(None):  # a run stopped early: none
-            m = self.evaluation(self)
+            m = self._evaluate()
             for lg in self.loggers:
                 lg.log_metrics(m, step=self.global_step)
                 lg.save()
@@ -236,9 +260,24 @@ class PPOModule(L.LightningModule):
     def teardown(self, stage: str) -> None:
         """The fit is over (finished, stopped or failed): an engine backend frees its engine, and
         the environments kept for reuse are closed (``env.reuse_instances``)."""
-        self.sampler.close()
-        if self.algo.episodes is not None:
-            self.algo.episodes.close()
+        self.algo.worker.close()
+
+    def _evaluate(self) -> dict[str, float]:
+        """The ``eval/*`` metrics of the policy as it is now (``evaluation.Evaluation``); rank 0's
+        first samples go to a W&B logger as a table."""
+        point = self.evaluation(
+            self.global_step,
+            self.worker,
+            self.policy,
+            self.ref_lm,
+            self.runtime,
+            self.trainer.datamodule,
+            device=self.device,
+            seed=self.seed,
+            head_chunk=self.ppo_cfg.lm_head_chunk_size,
+        )
+        log_sample_table(self.loggers, self.global_step, point.samples)
+        return point.metrics
 
     def _evaluates_at(self, step: int | None) -> bool:
         return self.evaluation.due(self.trainer.datamodule, step)

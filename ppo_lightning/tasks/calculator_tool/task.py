@@ -108,20 +108,16 @@ def evaluate(cfg, module, out_dir: Path | None) -> str:
 def without_tool(module, lm) -> float:
     """Greedy accuracy of ``lm`` on the eval prompts in one turn: no environment answers a tool
     call, so only an answer the model works out itself can score."""
-    from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.algo.rollout import score_terms
+    from ppo_lightning.rollouts import Prompts
 
-    dm, sampler = module.trainer.datamodule, HFBackend(lm, module.tokenizer)
-    params: SamplingParams = module.sampling.replace(greedy=True, stop_strings=(calculator.TOOL_CLOSE,))
+    dm = module.trainer.datamodule
+    params = module.sampling.replace(greedy=True, stop_strings=(calculator.TOOL_CLOSE,))
+    worker = module.worker.replace(backend=HFBackend(lm, module.tokenizer), params=params, episodes=None)
     right = total = 0.0
     with module.runtime.rollout_context(lm):
         for batch, weight in dm.eval_batches():
-            ids, am = batch["input_ids"].to(module.device), batch["attention_mask"].to(module.device)
-            resp, mask = sampler.generate(ids, am, params)
-            raw, _, _ = score_terms(
-                module.reward_fn, module.tokenizer, ids, am, resp, mask, batch["prompts"], batch["columns"]
-            )
+            raw = worker.play(Prompts.of(batch, module.device)).raw_scores
             right += float((raw.cpu() * weight).sum())
             total += float(weight.sum())
     right, total = module.runtime.reduce_sum(torch.tensor([right, total], device=module.device)).tolist()

@@ -176,7 +176,7 @@ def pairs_against_broken_samples(
     from ppo_lightning.data.prompts import PadCollator
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.algo.rollout import decode_prompts_and_responses
+    from ppo_lightning.rewards.dispatch import decode_prompts_and_responses
 
     ps = reviews.prompts(rng, n_prompts)
     g = torch.Generator().manual_seed(rng.randrange(2**31))
@@ -185,7 +185,7 @@ def pairs_against_broken_samples(
     pairs = []
     for s in range(0, len(ps), batch_size):
         batch = collate(tok(ps[s : s + batch_size], add_special_tokens=False)["input_ids"])
-        resp, mask = sampler.generate(batch["input_ids"], batch["attention_mask"], params, g)
+        resp, mask, _ = sampler.generate(batch["input_ids"], batch["attention_mask"], params, g)
         for p, r in zip(*decode_prompts_and_responses(tok, batch["input_ids"], resp, mask)):
             if not reviews.is_well_formed(reviews.join_text(p, r)):
                 pairs.append(
