@@ -357,7 +357,7 @@ def test_env_max_total_tokens_defaults_to_what_fits_and_sets_the_length_norm(tmp
     the budget), not one turn's ``sampling.max_new_tokens``."""
     cfg = compose_cfg([*TOOLS, "env.max_turns=3", "sampling.max_new_tokens=20"], tmp_path, cache_dir)
     module, _ = build_module(cfg)
-    runner = module.worker.episodes
+    runner = module.worker.runner
     assert runner.cfg.max_total_tokens == 256 - cfg.data.max_prompt_length
     assert module.algo.norm_length == 3 * 20
     cfg = compose_cfg(

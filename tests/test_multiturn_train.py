@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from ppo_lightning.envs import SingleTurn
 from ppo_lightning.jobs.run import train
 from tests.conftest import compose_cfg, read_metrics
 
@@ -34,7 +35,7 @@ def test_the_default_job_has_no_environment(tmp_path, cache_dir):
     cfg = compose_cfg([], tmp_path, cache_dir, experiment=None)
     assert cfg.env == {}
     module, _ = build_module(compose_cfg([], tmp_path, cache_dir))
-    assert module.worker.episodes is None
+    assert isinstance(module.worker.runner, SingleTurn)  # the null environment
 
 
 @pytest.mark.slow  # 20 iterations, about 100 s on 2 cores

@@ -5,17 +5,22 @@
 - ``parsers.py``: tool calls read in the model family's format (``env.parser``);
 - ``calculator.py``: a safe arithmetic tool;
 - ``template.py``: the prompt rendered once, each environment answer as the chat template's delta;
-- ``episodes.py``: the loop that plays a batch of records as episodes (``EpisodeRunner``).
+- ``episodes.py``: the loop that plays a batch of records as episodes (``EpisodeRunner``);
+- ``single.py``: the null environment (``SingleTurn``): each record one response, in one call.
 
-The ``env`` config group chooses one (``env=none``, the default, is single-turn). ``build_runner``
-turns the group into an ``EpisodeRunner``; ``check_env`` checks it before any model loads.
+The ``env`` config group chooses one (``env=none``, the default, is the null environment).
+``build_runner`` turns the group into a runner, ``SingleTurn`` or ``EpisodeRunner``: both
+``play`` a batch of prompts into a batch that knows how it is scored, shown and measured, so no
+code outside this package asks whether a run is multi-turn. ``check_env`` checks the group
+before any model loads.
 """
 
 from __future__ import annotations
 
 from ppo_lightning.envs.base import Environment, EnvError, EnvStep
 from ppo_lightning.envs.calculator import calculator
-from ppo_lightning.envs.episodes import Episode, EpisodeBatch, EpisodeRunner, Record
+from ppo_lightning.envs.episodes import EpisodeBatch, EpisodeRunner, Record, Transcript
+from ppo_lightning.envs.single import SingleTurn, SingleTurnBatch
 from ppo_lightning.envs.template import ChatRenderer
 from ppo_lightning.envs.tools import ToolEnvironment
 
@@ -24,10 +29,12 @@ __all__ = [
     "EnvError",
     "EnvStep",
     "Environment",
-    "Episode",
     "EpisodeBatch",
     "EpisodeRunner",
     "Record",
+    "SingleTurn",
+    "SingleTurnBatch",
+    "Transcript",
     "ToolEnvironment",
     "build_runner",
     "calculator",

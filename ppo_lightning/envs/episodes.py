@@ -25,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter, defaultdict
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from ppo_lightning.envs.base import EnvError, Message, check_protocol, check_reset, check_step
+from ppo_lightning.envs.batch import EpisodeBatch, Record, Transcript, cat_scores, episode_batch
 from ppo_lightning.envs.pool import EnvPool
 from ppo_lightning.envs.template import ChatRenderer
 from ppo_lightning.envs.tools import COUNTERS, reward_owners
@@ -39,122 +39,6 @@ from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.generation import StopChecker
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Record:
-    """What ``Environment.reset`` reads: the prompt as written (a string or chat messages) and
-    the record's metadata columns (``data.PromptRecord``'s fields)."""
-
-    prompt: str | list[Message]
-    columns: dict[str, Any]
-
-    @property
-    def is_chat(self) -> bool:
-        return isinstance(self.prompt, list)
-
-
-@dataclasses.dataclass
-class Episode:
-    """One episode as it was played: the prompt's ids, then the response ids (the policy's turns
-    as sampled and the environment's answers), with ``loss_mask`` 1 on the policy's tokens."""
-
-    record: Record
-    env: Any
-    prompt_messages: list[Message]
-    prompt_ids: list[int]
-    tools: list[dict] | None = None
-    messages: list[Message] = dataclasses.field(default_factory=list)  # the prompt's, then every turn's
-    response_ids: list[int] = dataclasses.field(default_factory=list)
-    loss_mask: list[int] = dataclasses.field(default_factory=list)
-    turn_ends: list[int] = dataclasses.field(default_factory=list)  # each policy turn's last token, in the response
-    turn_rewards: list[float | None] = dataclasses.field(default_factory=list)  # EnvStep.reward of each turn
-    stopped: bool = False  # the last policy turn ended on a stop (EOS, a stop token or string)
-    truncated: bool = False  # ended by a budget while the environment expected more
-    env_error: str | None = None  # what the environment's step raised (on_error=count)
-    done: bool = False
-    info: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
-    counts: Counter = dataclasses.field(default_factory=Counter)
-    engine_logprobs: list[float] = dataclasses.field(
-        default_factory=list
-    )  # an engine's, per response id (0 off policy)
-
-    @property
-    def turns(self) -> int:
-        return len(self.turn_ends)
-
-    @property
-    def completion(self) -> list[Message]:
-        """The conversation after the prompt: assistant turns and the environment's messages."""
-        return self.messages[len(self.prompt_messages) :]
-
-    def dump(self) -> dict:
-        """The episode as one JSON line of ``ppo.rollout_dump``."""
-        return {
-            "prompt_ids": self.prompt_ids,
-            "response_ids": self.response_ids,
-            "loss_mask": self.loss_mask,
-            "messages": self.messages,
-            "turns": self.turns,
-            "truncated": self.truncated,
-            **({"env_error": self.env_error} if self.env_error else {}),
-        }
-
-
-@dataclasses.dataclass
-class EpisodeBatch:
-    """A batch of episodes as the rollout's tensors: ``query_responses [B, P + R]`` (prompts
-    left-padded to ``P``, responses right-padded to ``R``), ``attention_mask`` 1 on every real
-    token (the environment's too), ``loss_mask [B, R]`` 1 on the policy's tokens only,
-    ``turn_rewards [B, R]`` each turn's ``EnvStep.reward`` on its last token, ``stopped [B]``."""
-
-    episodes: list[Episode]
-    query_responses: Tensor
-    attention_mask: Tensor
-    loss_mask: Tensor
-    turn_rewards: Tensor
-    stopped: Tensor
-    context_length: int
-    env_time_s: float
-    engine_logprobs: Tensor | None = None  # [B, R]: an engine backend's logprobs of the policy's tokens
-    scores: tuple | None = None  # the reward's (total [B], applies [B], {term: [B]}), scored while live
-
-    def metrics(self) -> dict[str, Tensor]:
-        """This rank's ``env/*`` statistics, the same names on every rank: means over its
-        episodes, and the counts of ``COUNTED_METRICS`` (the caller sums those over ranks)."""
-        eps, device = self.episodes, self.loss_mask.device
-        n = max(len(eps), 1)
-        tokens = float(sum(len(e.response_ids) for e in eps))
-        env_tokens = tokens - float(self.loss_mask.sum())
-        out = {
-            "env/turns_mean": sum(e.turns for e in eps) / n,
-            "env/tool_calls_mean": sum(e.counts["tool_calls"] for e in eps) / n,
-            "env/env_token_frac": env_tokens / max(tokens, 1.0),
-            "env/truncated_frac": sum(e.truncated for e in eps) / n,
-            "env/time_s": self.env_time_s,
-        }
-        for key in EVENTS:
-            out[f"env/{key}"] = float(sum(e.counts[key] for e in eps))
-        return {k: torch.tensor(float(v), device=device) for k, v in out.items()}
-
-    def info_sums(self) -> dict[str, tuple[float, float]]:
-        """``env/<key>: (sum, count)`` of every ``EnvStep.info`` scalar of these episodes (all of
-        their steps), for the mean over every rank's steps."""
-        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        for e in self.episodes:
-            for k, values in e.info.items():
-                sums[f"env/{k}"][0] += sum(values)
-                sums[f"env/{k}"][1] += len(values)
-        return {k: (v[0], v[1]) for k, v in sums.items()}
-
-
-EVENTS = (*COUNTERS[1:], "env_errors", "truncated_observations", "template_fallbacks", "budget_cut_turns")
-"""What an episode counts (``Episode.counts``) and an iteration reports as ``env/<event>``: tool
-faults, environments that raised, observations cut to ``env.max_observation_tokens``, answers
-tokenised after the probe because the template re-rendered the conversation, policy turns cut
-short by ``env.max_total_tokens`` (before their own ``sampling.max_new_tokens``)."""
-COUNTED_METRICS = tuple(f"env/{k}" for k in EVENTS)
-"""The ``env/*`` metrics that count events in an iteration: summed over ranks, not averaged."""
 
 
 class EpisodeRunner:
@@ -193,6 +77,18 @@ class EpisodeRunner:
             self.stop_strings = tuple(getattr(probe, "stop_strings", ()))
         finally:
             self.pool.release(probe)
+
+    chat = True  # the prompts are an environment's messages, rendered by the chat template
+
+    @property
+    def error_reward(self) -> float:
+        """The score of an episode whose environment raised (``env.error_reward``)."""
+        return self.cfg.error_reward
+
+    def play(self, prompts, backend, params, generator, score=None) -> EpisodeBatch:
+        """``run`` on ``prompts`` (``rollouts.Prompts``: each row's prompt as written and its
+        columns; the episodes render their own prompts), on the prompts' device."""
+        return self.run(prompts.texts, prompts.columns, backend, params, generator, prompts.input_ids.device, score)
 
     @property
     def budget(self) -> int:
@@ -243,7 +139,7 @@ class EpisodeRunner:
         wave = self.cfg.max_concurrent or max(len(records), 1)
         episodes, scores, env_time = [], [], 0.0
         for s in range(0, len(records), wave):
-            part: list[Episode] = []
+            part: list[Transcript] = []
             try:
                 env_time += self._play(records[s : s + wave], part, sampler, params, generator, device)
                 if score is not None:
@@ -253,11 +149,9 @@ class EpisodeRunner:
                     self.pool.release(e.env)
             episodes += part
         batch = episode_batch(episodes, self.tokenizer.pad_token_id, device, env_time)
-        if score is not None:
-            batch.scores = _cat_scores(scores)
-        return batch
+        return batch if score is None else dataclasses.replace(batch, scores=cat_scores(scores))
 
-    def _play(self, records: list[Record], episodes: list[Episode], sampler, params, generator, device) -> float:
+    def _play(self, records: list[Record], episodes: list[Transcript], sampler, params, generator, device) -> float:
         """Play ``records`` into ``episodes`` (appended as they start, so the caller releases every
         instance even when one fails); the seconds spent in the environments."""
         env_time = 0.0
@@ -301,7 +195,7 @@ class EpisodeRunner:
         return env_time
 
     # ------------------------------------------------------------------------- one episode
-    def _start(self, record: Record, env: Any) -> Episode:
+    def _start(self, record: Record, env: Any) -> Transcript:
         try:
             messages = check_reset(env.reset(record), env)
         except (EnvError, ConfigError):
@@ -331,9 +225,9 @@ class EpisodeRunner:
                     limit,
                 )
             prompt_ids = prompt_ids[-limit:]
-        return Episode(record, env, messages, prompt_ids, tools, messages=list(messages))
+        return Transcript(record, env, messages, prompt_ids, tools, messages=list(messages))
 
-    def _take_turn(self, e: Episode, tokens: list[int], stops: StopChecker) -> None:
+    def _take_turn(self, e: Transcript, tokens: list[int], stops: StopChecker) -> None:
         """Append one policy turn as sampled, let the environment answer it, and append the
         answer's tokens, or end the episode."""
         c = self.cfg
@@ -379,7 +273,7 @@ class EpisodeRunner:
         e.loss_mask += [0] * len(ids)
         e.messages.extend(answer)
 
-    def _cut(self, message: Message, e: Episode) -> Message:
+    def _cut(self, message: Message, e: Transcript) -> Message:
         """One environment message, its content cut to ``env.max_observation_tokens`` tokens."""
         limit = self.cfg.max_observation_tokens
         if limit is None:
@@ -391,58 +285,7 @@ class EpisodeRunner:
         return {**message, "content": self.tokenizer.decode(ids[:limit], skip_special_tokens=False)}
 
 
-def episode_batch(episodes: list[Episode], pad: int, device, env_time: float) -> EpisodeBatch:
-    """``episodes`` as the rollout's tensors (``EpisodeBatch``): prompts left-padded with ``pad``,
-    responses right-padded, each turn reward on its turn's last token, an engine's logprobs
-    where every episode has them."""
-    B = len(episodes)
-    P = max(len(e.prompt_ids) for e in episodes)
-    R = max(1, max(len(e.response_ids) for e in episodes))
-    qr = torch.full((B, P + R), pad, dtype=torch.long)
-    am = torch.zeros(B, P + R, dtype=torch.long)
-    loss = torch.zeros(B, R)
-    turn_rewards = torch.zeros(B, R)
-    for i, e in enumerate(episodes):
-        p, r = len(e.prompt_ids), len(e.response_ids)
-        qr[i, P - p : P] = torch.tensor(e.prompt_ids)
-        am[i, P - p : P + r] = 1
-        if r:
-            qr[i, P : P + r] = torch.tensor(e.response_ids)
-            loss[i, :r] = torch.tensor(e.loss_mask, dtype=torch.float32)
-        for end, reward in zip(e.turn_ends, e.turn_rewards):
-            if reward is not None and end >= 0:
-                turn_rewards[i, end] += reward
-    stopped = torch.tensor([e.stopped for e in episodes], dtype=torch.bool)
-    engine = None
-    if episodes and all(e.engine_logprobs for e in episodes):
-        engine = torch.zeros(B, R)
-        for i, e in enumerate(episodes):
-            engine[i, : len(e.engine_logprobs)] = torch.tensor(e.engine_logprobs[: len(e.response_ids)])
-        engine = engine.to(device)
-    return EpisodeBatch(
-        episodes,
-        qr.to(device),
-        am.to(device),
-        loss.to(device),
-        turn_rewards.to(device),
-        stopped.to(device),
-        P,
-        env_time,
-        engine,
-    )
-
-
 NO_BUDGET = 2**62  # env.max_total_tokens: null where the model's context is unknown
-
-
-def _cat_scores(parts: list[tuple]) -> tuple:
-    """The waves' ``(total, applies, terms)`` joined in row order."""
-    if len(parts) == 1:
-        return parts[0]
-    total = torch.cat([p[0] for p in parts])
-    applies = torch.cat([p[1] for p in parts])
-    terms = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
-    return total, applies, terms
 
 
 def _pad_left(rows: list[list[int]], pad: int, device) -> tuple[Tensor, Tensor]:

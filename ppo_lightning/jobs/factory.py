@@ -24,7 +24,7 @@ from ppo_lightning.parallel.preemption import StopOnPreemption
 from ppo_lightning.config import validate
 from ppo_lightning.data.prompts import PromptDataModule
 from ppo_lightning.data.records import read_prompts, record_formats
-from ppo_lightning.envs import build_runner, check_env, check_env_reward, first_record
+from ppo_lightning.envs import SingleTurn, build_runner, check_env, check_env_reward, first_record
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.config.ppo import minibatch_size_for
 from ppo_lightning.generation import GenerationBackend, SamplingParams
@@ -281,11 +281,14 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
 
     tokenizer_path = cfg.model.tokenizer_name_or_path or cfg.model.name_or_path
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
-    # multi-turn: the chat template checked (prefix-preserving, renders tools) before any model loads
-    episodes = build_runner(cfg.env, cfg.data, tokenizer, tokenizer_path, context) if cfg.get("env") else None
-    datamodule, eval_metrics = build_prompts(cfg, tokenizer, episodes)
+    # how each record is played: an environment's episodes (its chat template checked,
+    # prefix-preserving and rendering tools, before any model loads), or the null environment's
+    runner = SingleTurn(tokenizer)
+    if cfg.get("env"):
+        runner = build_runner(cfg.env, cfg.data, tokenizer, tokenizer_path, context)
+    datamodule, eval_metrics = build_prompts(cfg, tokenizer, runner)
     policy, ref_lm = build_policy(cfg, tokenizer)
-    reward = build_normalized_reward(cfg, reward_fn, tokenizer, episodes, policy)
+    reward = build_normalized_reward(cfg, reward_fn, tokenizer, runner, policy)
 
     # plain dataclasses: attribute reads on a DictConfig cost ~50 us each, in the hot loop
     ppo_cfg, optim_cfg = OmegaConf.to_object(cfg.ppo), OmegaConf.to_object(cfg.optimizer)
@@ -304,19 +307,18 @@ def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
         generation=Generation(
             build_backend(cfg.get("generation")),
             SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
-            episodes,
+            runner,
         ),
         rollout_dir=str(Path(cfg.paths.output_dir) / "rollouts") if cfg.ppo.rollout_dump else None,
     )
     return module, datamodule
 
 
-def build_prompts(cfg: DictConfig, tokenizer, episodes) -> tuple[PromptDataModule, dict]:
+def build_prompts(cfg: DictConfig, tokenizer, runner) -> tuple[PromptDataModule, dict]:
     """The prompts, read, rendered and tokenised, and the ``eval.metrics`` scorers; every record
     has the columns each reward function and eval metric asks for."""
-    tools = episodes.probe_tools() if episodes is not None else None
     datamodule = PromptDataModule(
-        cfg.data, tokenizer, seed=cfg.seed, eval_cfg=cfg.eval, chat=episodes is not None, tools=tools
+        cfg.data, tokenizer, seed=cfg.seed, eval_cfg=cfg.eval, chat=runner.chat, tools=runner.probe_tools()
     )
     datamodule.load()  # reads, renders (chat templates) and tokenises the prompts
     for fn in function_scorers(cfg.reward):  # every record has the columns each function asks for
@@ -349,7 +351,7 @@ def build_policy(cfg: DictConfig, tokenizer) -> tuple[PolicyWithValueHead, torch
 
 
 def build_normalized_reward(
-    cfg: DictConfig, reward_fn, tokenizer, episodes, policy: PolicyWithValueHead
+    cfg: DictConfig, reward_fn, tokenizer, runner, policy: PolicyWithValueHead
 ) -> NormalizedReward:
     """The run's reward (``reward_fn``, or the reward model built now, after the policy; with a
     TRL environment's ``get_reward``, one term more) with its normalisation: fitted when the run
@@ -358,8 +360,8 @@ def build_normalized_reward(
     if needs_model(cfg.reward):
         reward_fn = build_reward(cfg.reward)
         reward_fn.use_policy_tokens(tokenizer, cfg.reward.input)
-    if episodes is not None:  # a TRL environment's get_reward(): one more term, named after its class
-        reward_fn = with_environment_reward(reward_fn, episodes.reward_owners())
+    # a TRL environment's get_reward(): one more term, named after its class
+    reward_fn = with_environment_reward(reward_fn, runner.reward_owners())
     reward_norm = None if cfg.reward.normalize else (cfg.reward.gain, cfg.reward.bias)
     from_reward = cfg.model.value_head_init == "reward_model"
     if from_reward:  # on the raw scale when a fit will rescale it

@@ -80,8 +80,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             table = recipe.evaluate(cfg, module, Path(cfg.paths.output_dir))
             print(f"\n{cfg.recipe}: held-out prompts, before and after PPO\n{table}\n", flush=True)
     finally:
-        if module.worker.episodes is not None:  # whatever stopped the run (SIGTERM, an error): idle
-            module.worker.episodes.close()  # environments kept for reuse close now
+        # whatever stopped the run (SIGTERM, an error): idle environments kept for reuse close now
+        module.worker.runner.close()
         finish_loggers(trainer)
     return dict(module.last_metrics)
 

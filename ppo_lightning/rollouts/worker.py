@@ -20,25 +20,30 @@ from typing import Callable
 
 import torch
 
-from ppo_lightning.envs import EpisodeRunner
-from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows
+from ppo_lightning.envs import EpisodeRunner, SingleTurn
+from ppo_lightning.generation import GenerationBackend, SamplingParams
 from ppo_lightning.rewards import pop_reward_logs
-from ppo_lightning.rewards.dispatch import Scored, score_episodes, score_terms
+from ppo_lightning.rewards.dispatch import Scored
 from ppo_lightning.rollouts.records import Episodes, Prompts
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutWorker:
     """Plays records through ``backend`` as ``params`` say and scores them with ``reward_fn``
-    (the texts ``tokenizer`` decodes). With ``episodes`` (an ``envs.EpisodeRunner``, ``env``) each
-    record is a multi-turn episode of its environment; without, one response. An evaluation or
-    the normalisation's fit plays with other params or another backend: ``replace``."""
+    (the texts ``tokenizer`` decodes). ``runner`` plays each record as an episode of the run's
+    environment (``envs.EpisodeRunner``, ``env``), or of the null environment, one response
+    (``envs.SingleTurn``, the default). An evaluation or the normalisation's fit plays with other
+    params or another backend: ``replace``."""
 
     backend: GenerationBackend
     params: SamplingParams
     reward_fn: Callable
     tokenizer: object
-    episodes: EpisodeRunner | None = None
+    runner: EpisodeRunner | SingleTurn | None = None  # None: SingleTurn(tokenizer)
+
+    def __post_init__(self):
+        if self.runner is None:
+            object.__setattr__(self, "runner", SingleTurn(self.tokenizer))
 
     def replace(self, **changes) -> "RolloutWorker":
         """This worker with other fields (``params``: greedy evaluation; ``backend``: the
@@ -46,67 +51,29 @@ class RolloutWorker:
         return dataclasses.replace(self, **changes)
 
     @property
-    def error_reward(self) -> float:
-        """The score of an episode whose environment raised (``env.error_reward``)."""
-        return 0.0 if self.episodes is None else self.episodes.cfg.error_reward
-
-    @property
     def max_policy_tokens(self) -> int:
-        """The most policy tokens one episode can hold: ``sampling.max_new_tokens``, or with an
-        environment every turn's (``EpisodeRunner.max_policy_tokens``)."""
-        n = self.params.max_new_tokens
-        return n if self.episodes is None else self.episodes.max_policy_tokens(n)
+        """The most policy tokens one episode can hold: one turn's ``sampling.max_new_tokens``, or
+        with an environment every turn's (``EpisodeRunner.max_policy_tokens``)."""
+        return self.runner.max_policy_tokens(self.params.max_new_tokens)
 
     @torch.no_grad()
     def play(self, prompts: Prompts, generator: torch.Generator | None = None, policy_version: int = 0) -> Episodes:
         """One episode per row of ``prompts``, sampled from ``generator``'s stream and scored; the
         reward functions' ``log_metric`` calls of this batch go with it (``Episodes.reward_logs``)."""
         t0 = time.perf_counter()
-        if self.episodes is None:
-            ids, am = prompts.input_ids, prompts.attention_mask
-            out = self.backend.generate(ids, am, self.params, generator)
-            query_responses = torch.cat([ids, out.responses], dim=1)  # [B, T]
-            attention_mask = torch.cat([am, out.response_mask.to(am.dtype)], dim=1)
-            scored = score_terms(
-                self.reward_fn,
-                self.tokenizer,
-                ids,
-                am,
-                out.responses,
-                out.response_mask,
-                prompts.texts,
-                prompts.columns,
-            )
-            contains_eos = stopped_rows(out.responses, out.response_mask, self.params, self.tokenizer)
-            response_mask, P, turn_rewards, engine, played = out.response_mask, ids.shape[1], None, out.logprobs, None
-        else:
-            played = self.episodes.run(
-                prompts.texts,
-                prompts.columns,
-                self.backend,
-                self.params,
-                generator,
-                prompts.input_ids.device,
-                score=self._score_live,
-            )
-            query_responses, attention_mask, response_mask = (
-                played.query_responses,
-                played.attention_mask,
-                played.loss_mask,
-            )
-            scored, contains_eos, P = Scored(*played.scores), played.stopped, played.context_length
-            turn_rewards, engine = played.turn_rewards, played.engine_logprobs
+        played = self.runner.play(prompts, self.backend, self.params, generator, score=self._score_live)
+        scored = Scored(*played.scores)
         return Episodes(
-            query_responses=query_responses,
-            attention_mask=attention_mask,
-            response_mask=response_mask,
-            context_length=P,
+            query_responses=played.query_responses,
+            attention_mask=played.attention_mask,
+            response_mask=played.loss_mask,
+            context_length=played.context_length,
             raw_scores=scored.total,
             scored=scored.applies,
             term_scores=scored.terms,
-            contains_eos=contains_eos,
-            turn_rewards=turn_rewards,
-            engine_logprobs=engine,
+            contains_eos=played.stopped,
+            turn_rewards=played.turn_rewards,
+            engine_logprobs=played.engine_logprobs,
             played=played,
             records=(prompts.texts, prompts.columns) if prompts.texts is not None else None,
             reward_logs=pop_reward_logs(self.reward_fn),
@@ -115,27 +82,14 @@ class RolloutWorker:
         )
 
     def _score_live(self, played) -> Scored:
-        """The reward of a wave of episodes while their environments are live (a TRL reward may
-        read an environment's state)."""
-        return score_episodes(self.reward_fn, self.tokenizer, played, self.error_reward)
+        """The reward of a batch as it is played (with an environment: each wave while its
+        instances are live, since a TRL reward may read an environment's state)."""
+        return played.scored_by(self.reward_fn, self.tokenizer, self.runner.error_reward)
 
     def score(self, episodes: Episodes, reward_fn: Callable) -> Scored:
         """Another scorer's ``Scored`` of episodes already played (``eval.metrics``): as the
         worker's own reward would see them, the environments no longer live."""
-        if episodes.played is not None:
-            return score_episodes(reward_fn, self.tokenizer, episodes.played, self.error_reward)
-        P = episodes.context_length
-        texts, columns = episodes.records or (None, None)
-        return score_terms(
-            reward_fn,
-            self.tokenizer,
-            episodes.query_responses[:, :P],
-            episodes.attention_mask[:, :P],
-            episodes.responses,
-            episodes.response_mask,
-            texts,
-            columns,
-        )
+        return episodes.played.scored_by(reward_fn, self.tokenizer, self.runner.error_reward)
 
     def sync_weights(self) -> float | None:
         """The backend takes the policy's new weights (``GenerationBackend.sync_weights``)."""
@@ -145,5 +99,4 @@ class RolloutWorker:
         """The run is over: the backend frees its engine, and the environments kept for reuse
         (``env.reuse_instances``) are closed."""
         self.backend.close()
-        if self.episodes is not None:
-            self.episodes.close()
+        self.runner.close()

@@ -11,8 +11,6 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import WandbLogger
 
-from ppo_lightning.envs.template import conversation_text
-from ppo_lightning.rewards.dispatch import decode_prompts_and_responses
 from ppo_lightning.train.metrics import PROGRESS_BAR_METRICS
 
 
@@ -80,14 +78,8 @@ class SampleTable(L.Callback):
         if r is None or step % self.every_n_steps != 0 or not trainer.is_global_zero:
             return
         n = min(self.n_samples, r.batch_size)
-        if r.episodes is None:
-            prompts, responses = decode_prompts_and_responses(
-                pl_module.tokenizer, r.query_responses[:n, : r.context_length], r.responses[:n], r.response_mask[:n]
-            )
-        else:  # multi-turn: the whole conversation, each message under its role
-            episodes = r.episodes.episodes[:n]
-            prompts = [conversation_text(e.prompt_messages) for e in episodes]
-            responses = [conversation_text(e.completion) for e in episodes]
+        # a response as decoded; in a multi-turn episode the whole conversation, each message under its role
+        prompts, responses = r.episodes.conversations(pl_module.tokenizer, n, r.response_mask[:n])
         scores = r.scores[:n].tolist()
         terms = {name: x[:n].tolist() for name, x in r.term_scores.items()}  # reward.terms, raw
         rows = [

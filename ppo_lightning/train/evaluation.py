@@ -28,8 +28,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ppo_lightning.envs.template import conversation_text
-from ppo_lightning.rewards.dispatch import decode_prompts_and_responses
 from ppo_lightning.rollouts import Episodes, Prompts, RolloutWorker
 from ppo_lightning.rollouts.forward import Sequences, forward_logprobs
 
@@ -124,14 +122,7 @@ def _per_row(ep: Episodes, raw: Tensor, terms: dict[str, Tensor], kl: Tensor) ->
     """Each row's measures ``[B]`` float64: reward, length, KL (summed over the response), each
     term's raw score, and with episodes their turns and tool calls."""
     mask, device = ep.response_mask, raw.device
-    extra = {}
-    if ep.played is not None:
-        extra = {
-            "env/turns_mean": torch.tensor([e.turns for e in ep.played.episodes], dtype=torch.float64),
-            "env/tool_calls_mean": torch.tensor(
-                [e.counts["tool_calls"] for e in ep.played.episodes], dtype=torch.float64
-            ),
-        }
+    extra = ep.played.eval_measures()  # with an environment: turns and tool calls
     return {
         "reward": raw.double(),
         "length": mask.sum(1).double(),
@@ -149,13 +140,7 @@ def _metric_scores(spec: EvalSpec, worker: RolloutWorker, ep: Episodes) -> dict[
 def _keep_samples(samples: list, max_samples: int, tokenizer, ep: Episodes, raw: Tensor, real: Tensor) -> None:
     """Append the real rows' ``(prompt, response, reward)`` to ``samples``, up to ``max_samples``;
     with episodes the whole conversation, each message under its role."""
-    if ep.played is None:
-        prompt_texts, texts = decode_prompts_and_responses(
-            tokenizer, ep.query_responses[:, : ep.context_length], ep.responses, ep.response_mask
-        )
-    else:
-        prompt_texts = [conversation_text(e.prompt_messages) for e in ep.played.episodes]
-        texts = [conversation_text(e.completion) for e in ep.played.episodes]
+    prompt_texts, texts = ep.played.conversations(tokenizer)
     rows_here = [(p, r, float(x)) for p, r, x, ok in zip(prompt_texts, texts, raw.tolist(), real) if ok]
     samples.extend(rows_here[: max_samples - len(samples)])
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from ppo_lightning.algo.advantages import group_reward_stats
 
 from ppo_lightning.algo.stats import explained_variance, masked_mean
-from ppo_lightning.envs.episodes import COUNTED_METRICS
+from ppo_lightning.envs.batch import COUNTED_METRICS
 from ppo_lightning.algo.rollout import Rollout
 
 log = logging.getLogger("ppo_lightning.train.module")  # the run log's name for the iteration's lines
@@ -74,9 +74,7 @@ def iteration_metrics(
         "perf/tokens_per_s": mask.sum() / (time_rollout + time_update),
         **{k: torch.stack(v).mean() for k, v in stats.items()},
     }
-    if r.episodes is not None:
-        local.update(r.episodes.metrics())
-        local["env/turn_reward_mean"] = r.turn_rewards.sum(1).mean()
+    local.update(r.episodes.metrics(r.turn_rewards))  # env/*: none for the null environment
     for k in UPDATE_METRICS:  # an iteration whose updates were all skipped has none
         local.setdefault(k, torch.tensor(float("nan"), device=mask.device))
     if not has_critic:
@@ -124,7 +122,7 @@ def sparse_means(r: Rollout, runtime, device) -> dict[str, float]:
     """Means over every rank of the metrics that only some ranks may have: each environment
     ``info`` key (over every step that reported it) and each reward's ``log_metric`` name (over
     the ranks that logged it), reduced over the union of the ranks' names in one collective."""
-    sums = dict(r.episodes.info_sums()) if r.episodes is not None else {}
+    sums = dict(r.episodes.info_sums())
     sums.update({k: (v, 1.0) for k, v in r.reward_logs.items()})
     names = runtime.union(sums)
     if not names:

@@ -50,12 +50,13 @@ class Generation:
     """How a ``PPOModule`` samples, as one object: ``backend``, the generation backend's factory
     (the ``generation`` config group; None: ``hf``), called once for the policy and once for the
     reference; ``sampling``, how every caller samples (the ``sampling.*`` node; None:
-    ``SamplingParams``' defaults, 32 new tokens); ``episodes``, an ``envs.EpisodeRunner`` (``env``):
-    every rollout, reference sample and evaluation plays multi-turn episodes (None: single-turn)."""
+    ``SamplingParams``' defaults, 32 new tokens); ``runner``, how each record is played: an
+    ``envs.EpisodeRunner`` (``env``: every rollout, reference sample and evaluation plays
+    multi-turn episodes), or None, the null environment (``envs.SingleTurn``: one response)."""
 
     backend: BackendFactory | None = None
     sampling: SamplingParams | None = None
-    episodes: object = None
+    runner: object = None
 
 
 class PPOModule(L.LightningModule):
@@ -96,7 +97,7 @@ class PPOModule(L.LightningModule):
         # an engine with weights of its own holds the policy's: the reference samples live (hf)
         self.ref_backend = (make if backend.samples_live_module else default_backend())(ref_lm, tokenizer)
         sampling = generation.sampling or SamplingParams(max_new_tokens=32)
-        worker = RolloutWorker(backend, sampling, reward.fn, tokenizer, generation.episodes)
+        worker = RolloutWorker(backend, sampling, reward.fn, tokenizer, generation.runner)
         self.runtime = Runtime(self)
         self.algo = PPO(policy, ref_lm, worker, ppo_cfg, self.runtime)
         self.rollout_dir = rollout_dir  # ppo.rollout_dump's directory (the run's rollouts/)

@@ -113,7 +113,7 @@ def without_tool(module, lm) -> float:
 
     dm = module.trainer.datamodule
     params = module.sampling.replace(greedy=True, stop_strings=(calculator.TOOL_CLOSE,))
-    worker = module.worker.replace(backend=HFBackend(lm, module.tokenizer), params=params, episodes=None)
+    worker = module.worker.replace(backend=HFBackend(lm, module.tokenizer), params=params, runner=None)
     right = total = 0.0
     with module.runtime.rollout_context(lm):
         for batch, weight in dm.eval_batches():
