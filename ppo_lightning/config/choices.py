@@ -1,6 +1,6 @@
 """Every choice list of the config, in a module that imports nothing but the standard library.
 
-The config (``config/__init__.py``) reads its choices here, so loading it (``--cfg job``,
+The config's schemas (``config/``) read their choices here, so loading it (``--cfg job``,
 ``--help``) imports no torch, Lightning or transformers. The code that implements each choice
 imports its list from here too: one place per list, and a test (``tests/test_config.py``) checks
 that each implementation covers exactly its list.

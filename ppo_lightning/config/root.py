@@ -63,7 +63,7 @@ class TrainConfig:
     cache (``ppo_lightning/generation/hf.py``); its option ``generation.fast_decode`` (default
     true) samples an exact ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
     ``GPTNeoXForCausalLM`` (whole unsharded weights; SDPA attention and fixed rotary frequencies
-    for the rotary ones; no hub kernel in place; ``fast_decode.py`` lists the rest) with a lean
+    for the rotary ones; no hub kernel in place; ``generation/fast_decode.py`` lists the rest) with a lean
     per-token step: the same ops on the same weights, the hidden state bitwise equal to the
     model's forward (the LM head, on a CPU, in another summation order: the logits to float32
     rounding, the head 3-4x faster on few rows), about half the per-token overhead; the prefill

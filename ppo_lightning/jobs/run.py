@@ -1,6 +1,6 @@
 """The jobs the entry point ``train.py`` runs, by ``task.name``: PPO (``train``), the SFT and
 reward-model stages (``train_stage``) and ``export``. Building the parts of a run is
-``factory.py``'s job; the recipes' builds and before/after tables are ``recipes/``'s.
+``factory.py``'s job; the recipes' builds and before/after tables are ``tasks/``'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the SFT and reward-model stages share: records from a file, a list or a HF dataset (read
-by ``data.read_records``, as PPO's prompts are), the validation split, model sources, the optimizer,
-data loaders that shard themselves under DDP, and the handling of the torchmetrics validation
-metrics.
+by ``data.records.read_records``, as PPO's prompts are), the validation split, model sources, the
+optimizer, data loaders that shard themselves under DDP, and the handling of the torchmetrics
+validation metrics.
 
 Records are read once, checked field by field, and normalised to plain dicts keyed by *role*
 (``prompt``, ``response`` / ``chosen``, ``rejected``) whatever the source columns are called, so
@@ -58,7 +58,7 @@ def read_role_records(
     "question")}``; errors name both. Sources, in order: ``records`` (an in-memory list of dicts),
     ``path`` (a local ``.jsonl``, one object a line, or ``.json``, a list of objects),
     ``hf_dataset`` (a Hugging Face dataset name); files and datasets through
-    ``data.read_records``, the reader PPO's prompts use too. A role in ``chat_roles`` may also be
+    ``data.records.read_records``, the reader PPO's prompts use too. A role in ``chat_roles`` may also be
     a list of chat messages (``{"role", "content"}`` objects).
     """
     if records is not None:

@@ -141,7 +141,7 @@ class SFTDataModule(StageDataModule):
 
     def tokenize(self, records: list[dict[str, str]], source: str) -> list[dict[str, list[int]]]:
         """Chat prompts (and, with ``chat_template``, string ones) rendered as PPO renders them
-        (``data.render_prompts``), so SFT and PPO see the same prompt tokens; then ``tokenize_sft``:
+        (``data.prompts.render_prompts``), so SFT and PPO see the same prompt tokens; then ``tokenize_sft``:
         the loss on the response (the assistant turn) and EOS only."""
         c = self.cfg
         if any(isinstance(r["prompt"], list) for r in records) or c.chat_template is not None:
