@@ -25,28 +25,6 @@ DATA_WORKERS_REMOVED = (
 )
 
 
-DATA_WORKERS_REMOVED = (
-    "the PPO prompt loader runs in the main process (its prompts are tokenised once, before "
-    "any model loads); a stage's loader workers are task.num_workers"
-)
-
-
-MOVED_KEYS = {
-    "ppo.max_new_tokens": "sampling.max_new_tokens",
-    "ppo.temperature": "sampling.temperature",
-    "ppo.top_k": "sampling.top_k",
-    "ppo.top_p": "sampling.top_p",
-    "ppo.stop_at_eos": "sampling.stop_at_eos",
-    "ppo.stop_token_ids": "sampling.stop_token_ids",
-    "ppo.stop_strings": "sampling.stop_strings",
-    "ppo.rollout_generate_batch_size": "sampling.chunk_size",
-    "ppo.fast_decode": "generation.fast_decode",
-}
-"""Keys that moved, and their new homes. Each old key stays in its schema as a null placeholder,
-so that setting it (on the command line or in a YAML file) composes and then fails validation
-with one line naming the new key, instead of Hydra's "not in the schema"."""
-
-
 REMOVED_KEYS = {"model.lora.dropout": LORA_DROPOUT_REMOVED, "data.num_workers": DATA_WORKERS_REMOVED}
 """Keys that were removed, and why; placeholders like the moved ones."""
 
@@ -74,6 +52,13 @@ class _MovedPPOKeys:
     stop_strings: Optional[Any] = moved("sampling.stop_strings")
     rollout_generate_batch_size: Optional[Any] = moved("sampling.chunk_size")
     fast_decode: Optional[Any] = moved("generation.fast_decode")
+
+
+MOVED_KEYS = {f"ppo.{f.name}": f.metadata["moved_to"] for f in dataclasses.fields(_MovedPPOKeys)}
+"""Keys that moved, and their new homes (read from the placeholders above). Each old key stays in
+its schema as a null placeholder, so that setting it (on the command line or in a YAML file)
+composes and then fails validation with one line naming the new key, instead of Hydra's "not in
+the schema"."""
 
 
 def check_moved_keys(cfg) -> None:
