@@ -52,7 +52,8 @@ chosen group options and overrides, then merges the result into the typed schema
   `data.batch_size`; `model.value_head_init=reward_model` needs `reward.kind=model`), the prompt
   file (exists, holds prompts, parses), the reward function (imports), model, reward-model and
   checkpoint paths (exist, or are reachable hub ids). Paths the job's recipe builds are checked
-  after it has built them; a missing path that a recipe builds names the `recipe=` that would.
+  after it has built them (`factory.check_built_inputs`); no check runs twice in a job. A missing
+  path that a recipe builds names the `recipe=` that would.
 - **Adding keys.** A key that is not in the config needs a leading `+`: new dict entries
   (`+reward.kwargs.word=good`, `+logger.<name>`, `+callbacks.<name>`) and extra Lightning
   `Trainer` arguments (`+trainer.<arg>=...`).

@@ -200,14 +200,10 @@ def _check_pass_term(cfg) -> None:
         )
 
 
-_WARNED: set[str] = set()  # each warning once per process, however often a config is validated
-
-
 def _warn_ignored(cfg) -> None:
+    """One warning per ignored key the user set; a job validates its config once."""
     for line in ignored_keys(cfg, user_set_keys()):
-        if line not in _WARNED:
-            _WARNED.add(line)
-            log.warning(line)
+        log.warning(line)
 
 
 def _check_minibatch(cfg) -> None:
