@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import Metric
 
-from ppo_lightning.config.schema import as_dataclass
+from ppo_lightning.config.schema import as_dataclass, get_key
 from ppo_lightning.config.task import DEFAULT_MAX_LENGTH
 from ppo_lightning.data.prompts import ListDataset
 from ppo_lightning.data.records import check_messages, read_records, records_source
@@ -30,15 +30,6 @@ from ppo_lightning.train.optim import configure_optimizers
 from ppo_lightning.models.policy import context_length
 
 log = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- configs
-def get(cfg: Any, name: str, default: Any) -> Any:
-    """``cfg.name`` for a dataclass / DictConfig / dict / None, ``default`` when absent or null."""
-    if cfg is None:
-        return default
-    value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
-    return default if value is None else value
 
 
 # ----------------------------------------------------------------------------- records
@@ -313,10 +304,10 @@ def stage_model(model_cfg, cfg, cache_dir, key_prefix: str = "task"):
     from ppo_lightning.models.policy import resolve_source
     from ppo_lightning.models.tiny import ensure_tiny_model
 
-    name = get(model_cfg, "name_or_path", None)
+    name = get_key(model_cfg, "name_or_path", None)
     if not name:
         raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
-    trust = bool(get(model_cfg, "trust_remote_code", False))
+    trust = bool(get_key(model_cfg, "trust_remote_code", False))
     ensure_tiny_model(model_cfg, cache_dir)
     source = resolve_source(name, "model.name_or_path")
     max_length = resolve_max_length(cfg.max_length, source, trust, f"{key_prefix}.max_length")
