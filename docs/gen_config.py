@@ -64,13 +64,13 @@ chosen group options and overrides, then merges the result into the typed schema
 ## Config groups stay in their lanes
 
 A group file sets only its own package (`data/*.yaml` sets `data.*`), so switching a group
-never inherits another task's settings. Two kinds of files set keys of more than one group:
+never inherits another recipe's settings. Two kinds of files set keys of more than one group:
 
-- **Presets** (`conf/experiment/preset/<reward>-<data>.yaml`): a task's values outside its groups
+- **Presets** (`conf/experiment/preset/<reward>-<data>.yaml`): a recipe's values outside its groups
   (its KL coefficient, its response length, the `recipe` that builds its models). The defaults
   list applies `experiment/preset: ${reward}-${data}` (optional), so a preset is in force exactly
   while both its reward and its prompts are chosen: `python train.py model=gpt2` keeps the
-  reviews task's, `python train.py model=tiny data=file data.path=P reward=function reward.fn=F`
+  reviews recipe's, `python train.py model=tiny data=file data.path=P reward=function reward.fn=F`
   gets none and runs on the schema defaults below. Overriding only `data.path` keeps `data=reviews`
   and its preset (a warning says so): choose `data=file` for your own prompts.
 - **Experiments** (`experiment=<name>`): named jobs that pick groups and set a few keys.
@@ -347,9 +347,11 @@ def moved_section() -> str:
     rows = ["| Old key | Now |", "|---|---|"]
     rows += [f"| `{old}` | `{new}` |" for old, new in C.MOVED_KEYS.items()]
     rows += [f"| `{old}` | removed: {md(why)} |" for old, why in C.REMOVED_KEYS.items()]
+    rows += [f"| any value `{old}.*` | `{new}.*` |" for old, new in C.MOVED_MODULES.items()]
     return (
         "## Moved and removed keys\n\nSetting one of these fails before anything loads, with one line "
-        "that names its new home (or why it went).\n\n" + "\n".join(rows) + "\n"
+        "that names its new home (or why it went). A value that names a moved module (the `any value` rows: a "
+        "reward function, an environment class) fails the same way, naming the new path.\n\n" + "\n".join(rows) + "\n"
     )
 
 

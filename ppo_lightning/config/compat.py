@@ -29,6 +29,11 @@ REMOVED_KEYS = {"model.lora.dropout": LORA_DROPOUT_REMOVED, "data.num_workers": 
 """Keys that were removed, and why; placeholders like the moved ones."""
 
 
+MOVED_MODULES = {"ppo_lightning.tasks": "ppo_lightning.recipes"}
+"""Modules that moved, and their new paths: a config value that names the old one (a reward
+function, an environment class) fails with one line naming the new path."""
+
+
 def is_placeholder(f: dataclasses.Field) -> bool:
     """Whether a schema field only holds the place of a moved or removed key."""
     return "moved_to" in f.metadata or "removed" in f.metadata
@@ -72,3 +77,26 @@ def check_moved_keys(cfg) -> None:
         if value is not None:
             shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
             raise ConfigError(f"{old} moved to {new}: write {new}={shown!r} instead")
+
+
+def check_moved_modules(cfg) -> None:
+    """A value that names a moved module (``reward.fn=ppo_lightning.tasks.arithmetic.data.reward_fn``)
+    fails with one line: the key, and the value to write instead."""
+    for key, value in _strings(OmegaConf.to_container(cfg, resolve=False), ""):
+        for old, new in MOVED_MODULES.items():
+            if value == old or value.startswith(old + "."):
+                raise ConfigError(
+                    f"{key}={value!r}: {old} is now {new}; write {key}={new + value[len(old) :]!r} instead"
+                )
+
+
+def _strings(node: Any, key: str):
+    """``(dotted key, value)`` of every string in a container (a list's items under its key)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v, key)
+    elif isinstance(node, str):
+        yield key, node

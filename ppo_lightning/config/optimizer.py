@@ -17,7 +17,7 @@ class OptimizerConfig:
     name: str = param("adamw", choices=choices.OPTIMIZERS)
     """``torch.optim`` class; ``sgd`` uses ``lr`` and ``weight_decay`` only (no momentum)."""
     lr: float = param(1.0e-5, gt=0)
-    """Base learning rate (``model=tiny``, ``model=reviews`` and the tasks' experiments set the rate
+    """Base learning rate (``model=tiny``, ``model=reviews`` and the recipes' experiments set the rate
     their small models need)."""
     betas: List[float] = param(factory=lambda: [0.9, 0.999])
     """Adam/AdamW only."""

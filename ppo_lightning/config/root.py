@@ -98,11 +98,11 @@ class TrainConfig:
     tokenizer, generation config, plus ``value_head.safetensors``); null skips it.
     ``task=export``: the target, required."""
     recipe: Optional[str] = None
-    """The task this job runs: a folder of ``ppo_lightning/tasks`` (one of
-    ``choices.RECIPES``) or a package of your own holding a ``task.py`` (``my_pkg.my_task``, a copy
-    of ``tasks/arithmetic``). Set by its experiment (``conf/experiment/<name>.yaml``). Before PPO
-    it builds its models and prompts once (cached under ``${recipe_dir:<name>}``, keyed by the
-    task's code and the seed, atomically); after PPO rank 0 prints a before/after table of the
+    """The recipe this job runs: a folder of ``ppo_lightning/recipes`` (one of
+    ``choices.RECIPES``) or a package of your own holding a ``recipe.py`` (``my_pkg.my_recipe``, a
+    copy of ``recipes/arithmetic``). Set by its experiment (``conf/experiment/<name>.yaml``). Before
+    PPO it builds its models and prompts once (cached under ``${recipe_dir:<name>}``, keyed by the
+    recipe's code and the seed, atomically); after PPO rank 0 prints a before/after table of the
     run's first and last evaluation (``eval.*``, which its experiment sets) and writes
     ``eval.json``. Null: none."""
     optimized_metric: str = "objective/scores"

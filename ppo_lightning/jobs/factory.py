@@ -130,7 +130,7 @@ def _check_prompt_files(cfg: DictConfig, pending, recipe_builds: bool) -> None:
     d = cfg.data
     if d.path is not None and recipe_builds and not pending(d.path):
         log.warning(
-            "data.path=%s is not recipe=%s's prompts: this job keeps that task's data group and "
+            "data.path=%s is not recipe=%s's prompts: this job keeps that recipe's data group and "
             "preset (prompt limit, KL coefficient, response length); for your own prompts with the "
             "library's defaults choose data=file",
             d.path,

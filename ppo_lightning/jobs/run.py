@@ -1,6 +1,6 @@
 """The jobs the entry point ``train.py`` runs, by ``task.name``: PPO (``train``), the SFT and
 reward-model stages (``train_stage``) and ``export``. Building the parts of a run is
-``factory.py``'s job; the recipes' builds and before/after tables are ``tasks/``'s.
+``factory.py``'s job; the recipes' builds and before/after tables are ``recipes/``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ppo_lightning.jobs.factory import build, build_module, build_trainer, check
 from ppo_lightning.train.loggers import finish_wandb
 from ppo_lightning.models.policy import save_policy
 from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted, handle_sigterm
-from ppo_lightning.jobs.task import built_root, load_task, prepare
+from ppo_lightning.jobs.recipe import built_root, load_recipe, prepare
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     (``check_inputs``), then the recipe, if the job names one, builds what is missing and its
     paths are checked (``check_built_inputs``), then the run is built and fit.
     """
-    recipe = load_task(cfg.recipe) if cfg.recipe else None
+    recipe = load_recipe(cfg.recipe) if cfg.recipe else None
     built = built_root(cfg) if recipe is not None else None
     check_inputs(cfg, built_by_recipe=built)
     if recipe is not None:

@@ -1,4 +1,4 @@
-"""The optimizer and learning-rate schedule every task builds from ``optimizer.*``."""
+"""The optimizer and learning-rate schedule every job that trains builds from ``optimizer.*``."""
 
 from __future__ import annotations
 
