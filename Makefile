@@ -74,7 +74,7 @@ test-vllm: $(VLLM_STAMP)
 # says. Their recipe builds make them about 12 minutes of CPU (278 s, 234 s and 180 s here), which
 # would nearly double make test, so make test runs each demo's whole job on its recipe built small
 # and leaves these out (skipped: pytest's -ra summary names them). Run them after a change to a
-# task, a stage or a default.
+# recipe, a stage or a default.
 test-demos: $(STAMP)
 	$(ENV) $(PY) $(PYTEST) --demos -m demo $(ARGS)
 

@@ -1,8 +1,8 @@
 """Entry point: ``python train.py [group=choice ...] [key=value ...]``.
 
 Hydra composes ``conf/train.yaml`` with the chosen groups and overrides, validates them against
-the schemas in ``ppo_lightning/config/__init__.py`` and runs the chosen task. Returns the
-``optimized_metric`` for Hydra sweepers. Bad input prints one short message and exits 1
+the schemas in ``ppo_lightning/config/`` (one module per group) and runs the job ``task=`` chose.
+Returns the ``optimized_metric`` for Hydra sweepers. Bad input prints one short message and exits 1
 (``HYDRA_FULL_ERROR=1`` shows the full traceback). In a sweep (``-m``) a failing job is logged
 and returns no value (Optuna records the trial as failed), and the sweep goes on with the next.
 SIGTERM (a cluster's preemption) stops the job, and a sweep, with exit status 143 and one line

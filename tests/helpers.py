@@ -47,7 +47,7 @@ def run_train(
     The process is forked from this one and runs ``train.py`` as ``__main__`` (``start_train``):
     the imports are already done, which saves the ~9 s of CPU a new interpreter spends importing
     Lightning, transformers and torch. ``interpreter=True`` starts a new ``python`` instead, where
-    the interpreter start is part of what is tested (the README's commands, a task found on
+    the interpreter start is part of what is tested (the README's commands, a recipe found on
     ``PYTHONPATH``)."""
     if interpreter:
         return subprocess.run(
@@ -244,16 +244,16 @@ def rebind_log_streams(every: bool = False) -> None:
                 h.flush = sys.stderr.flush
 
 
-def build_small(monkeypatch, task, sizes: dict) -> None:
-    """The task module ``task`` builds its recipe with ``sizes`` (its module-level size constants,
+def build_small(monkeypatch, recipe, sizes: dict) -> None:
+    """The recipe module ``recipe`` builds with ``sizes`` (its module-level size constants,
     e.g. ``SFT_STEPS``) for this test: every stage of the demo's build runs, each for a few steps.
     A build's cache key does not see these values, so the build must go to a cache directory that
     holds only small builds, never the session's ``cache_dir``. A run forked from this process
     (``run_train``) inherits them."""
     for name, value in sizes.items():
-        if not hasattr(task, name):
-            raise AttributeError(f"{task.__name__} has no size constant {name}")
-        monkeypatch.setattr(task, name, value)
+        if not hasattr(recipe, name):
+            raise AttributeError(f"{recipe.__name__} has no size constant {name}")
+        monkeypatch.setattr(recipe, name, value)
 
 
 def run_ranks(args: list[str], cache_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:

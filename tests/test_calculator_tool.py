@@ -11,7 +11,7 @@ import pytest
 
 from ppo_lightning.envs import ChatRenderer, ToolEnvironment
 from ppo_lightning.envs.calculator import calculator as calc
-from ppo_lightning.tasks.calculator_tool import data as c
+from ppo_lightning.recipes.calculator_tool import data as c
 
 TOOLS = ["ppo_lightning.envs.calculator.calculator"]
 
@@ -92,12 +92,12 @@ def test_calculator_tool_builds_trains_and_reports_at_a_small_scale(tmp_path, ca
     """The whole job, its recipe built small (20 SFT steps on the transcripts of 600 problems, 200
     RL problems): the build, the evaluations with the tool and the accuracy without it before and
     after, and the report. The demo at full size is ``test_calculator_tool_learns_to_call_the_tool``."""
-    from ppo_lightning.tasks.calculator_tool import task
+    from ppo_lightning.recipes.calculator_tool import recipe
     from tests.helpers import build_small
 
-    build_small(monkeypatch, task, {"SFT_STEPS": 20, "SFT_PROBLEMS": 600, "N_PROBLEMS": 200})
+    build_small(monkeypatch, recipe, {"SFT_STEPS": 20, "SFT_PROBLEMS": 600, "N_PROBLEMS": 200})
     result = run_calculator_tool(tmp_path, tmp_path / "cache", 2, 1, capsys)
-    assert set(result["before"]) == {*task.ROWS, task.WITHOUT_TOOL} == set(result["after"])
+    assert set(result["before"]) == {*recipe.ROWS, recipe.WITHOUT_TOOL} == set(result["after"])
     assert 0 <= result["without_tool"]["before"] <= 1 and 0 <= result["without_tool"]["after"] <= 1
 
 

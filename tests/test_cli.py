@@ -69,7 +69,7 @@ def test_only_the_keys_the_user_typed_warn_and_each_once(cache_dir, tmp_path):
     """Weighted terms on top of a reward-model group (``reward=reviews``, the default job's): the
     group's reward-model keys (``name_or_path``, ``batch_size``, ``max_length``) are the group's,
     not the user's, so none of them warns; the one the user typed, ``reward.batch_size=8`` (read
-    only by a lone reward model), warns once, though the config is validated more than once."""
+    only by a lone reward model), warns once: a job validates its config once."""
     p = run_train(
         [
             "experiment=tiny_char",

@@ -1,4 +1,4 @@
-"""Config composition: groups stay in their lanes, a task's values reach only that task, and every
+"""Config composition: groups stay in their lanes, a recipe's values reach only that recipe, and every
 field's declared check is the one ``validate`` runs."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_the_default_job_is_the_reviews_task(tmp_path, cache_dir):
 
 
 def test_own_model_prompts_and_reward_get_the_library_defaults(tmp_path, cache_dir):
-    """The user who swaps the demo's model, data and reward inherits no value of the demo task."""
+    """The user who swaps the demo's model, data and reward inherits no value of the demo recipe."""
     cfg = compose(
         tmp_path,
         cache_dir,
@@ -81,7 +81,7 @@ def test_own_model_prompts_and_reward_get_the_library_defaults(tmp_path, cache_d
 
 def test_the_headline_command_runs_gpt2_on_the_reviews_task(tmp_path, cache_dir):
     """``python train.py model=gpt2 ppo.clip=0.2``: GPT-2 small as the policy on the documented
-    reviews task (its preset: recipe, KL coefficient, response length), at the optimizer's default
+    reviews recipe (its preset: recipe, KL coefficient, response length), at the optimizer's default
     learning rate. tests/test_recipes.py runs it offline with a local stand-in for the weights."""
     cfg = compose(tmp_path, cache_dir, "model=gpt2", "ppo.clip=0.2")
     assert (cfg.model.name_or_path, cfg.ppo.clip, cfg.optimizer.lr) == ("gpt2", 0.2, 1.0e-5)
@@ -319,7 +319,7 @@ def test_the_trainer_groups_describe_hardware_only(tmp_path, cache_dir):
 
 
 def test_compose_config_outside_a_hydra_app_finds_the_config_tree():
-    """``jobs.factory.compose_config`` outside ``train.py`` (a benchmark, a task's build) composes
+    """``jobs.factory.compose_config`` outside ``train.py`` (a benchmark, a recipe's build) composes
     ``conf/train.yaml`` from the repository's config tree."""
     from ppo_lightning.jobs.factory import CONF_DIR, compose_config
 
@@ -328,32 +328,81 @@ def test_compose_config_outside_a_hydra_app_finds_the_config_tree():
     assert cfg.ppo.clip == 0.15
 
 
-def test_the_tasks_are_their_folders_and_each_build_is_keyed_by_its_code_and_seed(tmp_path):
-    """``choices.RECIPES`` lists the task folders; ``recipe_root`` keys a build by the task's
-    sources and the seed, so an edited copy or another seed never reuses a build."""
+def test_the_recipes_are_their_folders_and_each_build_is_keyed_by_its_code_and_seed(tmp_path):
+    """``choices.RECIPES`` lists the recipe folders; ``recipe_root`` keys a build by the recipe's
+    sources and the seed, so an edited copy or another seed never reuses a build. A folder that
+    still holds a recipe's module under its old name, ``task.py``, is named with the new one."""
     import shutil
 
-    from ppo_lightning.config import choices, ConfigError, task_dir
+    from ppo_lightning.config import choices, ConfigError, recipe_folder
 
     assert choices.RECIPES == ("arithmetic", "calculator_tool", "math_chat", "reviews")
     assert recipe_root("/c", "arithmetic", 42) == recipe_root("/c", "arithmetic", 42)
     assert recipe_root("/c", "arithmetic", 42) != recipe_root("/c", "arithmetic", 43)
     assert recipe_root("/c", "arithmetic", 42).name.startswith("arithmetic-")
 
-    shutil.copytree(task_dir("arithmetic"), tmp_path / "my_tasks" / "countdown")
+    shutil.copytree(recipe_folder("arithmetic"), tmp_path / "my_recipes" / "countdown")
     sys.path.insert(0, str(tmp_path))
     try:
-        copy = recipe_root("/c", "my_tasks.countdown", 42)
+        copy = recipe_root("/c", "my_recipes.countdown", 42)
         assert copy.name.startswith("countdown-") and copy.name[-12:] == recipe_root("/c", "arithmetic", 42).name[-12:]
-        data = tmp_path / "my_tasks" / "countdown" / "data.py"
+        data = tmp_path / "my_recipes" / "countdown" / "data.py"
         data.write_text(data.read_text() + "\n# edited\n")
-        assert recipe_root("/c", "my_tasks.countdown", 42) != copy
-        with pytest.raises(ConfigError, match=r"recipe='my_tasks.nothing': no my_tasks/nothing/task.py"):
-            task_dir("my_tasks.nothing")
+        assert recipe_root("/c", "my_recipes.countdown", 42) != copy
+        with pytest.raises(ConfigError, match=r"recipe='my_recipes.nothing': no my_recipes/nothing/recipe.py"):
+            recipe_folder("my_recipes.nothing")
+        shutil.copytree(tmp_path / "my_recipes" / "countdown", tmp_path / "my_recipes" / "old")
+        (tmp_path / "my_recipes" / "old" / "recipe.py").rename(tmp_path / "my_recipes" / "old" / "task.py")
+        with pytest.raises(
+            ConfigError,
+            match=r"^recipe='my_recipes.old': .*old/task.py is a recipe's module under its old name; rename it recipe.py$",
+        ):
+            recipe_folder("my_recipes.old")
     finally:
         sys.path.remove(str(tmp_path))
     with pytest.raises(ConfigError, match=r"recipe='arithmetc': choose one of \['arithmetic'"):
-        task_dir("arithmetc")
+        recipe_folder("arithmetc")
+
+
+def test_the_old_name_of_the_recipes_package_is_one_line_naming_the_new_one(tmp_path, cache_dir, monkeypatch):
+    """``ppo_lightning.tasks`` is now ``ppo_lightning.recipes``: a config value that names it (a
+    reward function of a saved command line or experiment) fails validation naming the value to
+    write, and a recipe of your own that still imports it fails naming the new package."""
+    import shutil
+
+    from ppo_lightning.config import ConfigError, recipe_folder
+    from ppo_lightning.jobs.recipe import load_recipe
+
+    old = "ppo_lightning.tasks.arithmetic.data.reward_fn"
+    cfg = compose_cfg(["reward=function", f"reward.fn={old}"], tmp_path, cache_dir)
+    said = (
+        f"reward.fn='{old}': ppo_lightning.tasks is now ppo_lightning.recipes; "
+        "write reward.fn='ppo_lightning.recipes.arithmetic.data.reward_fn' instead"
+    )
+    with pytest.raises(ConfigError, match="^" + re.escape(said) + "$"):
+        C.validate(cfg)
+    stale = tmp_path / "my_recipes" / "stale"
+    shutil.copytree(recipe_folder("arithmetic"), stale)
+    code = (stale / "recipe.py").read_text()
+    (stale / "recipe.py").write_text(code.replace("ppo_lightning.recipes.common", "ppo_lightning.tasks.common"))
+
+    class Gone:  # no ppo_lightning.tasks, whatever else is installed (an older checkout's editable install)
+        def find_spec(self, name, path=None, target=None):
+            if name == "ppo_lightning.tasks" or name.startswith("ppo_lightning.tasks."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(sys, "meta_path", [Gone(), *sys.meta_path])
+    for name in [m for m in sys.modules if m == "ppo_lightning.tasks" or m.startswith("ppo_lightning.tasks.")]:
+        monkeypatch.delitem(sys.modules, name)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(
+            ConfigError,
+            match=r"^recipe=my_recipes.stale: .*recipe.py imports ppo_lightning.tasks(\.common)?; ppo_lightning.tasks is now ppo_lightning.recipes$",
+        ):
+            load_recipe("my_recipes.stale")
+    finally:
+        sys.path.remove(str(tmp_path))
 
 
 README_REWARD_EXAMPLE = [

@@ -77,12 +77,8 @@ def test_an_environment_that_breaks_the_protocol_is_refused_before_any_model_loa
 def test_the_probe_instances_are_closed(tmp_path, cache_dir, bpe):
     """``check_inputs`` and the runner each build an instance to look at (protocol, tools, the
     reward owners) and close it at once."""
-    from ppo_lightning import envs
-
     Sessions.reset_counts()
-    envs._CHECKED.clear()  # a node that passed is checked once per process
     cfg = compose_cfg(["env=function", "env._target_=tests.env_sessions.Sessions"], tmp_path, cache_dir)
-    check_inputs(cfg)
     check_inputs(cfg)
     assert Sessions.built == 1 and Sessions.resets == 1 and Sessions.open_now == 0
     _runner(bpe, Sessions)

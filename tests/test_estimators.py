@@ -199,7 +199,7 @@ RUN = [
 @pytest.mark.slow  # 40 iterations each
 @pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp"])
 def test_critic_free_estimators_raise_reward_without_any_value_head(tmp_path, cache_dir, advantage):
-    """Each critic-free estimator learns the tiny task (4 prompts x 4 samples per iteration), and
+    """Each critic-free estimator learns the tiny problem (4 prompts x 4 samples per iteration), and
     no value head exists anywhere: not in the policy, the optimizer, the checkpoint, the metrics
     or the export."""
     from ppo_lightning.jobs.factory import build

@@ -7,9 +7,9 @@ import statistics
 
 import pytest
 
-from ppo_lightning.tasks.arithmetic import data as arithmetic
+from ppo_lightning.recipes.arithmetic import data as arithmetic
 
-from ppo_lightning.tasks.reviews import data as reviews
+from ppo_lightning.recipes.reviews import data as reviews
 
 
 # ----------------------------------------------------------------------------- reviews
@@ -256,12 +256,12 @@ def test_arithmetic_tokenizer_round_trip(arith_tok):
     assert tok.decode(tok("12 + 7 =")["input_ids"]) == "12+7="
 
 
-@pytest.mark.parametrize("task", ["reviews", "arithmetic"])
-def test_tokenizer_save_and_reload(task, tmp_path, review_tok, arith_tok):
+@pytest.mark.parametrize("recipe", ["reviews", "arithmetic"])
+def test_tokenizer_save_and_reload(recipe, tmp_path, review_tok, arith_tok):
     from transformers import AutoTokenizer
 
-    tok = review_tok if task == "reviews" else arith_tok
-    text = "the film was dull but the music was lovely ." if task == "reviews" else "12+7=19"
+    tok = review_tok if recipe == "reviews" else arith_tok
+    text = "the film was dull but the music was lovely ." if recipe == "reviews" else "12+7=19"
     tok.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded(text)["input_ids"] == tok(text)["input_ids"]
@@ -307,9 +307,9 @@ def test_arithmetic_end_to_end_split_decoding(arith_tok):
 def test_reward_fns_import_as_config_paths():
     from ppo_lightning.rewards.function import FunctionReward
 
-    fn = FunctionReward("ppo_lightning.tasks.reviews.data.reward_fn")
+    fn = FunctionReward("ppo_lightning.recipes.reviews.data.reward_fn")
     assert list(fn(["the plot was"], ["dull but the music was lovely ."])) == [0.0]
-    fn = FunctionReward("ppo_lightning.tasks.reviews.data.reward_fn", {"ill_formed": -2.0})
+    fn = FunctionReward("ppo_lightning.recipes.reviews.data.reward_fn", {"ill_formed": -2.0})
     assert list(fn(["the plot was"], ["dull ."])) == [-2.0]
-    fn = FunctionReward("ppo_lightning.tasks.arithmetic.data.reward_fn")
+    fn = FunctionReward("ppo_lightning.recipes.arithmetic.data.reward_fn")
     assert list(fn(["12+7="], ["19"])) == [1.0]

@@ -13,8 +13,8 @@ import pytest
 from ppo_lightning.data.records import read_prompt_records
 from ppo_lightning.data.prompts import render_prompts
 from ppo_lightning.train.evaluation import EvalPoint
-from ppo_lightning.tasks.math_chat import data as math_word
-from ppo_lightning.tasks.common import eval_report
+from ppo_lightning.recipes.math_chat import data as math_word
+from ppo_lightning.recipes.common import eval_report
 from ppo_lightning.rewards.verifiable import answer_format, math_answer, math_answer_and_format
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -131,13 +131,13 @@ def test_math_chat_builds_trains_and_reports_at_a_small_scale(tmp_path, capsys, 
     """The whole job, its recipe built small (20 SFT steps on 2000 answers, 200 problems): every
     part the demo runs, the build, the evaluations before, during and after, and the report. The
     demo at full size is ``test_math_chat_builds_evaluates_and_raises_three_step_accuracy``."""
-    from ppo_lightning.tasks.math_chat import task
+    from ppo_lightning.recipes.math_chat import recipe
     from tests.helpers import build_small
 
-    build_small(monkeypatch, task, {"SFT_STEPS": 20, "SFT_EXAMPLES": 2000, "N_PROBLEMS": 200})
+    build_small(monkeypatch, recipe, {"SFT_STEPS": 20, "SFT_EXAMPLES": 2000, "N_PROBLEMS": 200})
     result = run_math_chat(tmp_path, tmp_path / "cache", iterations=2, every=1)
     assert "math_chat: held-out prompts, before and after PPO" in capsys.readouterr().out
-    assert set(result["before"]) == set(task.ROWS) == set(result["after"])
+    assert set(result["before"]) == set(recipe.ROWS) == set(result["after"])
     assert len(list((tmp_path / "cache").glob("math_chat-*/DONE"))) == 1
 
 

@@ -19,9 +19,9 @@ QUIET = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=fals
 
 @pytest.fixture(scope="module")
 def review_files(tmp_path_factory):
-    """A word-level base model and generated SFT / preference files for the stage tasks."""
-    from ppo_lightning.tasks.common import save_base_model
-    from ppo_lightning.tasks.reviews import data as reviews
+    """A word-level base model and generated SFT / preference files for the stages."""
+    from ppo_lightning.recipes.common import save_base_model
+    from ppo_lightning.recipes.reviews import data as reviews
 
     d = tmp_path_factory.mktemp("review_stages")
     rng = random.Random(0)
@@ -153,12 +153,12 @@ def small_reviews_cache(tmp_path_factory):
 
 @pytest.fixture
 def small_reviews(monkeypatch, small_reviews_cache):
-    """The reviews task builds with ``SMALL_REVIEWS`` (``helpers.build_small``), into
+    """The reviews recipe builds with ``SMALL_REVIEWS`` (``helpers.build_small``), into
     ``small_reviews_cache``."""
-    from ppo_lightning.tasks.reviews import task
+    from ppo_lightning.recipes.reviews import recipe
     from tests.helpers import build_small
 
-    build_small(monkeypatch, task, SMALL_REVIEWS)
+    build_small(monkeypatch, recipe, SMALL_REVIEWS)
     return small_reviews_cache
 
 
@@ -166,10 +166,10 @@ def test_default_job_builds_trains_and_reports_at_a_small_scale(tmp_path, small_
     """The default job, its recipe built small (the SFT policy, the first reward model and one
     red-team round, each a few steps), for 2 iterations: every part the demo runs. The demo at full
     size, from a new interpreter, is ``test_default_job_raises_the_reward_and_keeps_the_grammar``."""
-    from ppo_lightning.tasks.reviews import task
+    from ppo_lightning.recipes.reviews import recipe
 
     result = run_default_job(tmp_path, small_reviews, iterations=2, interpreter=False)
-    assert set(result["before"]) == set(task.ROWS) == set(result["after"])
+    assert set(result["before"]) == set(recipe.ROWS) == set(result["after"])
 
 
 @pytest.mark.demo
@@ -186,27 +186,27 @@ def test_default_job_raises_the_reward_and_keeps_the_grammar(tmp_path, cache_dir
     assert after["well-formed fraction"] >= before["well-formed fraction"] - 0.08
 
 
-def test_a_copy_of_the_arithmetic_task_runs_under_its_new_name_and_raises_accuracy(tmp_path, cache_dir):
-    """docs/usage.md, "A task of your own", done as a user does it: ``tasks/arithmetic/`` copied
-    into a package of their own (``my_tasks/countdown``) and its experiment file beside it, with
+def test_a_copy_of_the_arithmetic_recipe_runs_under_its_new_name_and_raises_accuracy(tmp_path, cache_dir):
+    """docs/usage.md, "A recipe of your own", done as a user does it: ``recipes/arithmetic/`` copied
+    into a package of their own (``my_recipes/countdown``) and its experiment file beside it, with
     ``arithmetic`` replaced by the new module path; nothing in ppo_lightning is edited. The copy
     builds under its own name and raises the accuracy as the original does."""
     import shutil
 
     from tests.helpers import ROOT
 
-    package = tmp_path / "src" / "my_tasks"
+    package = tmp_path / "src" / "my_recipes"
     shutil.copytree(
-        ROOT / "ppo_lightning" / "tasks" / "arithmetic",
+        ROOT / "ppo_lightning" / "recipes" / "arithmetic",
         package / "countdown",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
     (package / "__init__.py").write_text("")
     experiment = (ROOT / "conf" / "experiment" / "arithmetic.yaml").read_text()
-    experiment = experiment.replace("ppo_lightning.tasks.arithmetic", "my_tasks.countdown")
+    experiment = experiment.replace("ppo_lightning.recipes.arithmetic", "my_recipes.countdown")
     (tmp_path / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "conf" / "experiment" / "countdown.yaml").write_text(
-        experiment.replace("arithmetic", "my_tasks.countdown")
+        experiment.replace("arithmetic", "my_recipes.countdown")
     )
     p = run_train(
         [
@@ -220,10 +220,10 @@ def test_a_copy_of_the_arithmetic_task_runs_under_its_new_name_and_raises_accura
         ],
         cache_dir,
         env_extra={"PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), os.environ.get("PYTHONPATH", "")])},
-        interpreter=True,  # the copied task is found on PYTHONPATH, as a user's is
+        interpreter=True,  # the copied recipe is found on PYTHONPATH, as a user's is
     )
     assert p.returncode == 0, p.stderr[-4000:]
-    assert "my_tasks.countdown: held-out prompts, before and after PPO" in p.stdout
+    assert "my_recipes.countdown: held-out prompts, before and after PPO" in p.stdout
     built = [d.name for d in (tmp_path / "cache").iterdir()]
     assert len(built) == 1 and re.fullmatch(r"countdown-[0-9a-f]{12}", built[0]), built
     assert (tmp_path / "cache" / built[0] / "DONE").is_file()
@@ -233,7 +233,7 @@ def test_a_copy_of_the_arithmetic_task_runs_under_its_new_name_and_raises_accura
 
 def test_the_headline_command_runs_offline_with_a_local_stand_in(tmp_path, small_reviews, tiny_lm_dir):
     """``python train.py model=gpt2 ppo.clip=0.2`` with the GPT-2 weights swapped for a local
-    GPT-2-architecture directory (no hub here): the reviews task's recipe (built small) gives its
+    GPT-2-architecture directory (no hub here): the reviews recipe (built small) gives its
     reward model and prompts, PPO runs, and the table is printed."""
     p = run_train(
         [
@@ -253,7 +253,7 @@ def test_the_headline_command_runs_offline_with_a_local_stand_in(tmp_path, small
     assert "reviews: held-out prompts, before and after PPO" in p.stdout
     rows = read_metrics(tmp_path / "run" / "metrics.csv")
     iterations = [r for r in rows if "lr" in r]
-    assert len(iterations) == 3 and iterations[0]["objective/kl_coef"] == 0.2  # the reviews task's preset
+    assert len(iterations) == 3 and iterations[0]["objective/kl_coef"] == 0.2  # the reviews recipe's preset
     assert [r["step"] for r in rows if "eval/metrics/sentiment/mean@1" in r] == [0, 3]  # the table's evaluations
     config = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
     assert "clip: 0.2" in config and "recipe: reviews" in config

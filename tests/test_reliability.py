@@ -206,10 +206,10 @@ def test_sigterm_outside_training_raises_where_the_program_is_and_cleans_up(tmp_
 
     from omegaconf import OmegaConf
 
-    from ppo_lightning.jobs.task import prepare
+    from ppo_lightning.jobs.recipe import prepare
     from ppo_lightning.parallel.preemption import Preempted, handle_sigterm
 
-    class Interrupted:  # a task whose build a SIGTERM stops
+    class Interrupted:  # a recipe whose build a SIGTERM stops
         finished_step = False
 
         def build(self, cfg, tmp):

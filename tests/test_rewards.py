@@ -273,7 +273,7 @@ def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_
 
 
 def test_reward_model_token_input_needs_the_policy_vocabulary(tiny_rm_dir):
-    from ppo_lightning.tasks.tokenizers import build_word_tokenizer
+    from ppo_lightning.recipes.tokenizers import build_word_tokenizer
 
     words = build_word_tokenizer(["the", "film", "was", "good"])
     rm = RewardModel(str(tiny_rm_dir))

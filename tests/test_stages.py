@@ -1,6 +1,6 @@
 """The stages before PPO: SFT and the reward model, on the tiny offline models with a real Trainer.
 
-Learning tests use tasks a 2-layer byte-level GPT-2 learns in about a hundred steps: SFT maps
+Learning tests use problems a 2-layer byte-level GPT-2 learns in about a hundred steps: SFT maps
 ``"c*n="`` to ``c`` repeated n times; the reward model prefers the response with more ``a``s.
 """
 

@@ -14,7 +14,7 @@ from tests.helpers import run_train
 pytestmark = pytest.mark.slow  # Hydra sweeps in subprocesses
 
 # Two PPO iterations on the tiny model; metrics.csv only (no W&B run, no checkpoints, no export).
-# experiment=tiny_char: the default job would build the reviews task's models first (minutes), or
+# experiment=tiny_char: the default job would build the reviews recipe's models first (minutes), or
 # find them built by whichever test ran before.
 TINY_RUN = [
     "experiment=tiny_char",

@@ -6,7 +6,7 @@ they check: the engine samples what the ``hf`` backend samples (greedy tokens, s
 and masks, on GPT-2, Llama and Qwen2), before and after a weight sync; LoRA adapters reach it
 merged, and a sync sends only the adapted modules (widened to vLLM's fused ones); its logprobs
 of the tokens it sampled equal the training forward's; per-request seeds from the run's
-generator replay tokens; PPO and GRPO runs learn the tiny task with the first update's ratio
+generator replay tokens; PPO and GRPO runs learn the tiny problem with the first update's ratio
 exactly 1; a killed run resumes on the uninterrupted trajectory. Under FSDP and DDP:
 ``test_vllm_distributed.py``.
 """
@@ -242,7 +242,7 @@ RUN = [*KV_CACHE, "generation=vllm", "trainer.enable_progress_bar=false", "train
 @pytest.mark.slow  # 30 iterations each
 @pytest.mark.parametrize("advantage", ["gae", "grpo"])
 def test_ppo_and_grpo_under_vllm_raise_the_reward(tmp_path, cache_dir, advantage):
-    """The tiny task learns with the engine sampling: its weights follow every update (each
+    """The tiny problem learns with the engine sampling: its weights follow every update (each
     iteration logs the sync's time), and its logprobs stay the training forward's."""
     from ppo_lightning.jobs.run import train
 

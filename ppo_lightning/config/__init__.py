@@ -20,12 +20,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ppo_lightning.config import choices
-from ppo_lightning.config.compat import check_moved_keys, is_placeholder, MOVED_KEYS, REMOVED_KEYS
+from ppo_lightning.config.compat import check_moved_keys, is_placeholder, MOVED_KEYS, MOVED_MODULES, REMOVED_KEYS
 from ppo_lightning.config.data import DataConfig
 from ppo_lightning.config.env import EnvConfig, ToolsConfig
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.config.eval import EvalConfig
-from ppo_lightning.config.recipes import recipe_root, task_dir, task_module
+from ppo_lightning.config.recipes import recipe_folder, recipe_module, recipe_root
 from ppo_lightning.config.model import LoRAConfig, ModelConfig, RefConfig, TinyModelConfig
 from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import PPOConfig
@@ -47,6 +47,7 @@ __all__ = [
     "IGNORED_UNLESS",
     "LoRAConfig",
     "MOVED_KEYS",
+    "MOVED_MODULES",
     "ModelConfig",
     "OptimizerConfig",
     "PPOConfig",
@@ -72,9 +73,9 @@ __all__ = [
     "ignored_keys",
     "is_placeholder",
     "param",
+    "recipe_folder",
+    "recipe_module",
     "recipe_root",
-    "task_dir",
-    "task_module",
     "register_configs",
     "validate",
 ]

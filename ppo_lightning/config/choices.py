@@ -1,6 +1,6 @@
 """Every choice list of the config, in a module that imports nothing but the standard library.
 
-The config (``config/__init__.py``) reads its choices here, so loading it (``--cfg job``,
+The config's schemas (``config/``) read their choices here, so loading it (``--cfg job``,
 ``--help``) imports no torch, Lightning or transformers. The code that implements each choice
 imports its list from here too: one place per list, and a test (``tests/test_config.py``) checks
 that each implementation covers exactly its list.
@@ -132,10 +132,10 @@ REWARD_INPUTS = ("auto", "tokens", "text")  # reward.input: see RewardModel.use_
 PROMPT_TRUNCATION = ("left", "error")  # data.truncation: keep a long prompt's last tokens, or refuse it
 SFT_TRUNCATION = ("truncate", "drop", "error")  # task.truncation of task=sft (stages/sft.py)
 
-TASKS_DIR = Path(__file__).parents[1] / "tasks"
-"""The package's tasks, one folder each (``ppo_lightning/tasks/<name>/task.py``)."""
-RECIPES = tuple(sorted(p.parent.name for p in TASKS_DIR.glob("*/task.py")))
-"""``recipe``: the package's tasks, found by their folders (a copied folder is a new choice;
-``recipe=my_pkg.my_task`` names one outside the package). Where each builds: ``config/recipes.py``."""
+RECIPES_DIR = Path(__file__).parents[1] / "recipes"
+"""The package's recipes, one folder each (``ppo_lightning/recipes/<name>/recipe.py``)."""
+RECIPES = tuple(sorted(p.parent.name for p in RECIPES_DIR.glob("*/recipe.py")))
+"""``recipe``: the package's recipes, found by their folders (a copied folder is a new choice;
+``recipe=my_pkg.my_recipe`` names one outside the package). Where each builds: ``config/recipes.py``."""
 
 ENV_ERROR_MODES = ("count", "raise")  # env.on_error: an environment whose step raises (envs/episodes.py)

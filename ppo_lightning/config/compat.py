@@ -25,30 +25,13 @@ DATA_WORKERS_REMOVED = (
 )
 
 
-DATA_WORKERS_REMOVED = (
-    "the PPO prompt loader runs in the main process (its prompts are tokenised once, before "
-    "any model loads); a stage's loader workers are task.num_workers"
-)
-
-
-MOVED_KEYS = {
-    "ppo.max_new_tokens": "sampling.max_new_tokens",
-    "ppo.temperature": "sampling.temperature",
-    "ppo.top_k": "sampling.top_k",
-    "ppo.top_p": "sampling.top_p",
-    "ppo.stop_at_eos": "sampling.stop_at_eos",
-    "ppo.stop_token_ids": "sampling.stop_token_ids",
-    "ppo.stop_strings": "sampling.stop_strings",
-    "ppo.rollout_generate_batch_size": "sampling.chunk_size",
-    "ppo.fast_decode": "generation.fast_decode",
-}
-"""Keys that moved, and their new homes. Each old key stays in its schema as a null placeholder,
-so that setting it (on the command line or in a YAML file) composes and then fails validation
-with one line naming the new key, instead of Hydra's "not in the schema"."""
-
-
 REMOVED_KEYS = {"model.lora.dropout": LORA_DROPOUT_REMOVED, "data.num_workers": DATA_WORKERS_REMOVED}
 """Keys that were removed, and why; placeholders like the moved ones."""
+
+
+MOVED_MODULES = {"ppo_lightning.tasks": "ppo_lightning.recipes"}
+"""Modules that moved, and their new paths: a config value that names the old one (a reward
+function, an environment class) fails with one line naming the new path."""
 
 
 def is_placeholder(f: dataclasses.Field) -> bool:
@@ -76,6 +59,13 @@ class _MovedPPOKeys:
     fast_decode: Optional[Any] = moved("generation.fast_decode")
 
 
+MOVED_KEYS = {f"ppo.{f.name}": f.metadata["moved_to"] for f in dataclasses.fields(_MovedPPOKeys)}
+"""Keys that moved, and their new homes (read from the placeholders above). Each old key stays in
+its schema as a null placeholder, so that setting it (on the command line or in a YAML file)
+composes and then fails validation with one line naming the new key, instead of Hydra's "not in
+the schema"."""
+
+
 def check_moved_keys(cfg) -> None:
     """A moved key that is set fails with one line: its new home, with the value to write there;
     a removed one says why it went."""
@@ -87,3 +77,26 @@ def check_moved_keys(cfg) -> None:
         if value is not None:
             shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
             raise ConfigError(f"{old} moved to {new}: write {new}={shown!r} instead")
+
+
+def check_moved_modules(cfg) -> None:
+    """A value that names a moved module (``reward.fn=ppo_lightning.tasks.arithmetic.data.reward_fn``)
+    fails with one line: the key, and the value to write instead."""
+    for key, value in _strings(OmegaConf.to_container(cfg, resolve=False), ""):
+        for old, new in MOVED_MODULES.items():
+            if value == old or value.startswith(old + "."):
+                raise ConfigError(
+                    f"{key}={value!r}: {old} is now {new}; write {key}={new + value[len(old) :]!r} instead"
+                )
+
+
+def _strings(node: Any, key: str):
+    """``(dotted key, value)`` of every string in a container (a list's items under its key)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v, key)
+    elif isinstance(node, str):
+        yield key, node

@@ -14,7 +14,7 @@ from ppo_lightning.config.schema import param
 
 @dataclass
 class TinyModelConfig:
-    """A random causal LM over a byte vocabulary (256 bytes + EOS + pad), built offline (``tiny.py``)."""
+    """A random causal LM over a byte vocabulary (256 bytes + EOS + pad), built offline (``models/tiny.py``)."""
 
     arch: str = param("gpt2", choices=choices.TINY_ARCHITECTURES)
     """Architecture: GPT-2, or Llama, Qwen2 and GPT-NeoX layouts of the same size."""

@@ -17,7 +17,7 @@ class OptimizerConfig:
     name: str = param("adamw", choices=choices.OPTIMIZERS)
     """``torch.optim`` class; ``sgd`` uses ``lr`` and ``weight_decay`` only (no momentum)."""
     lr: float = param(1.0e-5, gt=0)
-    """Base learning rate (``model=tiny``, ``model=reviews`` and the tasks' experiments set the rate
+    """Base learning rate (``model=tiny``, ``model=reviews`` and the recipes' experiments set the rate
     their small models need)."""
     betas: List[float] = param(factory=lambda: [0.9, 0.999])
     """Adam/AdamW only."""
@@ -27,7 +27,7 @@ class OptimizerConfig:
     """Decoupled (AdamW) or L2 (Adam, SGD) weight decay."""
     scheduler: str = param("constant", choices=choices.SCHEDULERS)
     """Decay from 1 to ``min_lr_ratio`` between step ``warmup_steps`` and ``trainer.max_steps``
-    (``optim.py:lr_lambda``)."""
+    (``train/optim.py:lr_lambda``)."""
     warmup_steps: int = param(0, ge=0)
     """Steps (PPO iterations) of linear warmup: step i < w trains at lr (i + 1) / (w + 1)."""
     min_lr_ratio: float = param(0.0, ge=0, le=1)

@@ -63,7 +63,7 @@ class TrainConfig:
     cache (``ppo_lightning/generation/hf.py``); its option ``generation.fast_decode`` (default
     true) samples an exact ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
     ``GPTNeoXForCausalLM`` (whole unsharded weights; SDPA attention and fixed rotary frequencies
-    for the rotary ones; no hub kernel in place; ``fast_decode.py`` lists the rest) with a lean
+    for the rotary ones; no hub kernel in place; ``generation/fast_decode.py`` lists the rest) with a lean
     per-token step: the same ops on the same weights, the hidden state bitwise equal to the
     model's forward (the LM head, on a CPU, in another summation order: the logits to float32
     rounding, the head 3-4x faster on few rows), about half the per-token overhead; the prefill
@@ -98,11 +98,11 @@ class TrainConfig:
     tokenizer, generation config, plus ``value_head.safetensors``); null skips it.
     ``task=export``: the target, required."""
     recipe: Optional[str] = None
-    """The task this job runs: a folder of ``ppo_lightning/tasks`` (one of
-    ``choices.RECIPES``) or a package of your own holding a ``task.py`` (``my_pkg.my_task``, a copy
-    of ``tasks/arithmetic``). Set by its experiment (``conf/experiment/<name>.yaml``). Before PPO
-    it builds its models and prompts once (cached under ``${recipe_dir:<name>}``, keyed by the
-    task's code and the seed, atomically); after PPO rank 0 prints a before/after table of the
+    """The recipe this job runs: a folder of ``ppo_lightning/recipes`` (one of
+    ``choices.RECIPES``) or a package of your own holding a ``recipe.py`` (``my_pkg.my_recipe``, a
+    copy of ``recipes/arithmetic``). Set by its experiment (``conf/experiment/<name>.yaml``). Before
+    PPO it builds its models and prompts once (cached under ``${recipe_dir:<name>}``, keyed by the
+    recipe's code and the seed, atomically); after PPO rank 0 prints a before/after table of the
     run's first and last evaluation (``eval.*``, which its experiment sets) and writes
     ``eval.json``. Null: none."""
     optimized_metric: str = "objective/scores"

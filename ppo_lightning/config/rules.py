@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ppo_lightning.config import choices
-from ppo_lightning.config.compat import check_moved_keys
+from ppo_lightning.config.compat import check_moved_keys, check_moved_modules
 from ppo_lightning.config.data import DataConfig
 from ppo_lightning.config.env import EnvConfig, ToolsConfig
 from ppo_lightning.config.errors import ConfigError
@@ -21,7 +21,7 @@ from ppo_lightning.config.eval import EvalConfig
 from ppo_lightning.config.model import LoRAConfig, ModelConfig, RefConfig, TinyModelConfig
 from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import largest_divisor, minibatch_size_for, PPOConfig
-from ppo_lightning.config.recipes import task_dir
+from ppo_lightning.config.recipes import recipe_folder
 from ppo_lightning.config.reward import RewardConfig, RewardTermConfig, TERM_NAME
 from ppo_lightning.config.root import TrainConfig
 from ppo_lightning.config.task import DEFAULT_MAX_LENGTH, SFTConfig
@@ -183,6 +183,7 @@ def validate(cfg) -> None:
 
 def _check_fields(cfg) -> None:
     check_moved_keys(cfg)
+    check_moved_modules(cfg)
     for prefix, cls in SECTIONS.items():
         node = OmegaConf.select(cfg, prefix)
         if node is not None:
@@ -200,14 +201,10 @@ def _check_pass_term(cfg) -> None:
         )
 
 
-_WARNED: set[str] = set()  # each warning once per process, however often a config is validated
-
-
 def _warn_ignored(cfg) -> None:
+    """One warning per ignored key the user set; a job validates its config once."""
     for line in ignored_keys(cfg, user_set_keys()):
-        if line not in _WARNED:
-            _WARNED.add(line)
-            log.warning(line)
+        log.warning(line)
 
 
 def _check_minibatch(cfg) -> None:
@@ -428,7 +425,7 @@ def check_sweep_launch(cfg) -> None:
 
 def _check_recipe(cfg) -> None:
     if cfg.recipe is not None:
-        task_dir(cfg.recipe)  # a task folder of the package, or a package of yours with a task.py
+        recipe_folder(cfg.recipe)  # a recipe folder of the package, or a package of yours with a recipe.py
 
 
 RULES = (

@@ -25,6 +25,16 @@ def param(
     return field(default=default, metadata=meta)
 
 
+def get_key(node: Any, key: str, default: Any = None) -> Any:
+    """``node.key`` of a DictConfig, a dict or a dataclass (None: no node); ``default`` where the
+    key is absent or null. How code below the jobs reads a config node it may be handed in any of
+    these forms (a composed config, a test's dict, a ``to_object`` dataclass)."""
+    if node is None:
+        return default
+    value = node.get(key, default) if isinstance(node, Mapping) else getattr(node, key, default)
+    return default if value is None else value
+
+
 def describe_check(meta: dict) -> str:
     """The check of a field in words: ``> 0``, ``in [0, 1]``, ``one of k1 | k2 | k3``."""
     if "choices" in meta:
@@ -47,7 +57,7 @@ def check_fields(node: Any, cls: type, prefix: str = "") -> None:
         meta = f.metadata
         if not meta:
             continue
-        value = node.get(f.name) if isinstance(node, dict) else getattr(node, f.name, None)
+        value = get_key(node, f.name)
         if value is None:
             continue
         if "choices" in meta:
@@ -100,7 +110,7 @@ def check_types(node: Any, cls: type, prefix: str = "") -> None:
 
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        value = node.get(f.name) if hasattr(node, "get") else getattr(node, f.name, None)
+        value = get_key(node, f.name)
         if value is None or f.name.startswith("_"):
             continue
         hint = hints[f.name]

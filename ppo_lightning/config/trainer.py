@@ -61,6 +61,6 @@ class TrainerConfig:
     limit_val_batches: Any = 0
     """PPO has no validation loop; ``task=sft`` / ``task=reward_model`` set 1.0."""
     val_check_interval: Any = None
-    """Stages: validate every this many optimizer steps (the task files set 50)."""
+    """Stages: validate every this many optimizer steps (``task=sft`` / ``task=reward_model`` set 50)."""
     check_val_every_n_epoch: Optional[int] = 1
-    """Null lets ``val_check_interval`` count steps across epochs (the task files set it)."""
+    """Null lets ``val_check_interval`` count steps across epochs (``task=sft`` / ``task=reward_model`` set it)."""

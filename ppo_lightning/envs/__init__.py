@@ -95,23 +95,17 @@ def env_factory(node):
     return make
 
 
-_CHECKED: set[str] = set()  # the env nodes check_env passed in this process (each built once)
-
-
 def check_env(node, record=None, reward: bool = False) -> None:
     """Before any model loads: the environment class imports, one instance builds from the
     group's arguments (its tools import and have schemas), it has ``reset`` and ``step``, and, with
     ``record`` (the data's first, a ``Record``), its ``reset`` takes that record's columns; with
     ``reward`` (``reward=environment``) it gives a reward (``check_env_reward``). Every failure is
-    one ``ConfigError`` naming the key or the class. The instance is closed after; a node that
-    passed is not built again in this process (an environment may hold a server session that its
-    class never closes)."""
+    one ``ConfigError`` naming the key or the class. The instance is closed after. A job calls this
+    once (``jobs.factory.check_inputs``), or twice where its recipe writes the prompts: without
+    the record before the build, with it after (``check_built_inputs``)."""
     from ppo_lightning.config.errors import ConfigError
     from ppo_lightning.envs.base import EnvError, check_protocol, check_reset, close_env
 
-    key = repr((_plain(node), None if record is None else (record.prompt, record.columns), reward))
-    if key in _CHECKED:
-        return
     make = env_factory(node)
     target = node.get("_target_")
     try:
@@ -142,7 +136,6 @@ def check_env(node, record=None, reward: bool = False) -> None:
         error = close_env(env)
         if error is not None:
             raise ConfigError(f"env._target_={target!r}: {error}")
-    _CHECKED.add(key)
 
 
 def check_env_reward(node, env=None) -> None:

@@ -72,7 +72,7 @@ class Environment:
     tools: list[dict] = []
 
     def reset(self, record) -> list[Message] | None:
-        """Start an episode from one record (``data.PromptRecord``: its ``prompt`` as written and
+        """Start an episode from one record (``data.records.PromptRecord``: its ``prompt`` as written and
         its metadata ``columns``). Return messages to use as the prompt (for example the record's
         with a system prompt added), or None to keep the record's prompt."""
         return None

@@ -6,7 +6,7 @@
 (``env.reuse_instances``), ``reset(**columns)`` returning None or
 text appended to the last user message, its public methods the tools, and an optional
 ``get_reward()`` that scores the finished episode as one more reward term named after the class
-(``rewards.EnvironmentReward``). Both may be given together.
+(``rewards.environment.EnvironmentReward``). Both may be given together.
 
 Each tool's JSON schema comes from its type hints and Google-style docstring, through transformers'
 ``get_json_schema`` (the one schema builder), and goes to the chat template's ``tools=`` argument.

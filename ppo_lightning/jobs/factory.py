@@ -3,7 +3,8 @@
 The jobs (``ppo_lightning/jobs/run.py``, which the entry point ``train.py`` runs) and the recipes
 (whose red-team rounds are short PPO runs) both build runs here; nothing here imports a recipe.
 ``check_inputs`` holds every check of the user's inputs that needs no model, so each can run
-before any recipe build or model load.
+before any recipe build or model load; ``check_built_inputs`` the same checks of what a recipe
+builds, once it has built it. A job runs each check once.
 """
 
 from __future__ import annotations
@@ -79,14 +80,20 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
     (``config.validate``), the prompt file (exists, holds prompts, parses), the reward function
     (imports), model and checkpoint paths (exist, or are hub ids that can be reached).
 
-    Paths under ``built_by_recipe`` are skipped: the recipe builds them next. A missing path
-    that another recipe builds says which ``recipe=`` would build it.
+    Paths under ``built_by_recipe`` are skipped: the recipe builds them next, and
+    ``check_built_inputs`` checks them once it has. A missing path that another recipe builds
+    says which ``recipe=`` would build it.
     """
     validate(cfg)
 
     def pending(path) -> bool:
         return built_by_recipe is not None and bool(path) and _under(path, built_by_recipe)
 
+    if cfg.data.path is None and cfg.data.hf_dataset is None:
+        raise ConfigError(
+            "data.path and data.hf_dataset are both null: set data.path=prompts.txt "
+            "(one prompt a line) or .jsonl, or data.hf_dataset=<name>"
+        )
     _check_prompt_files(cfg, pending, recipe_builds=built_by_recipe is not None)
     if cfg.ckpt_path is not None and not (os.path.isfile(cfg.ckpt_path) or is_sharded_checkpoint(cfg.ckpt_path)):
         raise ConfigError(
@@ -99,18 +106,31 @@ def check_inputs(cfg: DictConfig, built_by_recipe: Path | None = None) -> None:
     _warn_of_emulated_bf16(cfg)
 
 
+def check_built_inputs(cfg: DictConfig, built_by_recipe: Path) -> None:
+    """Once the job's recipe has built ``built_by_recipe``: the checks ``check_inputs`` left for
+    the paths under it (prompt files, model sources, the model's context) and, where the recipe
+    wrote the prompts, the environment's ``reset`` on their first record. Nothing
+    ``check_inputs`` checked runs again."""
+
+    def checked(path) -> bool:  # check_inputs took it: not the recipe's
+        return not (path and _under(path, built_by_recipe))
+
+    _check_prompt_files(cfg, checked, recipe_builds=False)
+    _check_model_sources(cfg, checked)
+    if not checked(cfg.model.name_or_path):
+        check_context(cfg)
+    if cfg.get("env") and not checked(cfg.data.path):
+        record = first_record(cfg.data.path, cfg.data.prompt_field)
+        check_env(cfg.env, record, reward=_env_owns_reward(cfg))
+
+
 def _check_prompt_files(cfg: DictConfig, pending, recipe_builds: bool) -> None:
-    """``data.path`` (or ``data.hf_dataset``) and ``eval.path``: given, existing, holding prompts
-    that parse; unless ``pending`` (a recipe builds them next)."""
+    """``data.path`` and ``eval.path``: existing, holding prompts that parse; unless ``pending``
+    says another pass takes them (a recipe builds them next)."""
     d = cfg.data
-    if d.path is None and d.hf_dataset is None:
-        raise ConfigError(
-            "data.path and data.hf_dataset are both null: set data.path=prompts.txt "
-            "(one prompt a line) or .jsonl, or data.hf_dataset=<name>"
-        )
     if d.path is not None and recipe_builds and not pending(d.path):
         log.warning(
-            "data.path=%s is not recipe=%s's prompts: this job keeps that task's data group and "
+            "data.path=%s is not recipe=%s's prompts: this job keeps that recipe's data group and "
             "preset (prompt limit, KL coefficient, response length); for your own prompts with the "
             "library's defaults choose data=file",
             d.path,
@@ -166,7 +186,7 @@ def _check_code(cfg: DictConfig, pending) -> None:
         build_reward(r)  # imports reward.fn (or every term's)
     build_eval_metrics(cfg.eval.metrics)  # imports each eval.metrics function
     check_backend(cfg.get("generation"))
-    own_reward = r.kind == "environment" and not r.terms  # the environment scores its episodes alone
+    own_reward = _env_owns_reward(cfg)
     if cfg.get("env"):
         # the environment class imports and builds, has reset and step, its tools have schemas, its
         # reset takes the data's first record (where the file is there to read), and it gives a reward
@@ -174,6 +194,11 @@ def _check_code(cfg: DictConfig, pending) -> None:
         check_env(cfg.env, record, reward=own_reward)
     elif own_reward:
         check_env_reward(None)
+
+
+def _env_owns_reward(cfg: DictConfig) -> bool:
+    """``reward=environment`` with no other term: the environment scores its episodes alone."""
+    return cfg.reward.kind == "environment" and not cfg.reward.terms
 
 
 def _check_model_sources(cfg: DictConfig, pending) -> None:
@@ -258,20 +283,23 @@ def _built_by_hint(path: str, cfg: DictConfig) -> str:
 
 
 # ----------------------------------------------------------------------------- the module
-def build(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
-    """Module, prompts and Trainer for a composed config; every cheap check runs first. The
-    Trainer stops on SIGTERM at an iteration's end, with a checkpoint (``StopOnPreemption``), and
-    its progress bar counts iterations (``IterationProgressBar``)."""
-    module, datamodule = build_module(cfg)
+def build(cfg: DictConfig, checked: bool = False) -> tuple[PPOModule, PromptDataModule, L.Trainer]:
+    """Module, prompts and Trainer for a composed config; every cheap check runs first, unless
+    ``checked`` (the caller ran them). The Trainer stops on SIGTERM at an iteration's end, with a
+    checkpoint (``StopOnPreemption``), and its progress bar counts iterations
+    (``IterationProgressBar``)."""
+    module, datamodule = build_module(cfg, checked=checked)
     trainer = build_trainer(cfg, extra_callbacks=[StopOnPreemption()], progress_bar=IterationProgressBar)
     return module, datamodule, trainer
 
 
-def build_module(cfg: DictConfig) -> tuple[PPOModule, PromptDataModule]:
-    """The ``PPOModule`` (policy with value head, frozen reference, reward) and the prompts. The
-    parts are built in a fixed order from one seed (LoRA's adapters and some heads draw from the
-    global RNG): prompts, policy and reference, reward, then the module."""
-    check_inputs(cfg)
+def build_module(cfg: DictConfig, checked: bool = False) -> tuple[PPOModule, PromptDataModule]:
+    """The ``PPOModule`` (policy with value head, frozen reference, reward) and the prompts, after
+    ``check_inputs`` (unless ``checked``: the caller ran it). The parts are built in a fixed order
+    from one seed (LoRA's adapters and some heads draw from the global RNG): prompts, policy and
+    reference, reward, then the module."""
+    if not checked:
+        check_inputs(cfg)
     # first: building the tiny model seeds the global RNG itself, and what follows must not
     # depend on whether this run built it (LoRA's adapter init draws from that RNG)
     ensure_tiny_model(cfg.model, cfg.paths.cache_dir)

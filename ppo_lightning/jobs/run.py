@@ -18,11 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 from ppo_lightning.parallel.checkpoint import full_disk_error, last_good_checkpoint, OutputWriteError
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.config.rules import user_set_keys
-from ppo_lightning.jobs.factory import build, build_module, build_trainer, check_inputs
+from ppo_lightning.jobs.factory import build, build_module, build_trainer, check_built_inputs, check_inputs
 from ppo_lightning.train.loggers import finish_wandb
 from ppo_lightning.models.policy import save_policy
 from ppo_lightning.parallel.preemption import EXIT_STATUS, Preempted, handle_sigterm
-from ppo_lightning.jobs.task import built_root, load_task, prepare
+from ppo_lightning.jobs.recipe import built_root, load_recipe, prepare
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,17 @@ def export(cfg: DictConfig) -> Path:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run PPO as configured; returns every metric of the last iteration.
 
-    Every input is checked first (``check_inputs``; paths the recipe builds are skipped), then
-    the job's recipe, if it names one, builds what is missing, then the run is built and fit.
+    Every input is checked once: first all but the paths the job's recipe builds
+    (``check_inputs``), then the recipe, if the job names one, builds what is missing and its
+    paths are checked (``check_built_inputs``), then the run is built and fit.
     """
-    recipe = load_task(cfg.recipe) if cfg.recipe else None
-    check_inputs(cfg, built_by_recipe=built_root(cfg) if recipe is not None else None)
+    recipe = load_recipe(cfg.recipe) if cfg.recipe else None
+    built = built_root(cfg) if recipe is not None else None
+    check_inputs(cfg, built_by_recipe=built)
     if recipe is not None:
         prepare(recipe, cfg)  # first run builds its policy, reward model and prompts (cached)
-    module, datamodule, trainer = build(cfg)
+        check_built_inputs(cfg, built)
+    module, datamodule, trainer = build(cfg, checked=True)
     try:
         fit(trainer, module, datamodule, cfg.ckpt_path)
         if cfg.export_dir:  # every rank: a sharded policy is gathered first

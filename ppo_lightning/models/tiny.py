@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 from ppo_lightning.config.choices import TINY_ARCHITECTURES as ARCHITECTURES
+from ppo_lightning.config.schema import get_key
 
 log = logging.getLogger(__name__)
 
@@ -187,22 +188,17 @@ def ensure_tiny_model(model_cfg, cache_dir: str | os.PathLike | None) -> Path | 
     gets that directory loaded (or a "no such directory" error), never a random model written
     into it. ``model_cfg`` is a ``ModelConfig``, a DictConfig or a dict.
     """
-    t, name = _field(model_cfg, "build_tiny"), _field(model_cfg, "name_or_path")
+    t, name = get_key(model_cfg, "build_tiny"), get_key(model_cfg, "name_or_path")
     if t is None or not name or cache_dir is None:
         return None
     target = Path(name).resolve()
     if (target / "config.json").exists() or not target.is_relative_to(Path(cache_dir).resolve()):
         return None
-    arch, n_layer, n_embd = _field(t, "arch", "gpt2"), _field(t, "n_layer", 2), _field(t, "n_embd", 64)
+    arch, n_layer, n_embd = get_key(t, "arch", "gpt2"), get_key(t, "n_layer", 2), get_key(t, "n_embd", 64)
     log.info("building tiny %s (%d layers, %d dims) at %s", arch, n_layer, n_embd, target)
     return save_tiny_causal_lm(
-        target, n_layer, _field(t, "n_head", 2), n_embd, _field(t, "n_positions", 256), _field(t, "seed", 0), arch
+        target, n_layer, get_key(t, "n_head", 2), n_embd, get_key(t, "n_positions", 256), get_key(t, "seed", 0), arch
     )
-
-
-def _field(cfg, key: str, default=None):
-    """``cfg[key]`` of a dict or DictConfig, ``cfg.key`` of a dataclass."""
-    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
 
 
 def save_tiny_reward_model(

@@ -1,6 +1,6 @@
 """What the PPO loop needs from the processes it runs on, in one place: ``Runtime``.
 
-The loop (``algorithm.py``) is written for one process; every concern that comes from running it
+The loop (``algo/algorithm.py``) is written for one process; every concern that comes from running it
 on several ranks, or in another precision, goes through a ``Runtime``:
 
 - the precision context of the rollout's forwards (Lightning enters it around ``training_step``

@@ -8,6 +8,7 @@ own (None): the episode's environment scores it (``environment.py``, added by th
 """
 
 from ppo_lightning.config.errors import ConfigError
+from ppo_lightning.config.schema import get_key
 from ppo_lightning.rewards.base import RewardError, check_scores, fit_normalization
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
@@ -42,19 +43,14 @@ def pop_reward_logs(reward_fn) -> dict[str, float]:
     return {f"rewards/{k}": v for k, v in logged.items()}
 
 
-def _get(cfg, key: str, default=None):
-    """A key of a reward node: a DictConfig, a dict, or a ``config.RewardConfig``."""
-    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-
-
 def build_reward(cfg):
     """The scorer a ``reward`` config describes (see ``config.RewardConfig``): its ``terms``,
     weighted, when it has any; else the one scorer ``kind`` says."""
-    terms = _get(cfg, "terms")
+    terms = get_key(cfg, "terms")
     if terms:
         return WeightedReward(
             {
-                name: (_build_one(term, f"reward.terms.{name}"), float(_get(term, "weight", 1.0)))
+                name: (_build_one(term, f"reward.terms.{name}"), float(get_key(term, "weight", 1.0)))
                 for name, term in terms.items()
             }
         )
@@ -64,12 +60,12 @@ def build_reward(cfg):
 def function_scorers(cfg) -> list:
     """The reward functions of a ``reward`` config (its one function, or its function terms), built
     without loading any reward model: for checking the data's columns before any model loads."""
-    terms = _get(cfg, "terms")
+    terms = get_key(cfg, "terms")
     if terms:
         return [
-            _build_one(t, f"reward.terms.{n}") for n, t in terms.items() if _get(t, "kind", "function") == "function"
+            _build_one(t, f"reward.terms.{n}") for n, t in terms.items() if get_key(t, "kind", "function") == "function"
         ]
-    return [_build_one(cfg, "reward")] if _get(cfg, "kind", "function") == "function" else []
+    return [_build_one(cfg, "reward")] if get_key(cfg, "kind", "function") == "function" else []
 
 
 def build_eval_metrics(metrics) -> dict:
@@ -79,12 +75,12 @@ def build_eval_metrics(metrics) -> dict:
 
 def needs_model(cfg) -> bool:
     """Whether the reward (or one of its terms) is a reward model: built after the policy loads."""
-    terms = (_get(cfg, "terms") or {}).values()
-    return _get(cfg, "kind", "function") == "model" or any(_get(t, "kind", "function") == "model" for t in terms)
+    terms = (get_key(cfg, "terms") or {}).values()
+    return get_key(cfg, "kind", "function") == "model" or any(get_key(t, "kind", "function") == "model" for t in terms)
 
 
 def _build_one(cfg, key: str):
-    kind = _get(cfg, "kind", "function")
+    kind = get_key(cfg, "kind", "function")
     if kind == "environment":
         if key != "reward":
             raise ConfigError(
@@ -93,21 +89,21 @@ def _build_one(cfg, key: str):
             )
         return None
     if kind == "function":
-        if not _get(cfg, "fn"):
+        if not get_key(cfg, "fn"):
             raise ConfigError(f"{key}.fn is empty: set {key}.fn=my_pkg.my_module.my_fn")
-        return FunctionReward(_get(cfg, "fn"), dict(_get(cfg, "kwargs") or {}), key=f"{key}.fn")
+        return FunctionReward(get_key(cfg, "fn"), dict(get_key(cfg, "kwargs") or {}), key=f"{key}.fn")
     if kind == "model":
-        if not _get(cfg, "name_or_path"):
+        if not get_key(cfg, "name_or_path"):
             raise ConfigError(
                 f"{key}.name_or_path is empty: set it to a reward-model directory "
                 f"or hub id ({key}.kind=model {key}.name_or_path=/path/to/rm)"
             )
         return RewardModel(
-            _get(cfg, "name_or_path"),
-            batch_size=_get(cfg, "batch_size", 32),
-            max_length=_get(cfg, "max_length", 512),
-            dtype=_get(cfg, "dtype", "float32"),
-            label_index=_get(cfg, "label_index", 0),
-            trust_remote_code=_get(cfg, "trust_remote_code", False),
+            get_key(cfg, "name_or_path"),
+            batch_size=get_key(cfg, "batch_size", 32),
+            max_length=get_key(cfg, "max_length", 512),
+            dtype=get_key(cfg, "dtype", "float32"),
+            label_index=get_key(cfg, "label_index", 0),
+            trust_remote_code=get_key(cfg, "trust_remote_code", False),
         )
     raise ConfigError(f"{key}.kind={kind!r}: choose one of {', '.join(KINDS)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 def char_fraction(prompts: list[str], responses: list[str], chars: str = "abcdefghijklmnopqrstuvwxyz ") -> list[float]:
     """Fraction of the response's characters that are in ``chars`` (0 for an empty response).
 
-    Dense and easy to learn from a random policy: the toy task of the offline tests.
+    Dense and easy to learn from a random policy: the toy prompts of the offline tests.
     """
     allowed = set(chars)
     return [sum(c in allowed for c in r) / len(r) if r else 0.0 for r in responses]

@@ -1,7 +1,7 @@
 """What the SFT and reward-model stages share: records from a file, a list or a HF dataset (read
-by ``data.read_records``, as PPO's prompts are), the validation split, model sources, the optimizer,
-data loaders that shard themselves under DDP, and the handling of the torchmetrics validation
-metrics.
+by ``data.records.read_records``, as PPO's prompts are), the validation split, model sources, the
+optimizer, data loaders that shard themselves under DDP, and the handling of the torchmetrics
+validation metrics.
 
 Records are read once, checked field by field, and normalised to plain dicts keyed by *role*
 (``prompt``, ``response`` / ``chosen``, ``rejected``) whatever the source columns are called, so
@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchmetrics import Metric
 
-from ppo_lightning.config.schema import as_dataclass
+from ppo_lightning.config.schema import as_dataclass, get_key
 from ppo_lightning.config.task import DEFAULT_MAX_LENGTH
 from ppo_lightning.data.prompts import ListDataset
 from ppo_lightning.data.records import check_messages, read_records, records_source
@@ -30,15 +30,6 @@ from ppo_lightning.train.optim import configure_optimizers
 from ppo_lightning.models.policy import context_length
 
 log = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------- configs
-def get(cfg: Any, name: str, default: Any) -> Any:
-    """``cfg.name`` for a dataclass / DictConfig / dict / None, ``default`` when absent or null."""
-    if cfg is None:
-        return default
-    value = cfg.get(name, default) if isinstance(cfg, Mapping) else getattr(cfg, name, default)
-    return default if value is None else value
 
 
 # ----------------------------------------------------------------------------- records
@@ -58,7 +49,7 @@ def read_role_records(
     "question")}``; errors name both. Sources, in order: ``records`` (an in-memory list of dicts),
     ``path`` (a local ``.jsonl``, one object a line, or ``.json``, a list of objects),
     ``hf_dataset`` (a Hugging Face dataset name); files and datasets through
-    ``data.read_records``, the reader PPO's prompts use too. A role in ``chat_roles`` may also be
+    ``data.records.read_records``, the reader PPO's prompts use too. A role in ``chat_roles`` may also be
     a list of chat messages (``{"role", "content"}`` objects).
     """
     if records is not None:
@@ -313,10 +304,10 @@ def stage_model(model_cfg, cfg, cache_dir, key_prefix: str = "task"):
     from ppo_lightning.models.policy import resolve_source
     from ppo_lightning.models.tiny import ensure_tiny_model
 
-    name = get(model_cfg, "name_or_path", None)
+    name = get_key(model_cfg, "name_or_path", None)
     if not name:
         raise ConfigError("model.name_or_path is empty: set it to a hub id or a save_pretrained directory")
-    trust = bool(get(model_cfg, "trust_remote_code", False))
+    trust = bool(get_key(model_cfg, "trust_remote_code", False))
     ensure_tiny_model(model_cfg, cache_dir)
     source = resolve_source(name, "model.name_or_path")
     max_length = resolve_max_length(cfg.max_length, source, trust, f"{key_prefix}.max_length")

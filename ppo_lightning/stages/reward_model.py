@@ -42,16 +42,9 @@ from ppo_lightning.models.policy import (
     resolve_source,
 )
 from ppo_lightning.config.rules import validate_stage
-from ppo_lightning.config.schema import as_dataclass
+from ppo_lightning.config.schema import as_dataclass, get_key
 from ppo_lightning.config.task import DEFAULT_MAX_LENGTH
-from ppo_lightning.stages.common import (
-    StageDataModule,
-    stage_model,
-    StageOptimization,
-    get,
-    reset_val_metrics,
-    synced_value,
-)
+from ppo_lightning.stages.common import StageDataModule, stage_model, StageOptimization, reset_val_metrics, synced_value
 
 log = logging.getLogger(__name__)
 
@@ -278,14 +271,14 @@ def build_reward_model(
     validate_stage(cfg, RewardModelConfig, key_prefix, optimizer=optim_cfg if optim_cfg is not None else {})
     name, trust, cfg = stage_model(model_cfg, cfg, cache_dir, key_prefix)
     if tokenizer is None:
-        tokenizer = load_reward_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust)
+        tokenizer = load_reward_tokenizer(get_key(model_cfg, "tokenizer_name_or_path", None) or name, trust)
     else:
         tokenizer = prepare_reward_tokenizer(tokenizer)
     datamodule = PreferenceDataModule(cfg, tokenizer, records=records, key_prefix=key_prefix)
     datamodule.load()
 
-    model = load_sequence_classifier(name, tokenizer, get(model_cfg, "dtype", "float32"), trust, seed=cfg.seed)
-    if get(model_cfg, "gradient_checkpointing", False):
+    model = load_sequence_classifier(name, tokenizer, get_key(model_cfg, "dtype", "float32"), trust, seed=cfg.seed)
+    if get_key(model_cfg, "gradient_checkpointing", False):
         enable_activation_checkpointing(model)
     module = RewardModelModule(
         model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm, center_rewards_coef=cfg.center_rewards_coef

@@ -40,16 +40,9 @@ from ppo_lightning.models.policy import (
     position_ids_from_mask,
 )
 from ppo_lightning.config.rules import validate_stage
-from ppo_lightning.config.schema import as_dataclass
+from ppo_lightning.config.schema import as_dataclass, get_key
 from ppo_lightning.config.task import DEFAULT_MAX_LENGTH
-from ppo_lightning.stages.common import (
-    StageDataModule,
-    stage_model,
-    StageOptimization,
-    get,
-    reset_val_metrics,
-    synced_value,
-)
+from ppo_lightning.stages.common import StageDataModule, stage_model, StageOptimization, reset_val_metrics, synced_value
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +134,7 @@ class SFTDataModule(StageDataModule):
 
     def tokenize(self, records: list[dict[str, str]], source: str) -> list[dict[str, list[int]]]:
         """Chat prompts (and, with ``chat_template``, string ones) rendered as PPO renders them
-        (``data.render_prompts``), so SFT and PPO see the same prompt tokens; then ``tokenize_sft``:
+        (``data.prompts.render_prompts``), so SFT and PPO see the same prompt tokens; then ``tokenize_sft``:
         the loss on the response (the assistant turn) and EOS only."""
         c = self.cfg
         if any(isinstance(r["prompt"], list) for r in records) or c.chat_template is not None:
@@ -269,7 +262,7 @@ def build_sft(
     name, trust, cfg = stage_model(model_cfg, cfg, cache_dir, key_prefix)
     validate_stage(cfg, SFTConfig, key_prefix)  # max_length, now from the model's context
     if tokenizer is None:
-        tokenizer = load_tokenizer(get(model_cfg, "tokenizer_name_or_path", None) or name, trust_remote_code=trust)
+        tokenizer = load_tokenizer(get_key(model_cfg, "tokenizer_name_or_path", None) or name, trust_remote_code=trust)
     elif tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ConfigError(
             "the tokenizer passed to build_sft needs an EOS and a pad token "
@@ -278,11 +271,11 @@ def build_sft(
     datamodule = SFTDataModule(cfg, tokenizer, records=records, key_prefix=key_prefix)
     datamodule.load()
 
-    model = load_causal_lm(name, tokenizer, get(model_cfg, "dtype", "float32"), trust)
+    model = load_causal_lm(name, tokenizer, get_key(model_cfg, "dtype", "float32"), trust)
     gc = getattr(model, "generation_config", None)
     if gc is not None and gc.eos_token_id is None:
         gc.eos_token_id = tokenizer.eos_token_id
-    if get(model_cfg, "gradient_checkpointing", False):
+    if get_key(model_cfg, "gradient_checkpointing", False):
         enable_activation_checkpointing(model)
     module = SFTModule(model, tokenizer, optim_cfg, max_grad_norm=cfg.max_grad_norm)
     return module, datamodule

@@ -1,18 +1,14 @@
-"""The optimizer and learning-rate schedule every task builds from ``optimizer.*``."""
+"""The optimizer and learning-rate schedule every job that trains builds from ``optimizer.*``."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
+from ppo_lightning.config.schema import get_key
+
 OPTIMIZER_CLASSES = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}  # choices.OPTIMIZERS
-
-
-def _get(cfg: Any, name: str, default: Any) -> Any:
-    value = cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
-    return default if value is None else value
 
 
 def lr_lambda(scheduler: str, warmup_steps: int, total_steps: int, min_lr_ratio: float):
@@ -40,21 +36,21 @@ def configure_optimizers(module, params, optim_cfg) -> dict:
     ``optimizer.fused`` (default) runs each parameter's whole update in one kernel: on the 2-layer
     benchmark model an AdamW step takes 0.2 ms instead of 0.7 ms with ``foreach`` (one kernel per
     op over all tensors), and a PPO iteration takes ``ppo_epochs`` of them."""
-    name = _get(optim_cfg, "name", "adamw")
-    kwargs = {"lr": _get(optim_cfg, "lr", 1e-5), "weight_decay": _get(optim_cfg, "weight_decay", 0.0)}
+    name = get_key(optim_cfg, "name", "adamw")
+    kwargs = {"lr": get_key(optim_cfg, "lr", 1e-5), "weight_decay": get_key(optim_cfg, "weight_decay", 0.0)}
     if name in ("adamw", "adam"):
-        kwargs.update(betas=tuple(_get(optim_cfg, "betas", (0.9, 0.999))), eps=_get(optim_cfg, "eps", 1e-5))
-    impl = {"fused": True} if _get(optim_cfg, "fused", True) else {"foreach": True}
+        kwargs.update(betas=tuple(get_key(optim_cfg, "betas", (0.9, 0.999))), eps=get_key(optim_cfg, "eps", 1e-5))
+    impl = {"fused": True} if get_key(optim_cfg, "fused", True) else {"foreach": True}
     optimizer = OPTIMIZER_CLASSES[name](params, **impl, **kwargs)
     trainer = module.trainer
     total = trainer.max_steps if trainer.max_steps > 0 else int(trainer.estimated_stepping_batches)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lr_lambda(
-            _get(optim_cfg, "scheduler", "constant"),
-            _get(optim_cfg, "warmup_steps", 0),
+            get_key(optim_cfg, "scheduler", "constant"),
+            get_key(optim_cfg, "warmup_steps", 0),
             max(1, total),
-            _get(optim_cfg, "min_lr_ratio", 0.0),
+            get_key(optim_cfg, "min_lr_ratio", 0.0),
         ),
     )
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,6 +1,6 @@
 """GSM8K-style RL from verifiable rewards on chat prompts, offline: ``python train.py experiment=math_chat``.
 
-The tutorial's GSM8K run in miniature (``ppo_lightning/tasks/math_chat/data.py``): multi-step word
+The tutorial's GSM8K run in miniature (``ppo_lightning/recipes/math_chat/data.py``): multi-step word
 problems as chat messages, a system prompt asking for ``<answer>`` tags, each prompt's own gold
 ``answer`` and its ``data_source`` as record columns, held-out problems (``eval.split_fraction``)
 evaluated greedily during training, and the tutorial's two weighted rewards (``reward=math``:
@@ -26,7 +26,7 @@ import logging
 import random
 from pathlib import Path
 
-from ppo_lightning.tasks.common import eval_report, fit_stage, save_base_model
+from ppo_lightning.recipes.common import eval_report, fit_stage, save_base_model
 
 from . import data as math_word
 
@@ -59,7 +59,9 @@ def build(cfg, tmp: Path) -> None:
     problems = math_word.prompt_records(rng, N_PROBLEMS)
     with (tmp / "problems.jsonl").open("w") as f:
         f.writelines(json.dumps(r) + "\n" for r in problems)
-    log.info("[1/1] SFT policy on %d worked answers (flawed: see ppo_lightning/tasks/math_chat/task.py)", SFT_EXAMPLES)
+    log.info(
+        "[1/1] SFT policy on %d worked answers (flawed: see ppo_lightning/recipes/math_chat/recipe.py)", SFT_EXAMPLES
+    )
     questions = {r["prompt"][-1]["content"] for r in problems}
     sft = fit_stage(
         "sft",

@@ -1,4 +1,4 @@
-"""What tasks share: building a small policy / reward model from generated data, and the
+"""What recipes share: building a small policy / reward model from generated data, and the
 before/after table of the run's own evaluations."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tool calling, offline: ``python train.py experiment=calculator_tool``.
 
-Three-digit arithmetic (``ppo_lightning/tasks/calculator_tool/data.py``) that a 2-layer model cannot do
+Three-digit arithmetic (``ppo_lightning/recipes/calculator_tool/data.py``) that a 2-layer model cannot do
 in its head, with the safe calculator (``ppo_lightning.envs.calculator``) as a tool
 (``env=tools``). The SFT warm start learns from transcripts of both ways of answering, mostly the
 wrong one: 30% call the calculator and copy its result, 70% state the answer at once. So greedy
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ppo_lightning.tasks.common import eval_report, fit_stage, save_base_model
+from ppo_lightning.recipes.common import eval_report, fit_stage, save_base_model
 
 from . import data as calculator
 

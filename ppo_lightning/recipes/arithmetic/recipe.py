@@ -8,7 +8,7 @@ then raises the accuracy. No reward model: the reward cannot be hacked through s
 Built once under ``${recipe_dir:arithmetic}``: ``tokenizer/ sft/ prompts_train.txt
 prompts_eval.txt DONE`` (digit-level tokenizer, see ``data.py``).
 
-The template for a task of your own (docs/usage.md, "A task of your own"): copy this folder and
+The template for a recipe of your own (docs/usage.md, "A recipe of your own"): copy this folder and
 ``conf/experiment/arithmetic.yaml``. The folder imports its own modules relatively, so a copy runs
 under its new name unchanged.
 """
@@ -19,7 +19,7 @@ import logging
 import random
 from pathlib import Path
 
-from ppo_lightning.tasks.common import eval_report, fit_stage, save_base_model
+from ppo_lightning.recipes.common import eval_report, fit_stage, save_base_model
 
 from . import data as arithmetic
 

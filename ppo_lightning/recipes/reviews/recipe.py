@@ -1,7 +1,7 @@
 """The default job: steer a small LM towards positive movie reviews, offline, in minutes.
 
 The offline analogue of the classic RLHF demo (GPT-2 + an IMDB sentiment classifier). Everything
-comes from this project (``ppo_lightning/tasks/reviews/data.py``): a grammar of short reviews, a
+comes from this project (``ppo_lightning/recipes/reviews/data.py``): a grammar of short reviews, a
 word-level tokenizer over its vocabulary, an SFT policy trained on reviews of mixed sentiment,
 and a reward model trained on preference pairs (the more positive continuation wins), then
 hardened by ``RED_TEAM_ROUNDS`` rounds of online preference collection (``red_team_pairs``). PPO
@@ -21,7 +21,7 @@ import random
 import shutil
 from pathlib import Path
 
-from ppo_lightning.tasks.common import eval_report, fit_stage, save_base_model
+from ppo_lightning.recipes.common import eval_report, fit_stage, save_base_model
 
 from . import data as reviews
 

@@ -140,7 +140,7 @@ def build_tokenizer(corpus: list[str]):
     a few tokens as a real model's vocabulary merges it, the chat markers and tool-call tags as
     added tokens, EOS and pad; ``CHAT_TEMPLATE`` as its chat template. Decoding is exact, so a
     tool call's JSON parses."""
-    from ppo_lightning.tasks.tokenizers import build_bpe_tokenizer
+    from ppo_lightning.recipes.tokenizers import build_bpe_tokenizer
 
     return build_bpe_tokenizer(
         corpus, vocab_size=VOCAB_SIZE, added=(*ROLE_TOKENS, TOOL_OPEN, TOOL_CLOSE), chat_template=CHAT_TEMPLATE

@@ -183,7 +183,7 @@ def vocabulary() -> list[str]:
 
 def build_tokenizer():
     """A word-level tokenizer over :func:`vocabulary` with :data:`CHAT_TEMPLATE` as its chat template."""
-    from ppo_lightning.tasks.tokenizers import build_word_tokenizer
+    from ppo_lightning.recipes.tokenizers import build_word_tokenizer
 
     tokenizer = build_word_tokenizer(vocabulary())
     tokenizer.chat_template = CHAT_TEMPLATE

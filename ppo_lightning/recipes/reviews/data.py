@@ -478,7 +478,7 @@ def corrupt(rng: random.Random | int, prompt: str, response: str) -> str:
 def reward_fn(prompts: list[str], responses: list[str], ill_formed: float = -1.0) -> list[float]:
     """Ground-truth sentiment of each ``prompt + response``; ``ill_formed`` for texts off the grammar.
 
-    For ``reward=function reward.fn=ppo_lightning.tasks.reviews.data.reward_fn``. Prompt and response
+    For ``reward=function reward.fn=ppo_lightning.recipes.reviews.data.reward_fn``. Prompt and response
     are joined by :func:`join_text`, so decoded responses without their leading space score the
     same as raw ones.
     """
@@ -502,7 +502,7 @@ def well_formed_fn(prompts: list[str], responses: list[str]) -> list[float]:
 
 
 def build_tokenizer():
-    """A word-level tokenizer over :data:`VOCAB` (see :mod:`ppo_lightning.tasks.tokenizers`)."""
-    from ppo_lightning.tasks.tokenizers import build_word_tokenizer
+    """A word-level tokenizer over :data:`VOCAB` (see :mod:`ppo_lightning.recipes.tokenizers`)."""
+    from ppo_lightning.recipes.tokenizers import build_word_tokenizer
 
     return build_word_tokenizer(VOCAB)

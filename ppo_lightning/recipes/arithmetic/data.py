@@ -79,7 +79,7 @@ def sft_corpus(
 def reward_fn(prompts: list[str], responses: list[str]) -> list[float]:
     """1.0 where the response's first integer is the exact answer, else 0.0.
 
-    For ``reward=function reward.fn=ppo_lightning.tasks.arithmetic.data.reward_fn``. Anything after the
+    For ``reward=function reward.fn=ppo_lightning.recipes.arithmetic.data.reward_fn``. Anything after the
     first integer is ignored (the EOS token ends generation anyway; a missing EOS is penalised by
     ``ppo.missing_eos_penalty``, not here).
     """
@@ -89,7 +89,7 @@ def reward_fn(prompts: list[str], responses: list[str]) -> list[float]:
 
 
 def build_tokenizer():
-    """A character-level tokenizer over :data:`VOCAB` (see :mod:`ppo_lightning.tasks.tokenizers`)."""
-    from ppo_lightning.tasks.tokenizers import build_word_tokenizer
+    """A character-level tokenizer over :data:`VOCAB` (see :mod:`ppo_lightning.recipes.tokenizers`)."""
+    from ppo_lightning.recipes.tokenizers import build_word_tokenizer
 
     return build_word_tokenizer(VOCAB, char_level=True)

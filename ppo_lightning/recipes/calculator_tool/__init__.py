@@ -1,0 +1,1 @@
+"""The calculator_tool recipe: three-digit arithmetic with a calculator tool (multi-turn episodes). ``data.py`` holds its data and reward, ``recipe.py`` builds its models and prints its before/after table."""

@@ -1,0 +1,1 @@
+"""The math_chat recipe: math word problems as chat records, the tutorial's GSM8K run in miniature. ``data.py`` holds its data and reward, ``recipe.py`` builds its models and prints its before/after table."""

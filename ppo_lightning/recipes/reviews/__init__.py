@@ -1,0 +1,1 @@
+"""The reviews recipe: the default job: steering a small LM toward positive reviews of a review grammar. ``data.py`` holds its data and reward, ``recipe.py`` builds its models and prints its before/after table."""

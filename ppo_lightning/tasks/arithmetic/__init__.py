@@ -1,1 +1,0 @@
-"""The arithmetic task: RL from a verifiable reward on digit arithmetic. ``data.py`` holds its data and reward, ``task.py`` builds its models and prints its before/after table."""

@@ -1,1 +1,0 @@
-"""The calculator_tool task: three-digit arithmetic with a calculator tool (multi-turn episodes). ``data.py`` holds its data and reward, ``task.py`` builds its models and prints its before/after table."""

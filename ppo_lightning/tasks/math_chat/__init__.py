@@ -1,1 +1,0 @@
-"""The math_chat task: math word problems as chat records, the tutorial's GSM8K run in miniature. ``data.py`` holds its data and reward, ``task.py`` builds its models and prints its before/after table."""

@@ -1,1 +1,0 @@
-"""The reviews task: the default job: steering a small LM toward positive reviews of a review grammar. ``data.py`` holds its data and reward, ``task.py`` builds its models and prints its before/after table."""
