@@ -113,7 +113,7 @@ class PPOConfig(_MovedPPOKeys):
     scales with this, not with ``minibatch_size``."""
     remove_padding: bool = True
     """Run each policy and reference forward (the rollout's scoring and every update's) on the
-    columns its rows use (``algo.rollout.padding_window``): left of the earliest prompt token and
+    columns its rows use (``rollouts.forward.padding_window``): left of the earliest prompt token and
     right of the longest response are cut, so a micro-batch costs its longest row, not the
     rollout's width. The same logprobs, values and gradients to float32 rounding (test);
     false runs every forward on the whole ``[B, T]``."""
@@ -152,7 +152,7 @@ class PPOConfig(_MovedPPOKeys):
     product, which grows with the length); with a float32 engine its weights are 1 to float32
     rounding, and it caps the ratio where an engine drifts (a bf16 or fp16 engine, a failed sync).
     Under ``sampling.top_k``, ``top_p`` or ``min_p`` the engine reports logprobs of its truncated, renormalised distribution, so
-    ``pi_old`` is taken under the same truncation (``algo.rollout.truncated_logprobs``: one more
+    ``pi_old`` is taken under the same truncation (``rollouts.engine.truncated_logprobs``: one more
     no-grad forward a rollout) and the ratio holds the mismatch, not the truncation."""
     engine_correction_cap: float = param(2.0, gt=1)
     """The cap ``C`` of ``ppo.engine_correction`` (and of ``rollout/engine_capped_frac``)."""
@@ -191,7 +191,7 @@ class PPOConfig(_MovedPPOKeys):
     null: the whole ``[batch, response, vocab]`` logits at once."""
     fuse_rollout_forward: bool = True
     """When one minibatch is the whole batch, the rollout's old-policy forward runs with gradients
-    and the first update reuses it (``algorithm.PPO._old_logprobs_and_values``): the same numbers
+    and the first update reuses it (``algo.algorithm.PPO._old_logprobs_and_values``): the same numbers
     (the weights have not moved), one policy forward fewer per iteration. False always runs a
     separate no-grad forward."""
     rollout_dump: bool = False

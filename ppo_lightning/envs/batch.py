@@ -21,7 +21,7 @@ from ppo_lightning.rewards.dispatch import Scored, score_episodes
 @dataclasses.dataclass
 class Record:
     """What ``Environment.reset`` reads: the prompt as written (a string or chat messages) and
-    the record's metadata columns (``data.PromptRecord``'s fields)."""
+    the record's metadata columns (``data.records.PromptRecord``'s fields)."""
 
     prompt: str | list[Message]
     columns: dict[str, Any]
