@@ -135,10 +135,10 @@ def test_function_reward_wrong_length(mode, n):
 def test_function_reward_none_means_it_does_not_apply():
     """None is not an error: "this reward does not apply to this response" (score 0, applies
     False; NaN when called on texts alone)."""
-    from ppo_lightning.rewards.base import RewardInputs
+    from ppo_lightning.rewards.base import RewardBatch
 
     fn = _fn_reward("none")
-    values, applies = fn.score_applies(RewardInputs(PROMPTS, RESPONSES))
+    values, applies, _ = fn.score(RewardBatch.of_texts(PROMPTS, RESPONSES))
     assert values.tolist() == [0.5, 0.5, 0.0] and applies.tolist() == [True, True, False]
     assert torch.isnan(fn(PROMPTS, RESPONSES)[2])
 
@@ -242,7 +242,8 @@ def test_reward_model_matches_unpadded_forward(tiny_rm_dir, rm_texts):
 def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_texts):
     """Scoring the policy's token ids (left pads, EOS, pads after EOS) gives the text path's scores."""
     from ppo_lightning.models.policy import load_tokenizer
-    from ppo_lightning.rewards.dispatch import decode_prompts_and_responses, score_responses
+    from ppo_lightning.rewards.base import decode_prompts_and_responses
+    from ppo_lightning.rewards.dispatch import score_responses
 
     tok = load_tokenizer(str(tiny_lm_dir))  # the policy's: left padding, pad distinct from EOS
     prompts, responses = rm_texts

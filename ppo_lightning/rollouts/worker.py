@@ -16,29 +16,31 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
-
 import torch
 
 from ppo_lightning.envs import EpisodeRunner
 from ppo_lightning.generation import GenerationBackend, SamplingParams, stopped_rows
-from ppo_lightning.rewards import pop_reward_logs
-from ppo_lightning.rewards.dispatch import Scored, score_episodes, score_terms
+from ppo_lightning.rewards import Reward, Scored, as_reward, pop_reward_logs
+from ppo_lightning.rewards.dispatch import score_episodes, score_sequences
 from ppo_lightning.rollouts.records import Episodes, Prompts
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutWorker:
-    """Plays records through ``backend`` as ``params`` say and scores them with ``reward_fn``
-    (the texts ``tokenizer`` decodes). With ``episodes`` (an ``envs.EpisodeRunner``, ``env``) each
+    """Plays records through ``backend`` as ``params`` say and scores them with ``reward_fn`` (a
+    ``rewards.Reward``; a plain ``(prompts, responses)`` callable is wrapped once, here), the texts
+    ``tokenizer`` decodes. With ``episodes`` (an ``envs.EpisodeRunner``, ``env``) each
     record is a multi-turn episode of its environment; without, one response. An evaluation or
     the normalisation's fit plays with other params or another backend: ``replace``."""
 
     backend: GenerationBackend
     params: SamplingParams
-    reward_fn: Callable
+    reward_fn: Reward
     tokenizer: object
     episodes: EpisodeRunner | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "reward_fn", as_reward(self.reward_fn))
 
     def replace(self, **changes) -> "RolloutWorker":
         """This worker with other fields (``params``: greedy evaluation; ``backend``: the
@@ -67,13 +69,12 @@ class RolloutWorker:
             out = self.backend.generate(ids, am, self.params, generator)
             query_responses = torch.cat([ids, out.responses], dim=1)  # [B, T]
             attention_mask = torch.cat([am, out.response_mask.to(am.dtype)], dim=1)
-            scored = score_terms(
+            scored = score_sequences(
                 self.reward_fn,
                 self.tokenizer,
-                ids,
-                am,
-                out.responses,
-                out.response_mask,
+                query_responses,
+                attention_mask,
+                ids.shape[1],
                 prompts.texts,
                 prompts.columns,
             )
@@ -119,20 +120,18 @@ class RolloutWorker:
         read an environment's state)."""
         return score_episodes(self.reward_fn, self.tokenizer, played, self.error_reward)
 
-    def score(self, episodes: Episodes, reward_fn: Callable) -> Scored:
-        """Another scorer's ``Scored`` of episodes already played (``eval.metrics``): as the
+    def score(self, episodes: Episodes, reward: Reward) -> Scored:
+        """Another reward's ``Scored`` of episodes already played (``eval.metrics``): as the
         worker's own reward would see them, the environments no longer live."""
         if episodes.played is not None:
-            return score_episodes(reward_fn, self.tokenizer, episodes.played, self.error_reward)
-        P = episodes.context_length
+            return score_episodes(reward, self.tokenizer, episodes.played, self.error_reward)
         texts, columns = episodes.records or (None, None)
-        return score_terms(
-            reward_fn,
+        return score_sequences(
+            reward,
             self.tokenizer,
-            episodes.query_responses[:, :P],
-            episodes.attention_mask[:, :P],
-            episodes.responses,
-            episodes.response_mask,
+            episodes.query_responses,
+            episodes.attention_mask,
+            episodes.context_length,
             texts,
             columns,
         )

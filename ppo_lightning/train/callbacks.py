@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import WandbLogger
 
 from ppo_lightning.envs.template import conversation_text
-from ppo_lightning.rewards.dispatch import decode_prompts_and_responses
+from ppo_lightning.rewards.base import decode_prompts_and_responses
 from ppo_lightning.train.metrics import PROGRESS_BAR_METRICS
 
 
