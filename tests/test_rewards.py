@@ -399,3 +399,30 @@ def test_the_rollout_applies_the_normalisation_and_keeps_the_raw_scores(tiny_lm_
     plain, scaled = out[(1.0, 0.0)], out[(4.0, -0.5)]
     assert torch.equal(plain.scores, plain.raw_scores) and torch.equal(scaled.raw_scores, plain.raw_scores)
     torch.testing.assert_close(scaled.scores, 4.0 * plain.raw_scores - 0.5)
+
+
+def test_a_reward_batch_decodes_once_and_only_when_a_reward_reads_text():
+    """The batch's texts are decoded on first read and kept; ``completion_ids`` are built only
+    when read (each row's response ids, pads left out); a reward that reads no text (the turns'
+    rewards alone, a token-input reward model) never decodes."""
+    from ppo_lightning.rewards.base import CallableReward, RewardBatch
+    from ppo_lightning.rewards.environment import StepRewardsOnly
+
+    class CountingTokenizer:
+        pad_token_id = 0
+        calls = 0
+
+        def batch_decode(self, ids, skip_special_tokens=True):
+            self.calls += 1
+            return ["".join(chr(96 + t) for t in row.tolist() if t) for row in ids]
+
+    tok = CountingTokenizer()
+    ids = torch.tensor([[0, 1, 2, 3, 0], [4, 5, 6, 7, 8]])  # prompts of P=2 ("a" left-padded, "de"), then responses
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    batch = RewardBatch(ids, mask, 2, tok)
+    StepRewardsOnly().score(batch)
+    assert tok.calls == 0 and "completion_ids" not in batch.__dict__
+    assert batch.completion_ids == [[2, 3], [6, 7, 8]]
+    total, applies, _ = CallableReward(lambda p, r: [float(len(r_)) for r_ in r]).score(batch)
+    assert (batch.prompt_texts, batch.responses) == (["a", "de"], ["bc", "fgh"]) and tok.calls == 2
+    assert total.tolist() == [2.0, 3.0] and applies.all()
