@@ -219,14 +219,14 @@ def test_the_math_reward_file_is_the_tutorials_gsm8k_reward_as_two_weighted_term
     """``reward=math``: ``math_answer`` + 0.2 x ``answer_format`` equals the tutorial's reward
     (``math_answer_and_format``) on every kind of response, with each term's raw scores kept."""
     from ppo_lightning.rewards import build_reward
-    from ppo_lightning.rewards.base import RewardInputs
+    from ppo_lightning.rewards.base import RewardBatch
     from ppo_lightning.rewards.verifiable import math_answer_and_format
 
     cfg = compose_cfg(["reward=math"], tmp_path, cache_dir)
     reward = build_reward(cfg.reward)
     completions = ["<answer>7</answer>", "#### 7", "<answer>8</answer>", "<answer>8</answer><answer>7</answer>", "x"]
-    inputs = RewardInputs(["q"] * 5, completions, columns=[{"answer": "7"}] * 5)
-    total, terms = reward.score_terms(inputs)
+    inputs = RewardBatch.of_texts(["q"] * 5, completions, columns=[{"answer": "7"}] * 5)
+    total, _, terms = reward.score(inputs)
     assert total.tolist() == pytest.approx(math_answer_and_format(None, completions, ["7"] * 5))
     assert terms["correct"].tolist() == [1, 1, 0, 1, 0] and terms["format"].tolist() == [1, 0, 1, 0, 0]
 
@@ -351,7 +351,7 @@ def test_none_means_a_reward_does_not_apply(tmp_path, cache_dir):
     import torch
 
     from ppo_lightning.rewards import build_reward
-    from ppo_lightning.rewards.base import RewardInputs
+    from ppo_lightning.rewards.base import RewardBatch
 
     reward = build_reward(
         compose_cfg(
@@ -365,16 +365,20 @@ def test_none_means_a_reward_does_not_apply(tmp_path, cache_dir):
         ).reward
     )
     prompts = [[{"role": "user", "content": helpers._item(q)}] for q in (0, 1)]
-    inputs = RewardInputs(
-        ["p0", "p1"], ["abcd", "abcdefgh"], [[1], [2]], prompts, [{"qid": 0, "answer": "1"}, {"qid": 1, "answer": "2"}]
+    inputs = RewardBatch.of_texts(
+        ["p0", "p1"],
+        ["abcd", "abcdefgh"],
+        [[1], [2]],
+        prompts=prompts,
+        columns=[{"qid": 0, "answer": "1"}, {"qid": 1, "answer": "2"}],
     )
-    total, applies, terms = reward.score_applies(inputs)
+    total, applies, terms = reward.score(inputs)
     assert total.tolist() == pytest.approx([0.5 + 0.5 * 0.5, 0.5 * 1.0]) and applies.tolist() == [True, True]
     assert terms["odd"][0] == 0.5 and torch.isnan(terms["odd"][1])
     single = build_reward(
         compose_cfg(["reward=function", "reward.fn=tests.helpers.none_for_odd_qid"], tmp_path, cache_dir).reward
     )
-    values, applies = single.score_applies(inputs)
+    values, applies, _ = single.score(inputs)
     assert values.tolist() == [0.5, 0.0] and applies.tolist() == [True, False]
 
     import lightning as L

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ppo_lightning.rewards import FunctionReward, RewardError, pop_reward_logs
-from ppo_lightning.rewards.base import RewardInputs
+from ppo_lightning.rewards.base import RewardBatch
 
 trl_rewards = pytest.importorskip("trl.rewards", reason="trl is in the dev extra")
 
@@ -30,7 +30,7 @@ CHAT = [[{"role": "user", "content": "What is 1 + 1?"}], [{"role": "user", "cont
 
 
 def _inputs(responses, ids=None, columns=None, prompts=CHAT):
-    return RewardInputs(
+    return RewardBatch.of_texts(
         prompt_texts=["p0", "p1"][: len(responses)],
         responses=responses,
         completion_ids=ids or [[1, 2, 3]] * len(responses),
@@ -47,13 +47,13 @@ def test_trls_think_format_and_accuracy_rewards_run_unchanged():
     )
     fmt = FunctionReward(f"{name}.think_format_reward")
     assert fmt.trl_style and fmt.required_columns == ()
-    scores = fmt.score(_inputs(["<think>\nhm\n</think>\n2", "no think"]))
+    scores = fmt.score(_inputs(["<think>\nhm\n</think>\n2", "no think"])).total
     assert scores.tolist() == [1.0, 0.0]
     acc = FunctionReward(f"{name}.accuracy_reward")
     assert acc.required_columns == ("solution",)
     scores = acc.score(
         _inputs(["The answer is $2$.", "It is $5$."], columns=[{"solution": "$2$"}, {"solution": "$4$"}])
-    )
+    ).total
     assert scores.tolist() == [1.0, 0.0]
 
 
@@ -64,7 +64,7 @@ def test_trls_soft_overlong_punishment_takes_only_completion_ids():
     name = _module("user_overlong", overlong=punish)
     fn = FunctionReward(f"{name}.overlong")
     assert fn.trl_style
-    scores = fn.score(_inputs(["a", "b"], ids=[[0] * 5, [0] * 9]))
+    scores = fn.score(_inputs(["a", "b"], ids=[[0] * 5, [0] * 9])).total
     assert scores.tolist() == pytest.approx([0.0, -0.75])
 
 
@@ -80,7 +80,7 @@ def test_a_function_gets_only_what_it_names_unless_it_takes_kwargs():
         return [1.0] * len(prompts)
 
     name = _module("user_narrow", only_ids=only_ids, prompts_and_column=prompts_and_column)
-    assert FunctionReward(f"{name}.only_ids").score(_inputs(["x", "y"], ids=[[1], [1, 2]])).tolist() == [1.0, 2.0]
+    assert FunctionReward(f"{name}.only_ids").score(_inputs(["x", "y"], ids=[[1], [1, 2]])).total.tolist() == [1.0, 2.0]
     fn = FunctionReward(f"{name}.prompts_and_column")
     assert fn.trl_style and fn.required_columns == ("answer",)
     fn.score(_inputs(["x", "y"], columns=[{"answer": "2"}, {"answer": "4"}]))

@@ -135,10 +135,10 @@ def test_function_reward_wrong_length(mode, n):
 def test_function_reward_none_means_it_does_not_apply():
     """None is not an error: "this reward does not apply to this response" (score 0, applies
     False; NaN when called on texts alone)."""
-    from ppo_lightning.rewards.base import RewardInputs
+    from ppo_lightning.rewards.base import RewardBatch
 
     fn = _fn_reward("none")
-    values, applies = fn.score_applies(RewardInputs(PROMPTS, RESPONSES))
+    values, applies, _ = fn.score(RewardBatch.of_texts(PROMPTS, RESPONSES))
     assert values.tolist() == [0.5, 0.5, 0.0] and applies.tolist() == [True, True, False]
     assert torch.isnan(fn(PROMPTS, RESPONSES)[2])
 
@@ -242,7 +242,8 @@ def test_reward_model_matches_unpadded_forward(tiny_rm_dir, rm_texts):
 def test_reward_model_token_path_matches_text_path(tiny_lm_dir, tiny_rm_dir, rm_texts):
     """Scoring the policy's token ids (left pads, EOS, pads after EOS) gives the text path's scores."""
     from ppo_lightning.models.policy import load_tokenizer
-    from ppo_lightning.rewards.dispatch import decode_prompts_and_responses, score_responses
+    from ppo_lightning.rewards.base import decode_prompts_and_responses
+    from ppo_lightning.rewards.dispatch import score_responses
 
     tok = load_tokenizer(str(tiny_lm_dir))  # the policy's: left padding, pad distinct from EOS
     prompts, responses = rm_texts
@@ -398,3 +399,30 @@ def test_the_rollout_applies_the_normalisation_and_keeps_the_raw_scores(tiny_lm_
     plain, scaled = out[(1.0, 0.0)], out[(4.0, -0.5)]
     assert torch.equal(plain.scores, plain.raw_scores) and torch.equal(scaled.raw_scores, plain.raw_scores)
     torch.testing.assert_close(scaled.scores, 4.0 * plain.raw_scores - 0.5)
+
+
+def test_a_reward_batch_decodes_once_and_only_when_a_reward_reads_text():
+    """The batch's texts are decoded on first read and kept; ``completion_ids`` are built only
+    when read (each row's response ids, pads left out); a reward that reads no text (the turns'
+    rewards alone, a token-input reward model) never decodes."""
+    from ppo_lightning.rewards.base import CallableReward, RewardBatch
+    from ppo_lightning.rewards.environment import StepRewardsOnly
+
+    class CountingTokenizer:
+        pad_token_id = 0
+        calls = 0
+
+        def batch_decode(self, ids, skip_special_tokens=True):
+            self.calls += 1
+            return ["".join(chr(96 + t) for t in row.tolist() if t) for row in ids]
+
+    tok = CountingTokenizer()
+    ids = torch.tensor([[0, 1, 2, 3, 0], [4, 5, 6, 7, 8]])  # prompts of P=2 ("a" left-padded, "de"), then responses
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    batch = RewardBatch(ids, mask, 2, tok)
+    StepRewardsOnly().score(batch)
+    assert tok.calls == 0 and "completion_ids" not in batch.__dict__
+    assert batch.completion_ids == [[2, 3], [6, 7, 8]]
+    total, applies, _ = CallableReward(lambda p, r: [float(len(r_)) for r_ in r]).score(batch)
+    assert (batch.prompt_texts, batch.responses) == (["a", "de"], ["bc", "fgh"]) and tok.calls == 2
+    assert total.tolist() == [2.0, 3.0] and applies.all()

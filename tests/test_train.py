@@ -269,7 +269,7 @@ def test_reward_normalisation_and_value_head_from_reward_model(tmp_path, cache_d
         pad_token_id=module.tokenizer.pad_token_id,
         generator=g,
     )
-    from ppo_lightning.rewards.dispatch import decode_prompts_and_responses
+    from ppo_lightning.rewards.base import decode_prompts_and_responses
 
     p, r = decode_prompts_and_responses(module.tokenizer, batch["input_ids"], resp, mask)
     scores = module.score(p, r)  # the raw scores through the fitted gain and bias

@@ -15,7 +15,8 @@ from torch import Tensor
 from ppo_lightning.envs.base import Message
 from ppo_lightning.envs.template import conversation_text, jsonable
 from ppo_lightning.envs.tools import COUNTERS
-from ppo_lightning.rewards.dispatch import Scored, score_episodes
+from ppo_lightning.rewards.base import Scored
+from ppo_lightning.rewards.dispatch import score_episodes
 
 
 @dataclasses.dataclass

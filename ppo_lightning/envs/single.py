@@ -16,7 +16,8 @@ from torch import Tensor
 
 from ppo_lightning.envs.template import jsonable
 from ppo_lightning.generation import stopped_rows
-from ppo_lightning.rewards.dispatch import Scored, decode_prompts_and_responses, score_terms
+from ppo_lightning.rewards.base import Scored, decode_prompts_and_responses
+from ppo_lightning.rewards.dispatch import score_sequences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,18 +44,10 @@ class SingleTurnBatch:
         return self.query_responses[:, self.context_length :]
 
     def scored_by(self, reward_fn, tokenizer, error_reward: float = 0.0) -> Scored:
-        """The reward's ``Scored`` of the responses (``rewards.dispatch.score_terms``): each row's
-        prompt as written and its columns reach a reward function."""
-        P = self.context_length
-        return score_terms(
-            reward_fn,
-            tokenizer,
-            self.query_responses[:, :P],
-            self.attention_mask[:, :P],
-            self.responses,
-            self.loss_mask,
-            self.texts,
-            self.columns,
+        """The reward's ``Scored`` of the responses (``rewards.dispatch.score_sequences``): each
+        row's prompt as written and its columns reach a reward function."""
+        return score_sequences(
+            reward_fn, tokenizer, self.query_responses, self.attention_mask, self.context_length, self.texts, self.columns
         )
 
     def metrics(self, turn_rewards: Tensor | None = None) -> dict[str, Tensor]:

@@ -1,15 +1,29 @@
-"""Rewards behind one interface: ``reward_fn(prompts, responses) -> scores [B]``.
+"""Rewards behind one protocol: ``Reward.score(RewardBatch) -> Scored`` (``base.py``).
 
-``build_reward(cfg.reward)`` picks the scorer from ``reward.kind``: ``function`` (any importable
-callable, see ``function.py``; built-in rules in ``rules.py``, math answers in ``verifiable.py``)
-or ``model`` (a sequence classification reward model, see ``model.py``); with ``reward.terms``,
-the weighted sum of several such scorers (``weighted.py``). ``environment`` has no scorer of its
-own (None): the episode's environment scores it (``environment.py``, added by the factory).
+Every kind of reward implements ``score``: it reads one ``RewardBatch`` (the whole token sequences,
+the texts decoded from them on first use, the prompts as written, the records' columns; in an
+episode its messages and environment) and returns one ``Scored`` (the raw score of each row,
+which rows it applies to, each term's raw score). ``build_reward(cfg.reward)`` picks the reward
+from ``reward.kind``: ``function`` (any importable callable, see ``function.py``; built-in rules in
+``rules.py``, math answers in ``verifiable.py``) or ``model`` (a sequence classification reward
+model, see ``model.py``); with ``reward.terms``, the weighted sum of several such rewards
+(``weighted.py``). ``environment`` has no reward of its own (None): the episode's environment
+scores it (``environment.py``, added by the factory). A plain callable ``(prompts, responses) ->
+scores`` becomes a ``Reward`` once (``as_reward``); ``dispatch.py`` builds a rollout's batch and
+calls ``score``.
 """
 
 from ppo_lightning.config.errors import ConfigError
 from ppo_lightning.config.schema import get_key
-from ppo_lightning.rewards.base import RewardError, check_scores, fit_normalization
+from ppo_lightning.rewards.base import (
+    Reward,
+    RewardBatch,
+    RewardError,
+    Scored,
+    as_reward,
+    check_scores,
+    fit_normalization,
+)
 from ppo_lightning.rewards.function import FunctionReward, import_callable
 from ppo_lightning.rewards.model import RewardModel
 from ppo_lightning.rewards.weighted import WeightedReward
@@ -18,6 +32,10 @@ from ppo_lightning.config.choices import REWARD_KINDS as KINDS
 
 __all__ = [
     "KINDS",
+    "Reward",
+    "RewardBatch",
+    "Scored",
+    "as_reward",
     "RewardError",
     "check_scores",
     "fit_normalization",

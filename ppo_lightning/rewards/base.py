@@ -1,42 +1,128 @@
-"""The one reward interface: ``reward_fn(prompts, responses) -> one float score per response``.
+"""The reward protocol: ``Reward.score(RewardBatch) -> Scored``, for every kind of reward.
 
-Prompts and responses are decoded strings, so any scorer (a Python rule, a reward model with its
-own tokenizer, a remote judge) plugs in without sharing the policy's tokenizer. ``check_scores``
-turns whatever a scorer returned into a float tensor, or raises ``RewardError`` naming the scorer
-and the first bad row. ``fit_normalization`` is reward normalisation, the same for every scorer:
-the update turns a scorer's raw output into ``gain * raw + bias`` (``algo.rollout.normalized``).
+A reward function (``function.py``, TRL's signature or ``(prompts, responses)``), a reward model
+(``model.py``: the text through its own tokenizer, or the policy's token ids), weighted terms
+(``weighted.py``), an environment's ``get_reward`` and the turns' rewards alone
+(``environment.py``) each implement one method, ``score``: it reads what it needs from one
+``RewardBatch`` and returns one ``Scored``. A plain callable ``(prompts, responses) -> scores`` (a
+rule of ``rules.py``, a test's function) becomes a ``Reward`` once, where the run's reward is
+built or the rollout worker takes it (``as_reward``); ``dispatch.py`` builds the batch of a
+rollout's responses or episodes and calls ``score``.
+
+A ``RewardBatch`` holds the whole token sequences and decodes them only when a reward reads the
+text (``prompt_texts``, ``responses``; ``prompt + response`` is the decoded whole sequence), and
+builds ``completion_ids`` only when a function asks for them: a reward model that reads the
+policy's token ids never decodes. ``check_scores`` turns whatever a scorer returned into a float
+tensor, or raises ``RewardError`` naming the scorer and the first bad row. ``fit_normalization``
+is reward normalisation, the same for every reward: the update turns a raw score into
+``gain * raw + bias`` (``algo.rollout.normalized``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class RewardInputs:
-    """What a scorer may read about a batch of responses, row by row.
+def decode_prompts_and_responses(
+    tokenizer, input_ids: Tensor, responses: Tensor, response_mask: Tensor
+) -> tuple[list[str], list[str]]:
+    """Prompt and response texts such that ``prompt + response`` is the decoded whole sequence.
 
-    ``prompt_texts`` and ``responses`` are decoded text such that ``prompt + response`` is the
-    decoded whole sequence (what a reward model with its own tokenizer reads). ``prompts`` are the
-    prompts as the user wrote them (strings, or lists of chat messages), and ``columns`` each
-    row's metadata (the other fields of its record), both repeated for each of a prompt's samples;
-    None when the caller has none (the text alone). ``completion_ids``: the response token ids
-    (in an episode, every turn's, the environment's included)."""
+    A response decoded on its own can lose the space (or other joiner) that the tokenizer only
+    emits between tokens: word-level and SentencePiece tokenizers do. So the whole sequence is
+    decoded and the response is what follows the decoded prompt; the reward then judges exactly
+    the text a user would read.
+    """
+    pad = tokenizer.pad_token_id
+    responses = responses.masked_fill(response_mask == 0, pad)
+    prompts = tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+    full = tokenizer.batch_decode(torch.cat([input_ids, responses], dim=1), skip_special_tokens=True)
+    alone = None
+    texts = []
+    for i, (p, f) in enumerate(zip(prompts, full)):
+        if f.startswith(p):
+            texts.append(f[len(p) :])
+        else:  # a tokenizer whose joint decoding rewrites the prompt: fall back to the response alone
+            alone = alone or tokenizer.batch_decode(responses, skip_special_tokens=True)
+            texts.append(alone[i])
+    return prompts, texts
 
-    prompt_texts: list[str]
-    responses: list[str]
-    completion_ids: list[list[int]] | None = None
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RewardBatch:
+    """What a reward may read about a batch of responses, row by row.
+
+    ``input_ids`` / ``attention_mask`` ``[B, P + R]``: the whole sequences, prompts left-padded
+    to ``context_length`` (P), then the responses (in an episode every turn's tokens, the
+    environment's included); a reward model that shares the policy's vocabulary reads them as they
+    are. ``prompt_texts`` and ``responses`` are decoded from them on first use, such that
+    ``prompt + response`` is the decoded whole sequence (what a reward with its own tokenizer
+    reads); a batch of text alone (``of_texts``) has no sequences, its ``texts`` given.
+    ``prompts``: the prompts as the user wrote them (strings, or lists of chat messages);
+    ``columns``: each row's metadata (the other fields of its record), both repeated for each of a
+    prompt's samples, None when the caller has none. Episodes also have ``completions`` (each
+    episode's messages after its prompt), ``environments`` (each episode's environment, TRL's
+    ``environments``) and ``given_completion_ids`` (every turn's tokens); ``completion_ids`` reads
+    the response ids from the sequences where none are given, on first use."""
+
+    input_ids: Tensor | None = None  # [B, P + R]
+    attention_mask: Tensor | None = None  # [B, P + R]
+    context_length: int = 0  # P
+    tokenizer: Any = None  # decodes input_ids
     prompts: list | None = None
     columns: list[dict[str, Any]] | None = None
     completions: list[list[dict]] | None = None  # multi-turn: each episode's messages after its prompt
-    environments: list | None = None  # multi-turn: each episode's environment (TRL's ``environments``)
+    environments: list | None = None  # multi-turn: each episode's environment
+    texts: tuple[list[str], list[str]] | None = None  # (prompt_texts, responses) given: no sequences
+    given_completion_ids: list[list[int]] | None = None
+
+    @classmethod
+    def of_texts(
+        cls, prompt_texts: list[str], responses: list[str], completion_ids: list[list[int]] | None = None, **fields
+    ) -> "RewardBatch":
+        """A batch of decoded texts alone (and what else the caller has: ``prompts``, ``columns``, ...)."""
+        return cls(texts=(list(prompt_texts), list(responses)), given_completion_ids=completion_ids, **fields)
+
+    def __len__(self) -> int:
+        return len(self.texts[0]) if self.texts is not None else self.input_ids.shape[0]
+
+    @functools.cached_property
+    def decoded(self) -> tuple[list[str], list[str]]:
+        """``(prompt_texts, responses)``: the given texts, or the sequences decoded once
+        (``decode_prompts_and_responses``)."""
+        if self.texts is not None:
+            return self.texts
+        P = self.context_length
+        return decode_prompts_and_responses(
+            self.tokenizer, self.input_ids[:, :P], self.input_ids[:, P:], self.attention_mask[:, P:]
+        )
+
+    @property
+    def prompt_texts(self) -> list[str]:
+        return self.decoded[0]
+
+    @property
+    def responses(self) -> list[str]:
+        return self.decoded[1]
+
+    @functools.cached_property
+    def completion_ids(self) -> list[list[int]] | None:
+        """Each row's response token ids, pads left out: the given ones, else read from the
+        sequences once (None for a batch of text alone)."""
+        if self.given_completion_ids is not None or self.input_ids is None:
+            return self.given_completion_ids
+        P = self.context_length
+        responses, mask = self.input_ids[:, P:].cpu(), self.attention_mask[:, P:].cpu()
+        return [row[m > 0].tolist() for row, m in zip(responses, mask)]
 
     def completion_messages(self) -> list:
         """TRL's ``completions``: an episode's messages after its prompt; for chat prompts each
@@ -46,6 +132,55 @@ class RewardInputs:
         if self.prompts is not None and any(isinstance(p, list) for p in self.prompts):
             return [[{"role": "assistant", "content": r}] for r in self.responses]
         return self.responses
+
+
+class Scored(NamedTuple):
+    """What a reward says of a batch: ``total [B]`` the raw score (0 where no reward applies),
+    ``applies [B]`` bool (False where every term returned None: "does not apply to this
+    response"), ``terms`` each ``reward.terms`` term's raw score ``[B]`` (NaN where that term
+    returned None; empty without terms)."""
+
+    total: Tensor
+    applies: Tensor
+    terms: dict[str, Tensor]
+
+
+class Reward:
+    """The protocol of every reward: ``score(batch: RewardBatch) -> Scored``.
+
+    ``required_columns``: the record columns the reward needs in every record (checked before any
+    model loads). Calling a reward on decoded texts alone, ``reward(prompts, responses)``, gives
+    its scores ``[B]`` with NaN where it does not apply."""
+
+    required_columns: tuple[str, ...] = ()
+
+    def score(self, batch: RewardBatch) -> Scored:
+        raise NotImplementedError(f"{type(self).__name__} does not implement score(batch)")
+
+    def score_texts(self, prompts: list[str], responses: list[str]) -> Tensor:
+        """The scores of decoded texts alone (no records), NaN where the reward does not apply."""
+        total, applies, _ = self.score(RewardBatch.of_texts(prompts, responses))
+        return torch.where(applies, total, torch.full_like(total, float("nan")))
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
+        return self.score_texts(prompts, responses)
+
+
+class CallableReward(Reward):
+    """A plain callable ``fn(prompts, responses) -> one float per response`` as a ``Reward``:
+    called with the decoded texts; it applies to every row."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def score(self, batch: RewardBatch) -> Scored:
+        scores = torch.as_tensor(self.fn(batch.prompt_texts, batch.responses), dtype=torch.float32).flatten()
+        return Scored(scores, torch.ones_like(scores, dtype=torch.bool), {})
+
+
+def as_reward(reward) -> Reward:
+    """``reward`` itself when it is a ``Reward``; a plain callable wrapped as one (``CallableReward``)."""
+    return reward if isinstance(reward, Reward) else CallableReward(reward)
 
 
 class RewardError(RuntimeError):

@@ -17,21 +17,18 @@ import inspect
 
 import torch
 
-from ppo_lightning.rewards.base import RewardInputs, check_scores
+from ppo_lightning.rewards.base import Reward, RewardBatch, Scored, check_scores
 
 
-class EnvironmentReward:
-    """``get_reward()`` of each episode's environment (``RewardInputs.environments``); None
+class EnvironmentReward(Reward):
+    """``get_reward()`` of each episode's environment (``RewardBatch.environments``); None
     where an episode has no environment of that class (it does not apply there)."""
-
-    trl_style = True
-    required_columns: tuple[str, ...] = ()
 
     def __init__(self, cls: type):
         self.cls, self.name = cls, cls.__name__
 
-    def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        envs = inputs.environments or [None] * len(inputs.responses)
+    def score(self, batch: RewardBatch) -> Scored:
+        envs = batch.environments or [None] * len(batch)
         items = [e.get_reward() if type(e) is self.cls else None for e in envs]  # exact type, as TRL
         pending = [i for i, x in enumerate(items) if inspect.isawaitable(x)]
         if pending:  # an async get_reward: the batch's calls awaited together
@@ -42,22 +39,21 @@ class EnvironmentReward:
             for i, x in zip(pending, asyncio.run(gather())):
                 items[i] = x
         applies = torch.tensor([x is not None for x in items], dtype=torch.bool)
-        values = check_scores([0.0 if x is None else x for x in items], inputs.prompt_texts, f"{self.name}.get_reward")
-        return values, applies
+        values = check_scores([0.0 if x is None else x for x in items], batch.prompt_texts, f"{self.name}.get_reward")
+        return Scored(values, applies, {})
 
 
-class StepRewardsOnly:
+class StepRewardsOnly(Reward):
     """``reward=environment`` with a ``reset``/``step`` environment and no ``get_reward``: the
     episode's return is the sum of its turns' ``EnvStep.reward`` alone, so the final score is 0
     on every episode (it applies everywhere: an episode the environment gave no reward scored 0,
     as TRL scores it)."""
 
     name = "environment"
-    required_columns: tuple[str, ...] = ()
 
-    def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(inputs.responses)
-        return torch.zeros(n), torch.ones(n, dtype=torch.bool)
+    def score(self, batch: RewardBatch) -> Scored:
+        n = len(batch)
+        return Scored(torch.zeros(n), torch.ones(n, dtype=torch.bool), {})
 
 
 def with_environment_reward(reward_fn, owners: list[type]):

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from ppo_lightning.config.errors import ConfigError
-from ppo_lightning.rewards.base import RewardError, RewardInputs, check_scores
+from ppo_lightning.rewards.base import Reward, RewardBatch, RewardError, Scored, check_scores
 
 TRL_ARGS = ("prompts", "completions", "completion_ids")  # the TRL-style call's own data arguments
 CALL_ARGS = (*TRL_ARGS, "log_metric", "environments")  # everything the call itself passes, columns aside
@@ -67,7 +67,7 @@ def import_callable(path: str, key: str = "reward.fn") -> Callable:
     return fn
 
 
-class FunctionReward:
+class FunctionReward(Reward):
     """Wraps a callable; validates every batch of scores it returns (length, numbers).
 
     NaN or inf scores pass through by default: the PPO step skips that iteration, counts it and
@@ -99,16 +99,6 @@ class FunctionReward:
         self.logged: dict[str, list[float]] = defaultdict(list)
         self._warned: set[str] = set()
 
-    def __call__(self, prompts: list[str], responses: list[str]):
-        """Scores of decoded texts alone (no records; NaN where None): the columns a function
-        needs are missing."""
-        return self.score(RewardInputs(prompts, responses))
-
-    def score(self, inputs: RewardInputs):
-        """One checked score per response (``check_scores``); NaN where the function returned None."""
-        values, applies = self.score_applies(inputs)
-        return torch.where(applies, values, torch.full_like(values, float("nan")))
-
     def log_metric(self, name: str, value: float) -> None:
         """TRL's ``log_metric``: a scalar for ``rewards/<term>/<name>``, averaged over the iteration."""
         self.logged[str(name)].append(float(value))
@@ -119,16 +109,16 @@ class FunctionReward:
         self.logged.clear()
         return out
 
-    def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scores [B], applies [B] bool)``, the call chosen by the signature: ``None`` from the
-        function means "does not apply to this response" (its score there is 0 and ``applies``
-        False)."""
-        args = self._arguments(inputs)
+    def score(self, batch: RewardBatch) -> Scored:
+        """One checked score per response (``check_scores``), the call chosen by the signature:
+        ``None`` from the function means "does not apply to this response" (its score there is 0
+        and ``applies`` False)."""
+        args = self._arguments(batch)
         try:
             scores = self._call(args)
         except Exception as e:
             raise RewardError(
-                f"reward {self.name} raised {type(e).__name__}: {e} ({self._culprit(inputs, args)})"
+                f"reward {self.name} raised {type(e).__name__}: {e} ({self._culprit(batch, args)})"
             ) from e
         applies = None
         if not isinstance(scores, torch.Tensor):
@@ -139,8 +129,8 @@ class FunctionReward:
             if items is not None:
                 applies = torch.tensor([x is not None for x in items], dtype=torch.bool)
                 scores = [0.0 if x is None else x for x in items]
-        values = check_scores(scores, inputs.prompt_texts, self.name, self.allow_nonfinite)
-        return values, applies if applies is not None else torch.ones(len(values), dtype=torch.bool)
+        values = check_scores(scores, batch.prompt_texts, self.name, self.allow_nonfinite)
+        return Scored(values, applies if applies is not None else torch.ones(len(values), dtype=torch.bool), {})
 
     def _call(self, args: dict[str, list]):
         if self.trl_style:
@@ -148,26 +138,27 @@ class FunctionReward:
         rest = {k: v for k, v in args.items() if k not in ("prompts", "responses")}
         return self.fn(args["prompts"], args["responses"], **rest)
 
-    def _arguments(self, inputs: RewardInputs) -> dict[str, list]:
+    def _arguments(self, batch: RewardBatch) -> dict[str, list]:
         """Everything this call passes, one list (a value per response) each: the call's own
-        arguments the function takes, then its columns."""
+        arguments the function takes (each read from ``batch`` only when taken: the completion
+        ids are built for a function that asks for them), then its columns."""
         if self.trl_style:
             own = {
-                "prompts": inputs.prompts if inputs.prompts is not None else inputs.prompt_texts,
-                "completions": inputs.completion_messages(),
-                "completion_ids": inputs.completion_ids,
-                "log_metric": self.log_metric,
-                "environments": inputs.environments,
+                "prompts": lambda: batch.prompts if batch.prompts is not None else batch.prompt_texts,
+                "completions": batch.completion_messages,
+                "completion_ids": lambda: batch.completion_ids,
+                "log_metric": lambda: self.log_metric,
+                "environments": lambda: batch.environments,
             }
-            args = {k: own[k] for k in self.call_args if k != "environments" or inputs.environments is not None}
+            args = {k: own[k]() for k in self.call_args if k != "environments" or batch.environments is not None}
         else:
-            args = {"prompts": inputs.prompt_texts, "responses": inputs.responses}
-        return {**args, **self._columns(inputs)}
+            args = {"prompts": batch.prompt_texts, "responses": batch.responses}
+        return {**args, **self._columns(batch)}
 
-    def _columns(self, inputs: RewardInputs) -> dict[str, list]:
+    def _columns(self, batch: RewardBatch) -> dict[str, list]:
         """The columns this function takes, one list each (a value per response); a column named
         like a ``reward.kwargs`` key or a call argument is left out, with one warning."""
-        rows = inputs.columns or [{} for _ in inputs.responses]
+        rows = batch.columns or [{} for _ in range(len(batch))]
         present = set(rows[0]) if rows else set()
         missing = [c for c in self.required_columns if c not in present]
         if missing:
@@ -191,16 +182,16 @@ class FunctionReward:
             )
         return {c: [row.get(c) for row in rows] for c in names if c not in self.reserved}
 
-    def _culprit(self, inputs: RewardInputs, args: dict[str, list]) -> str:
+    def _culprit(self, batch: RewardBatch, args: dict[str, list]) -> str:
         """Find the first row that fails on its own, called with that row's own arguments (its
         prompt, completion, ids and columns), so the message can name the prompt."""
-        n = len(inputs.responses)
+        n = len(batch)
         for i in range(n):
             row = {k: (v if callable(v) else v[i : i + 1]) for k, v in args.items() if v is not None}
             try:
                 self._call(row)
             except Exception:
-                p, r = inputs.prompt_texts[i], inputs.responses[i]
+                p, r = batch.prompt_texts[i], batch.responses[i]
                 return f"on prompt {i} {p[:60]!r} with response {r[:60]!r}"
         return f"on a batch of {n} that fails only as a whole"
 

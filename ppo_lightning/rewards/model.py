@@ -19,11 +19,14 @@ from ppo_lightning.models.policy import (
     position_ids_from_mask,
     resolve_source,
 )
-from ppo_lightning.rewards.base import check_scores
+from ppo_lightning.rewards.base import Reward, RewardBatch, Scored, check_scores
 from ppo_lightning.config.choices import REWARD_INPUTS as INPUTS
 
 
-class RewardModel(nn.Module):
+class RewardModel(nn.Module, Reward):
+    """A frozen sequence-classification reward model; ``score`` reads the batch's token ids
+    (``use_policy_tokens`` decides) or its decoded text (``forward``)."""
+
     def __init__(
         self,
         name_or_path: str,
@@ -131,6 +134,15 @@ class RewardModel(nn.Module):
             logits = self.model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=position_ids[sl]).logits
             out.append(logits[:, self.label_index].float())
         return torch.cat(out)
+
+    def score(self, batch: RewardBatch) -> Scored:
+        """The score of every row (it applies everywhere): from the policy's token ids where
+        ``use_policy_tokens`` chose them and the batch has them, else from the decoded text."""
+        if self.token_input and batch.input_ids is not None:
+            scores = self.score_tokens(batch.input_ids, batch.attention_mask).float()
+        else:
+            scores = self(batch.prompt_texts, batch.responses)
+        return Scored(scores, torch.ones_like(scores, dtype=torch.bool), {})
 
     def train(self, mode: bool = True):  # frozen: never switch to train mode
         return super().train(False)

@@ -12,27 +12,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ppo_lightning.rewards.base import RewardInputs
+from ppo_lightning.rewards.base import Reward, RewardBatch, Scored, as_reward
 
 
-class WeightedReward(nn.Module):
-    """``sum_k weight_k * term_k``, term by term in the order given.
+class WeightedReward(nn.Module, Reward):
+    """``sum_k weight_k * term_k``, term by term in the order given; each term a ``Reward`` (a
+    plain callable is wrapped once, here: ``as_reward``).
 
     An ``nn.Module`` whose reward-model terms are submodules (``models``), so that Lightning moves
     them to the policy's device as it moves a single reward model; frozen weights are not
-    checkpointed (``PPOModule.checkpointed``)."""
-
-    token_input = False  # every term reads text (a reward model term through its own tokenizer)
+    checkpointed (``PPOModule.checkpointed``). Every term reads text (a reward model term through
+    its own tokenizer)."""
 
     def __init__(self, terms: dict[str, tuple[object, float]]):
         super().__init__()
-        self.terms = terms  # name -> (scorer, weight); a plain dict: the modules register below
-        self.models = nn.ModuleDict({name: fn for name, (fn, _) in terms.items() if isinstance(fn, nn.Module)})
-        self.name = " + ".join(f"{w:g} * {name}" for name, (_, w) in terms.items())
-        self.trl_style = any(getattr(fn, "trl_style", False) for fn, _ in terms.values())
-        self.required_columns = tuple(
-            dict.fromkeys(c for fn, _ in terms.values() for c in getattr(fn, "required_columns", ()))
-        )
+        self.terms = {name: (as_reward(fn), w) for name, (fn, w) in terms.items()}  # a plain dict: modules below
+        self.models = nn.ModuleDict({name: fn for name, (fn, _) in self.terms.items() if isinstance(fn, nn.Module)})
+        self.name = " + ".join(f"{w:g} * {name}" for name, (_, w) in self.terms.items())
+        self.required_columns = tuple(dict.fromkeys(c for fn, _ in self.terms.values() for c in fn.required_columns))
 
     def use_policy_tokens(self, policy_tokenizer, mode: str = "auto") -> bool:
         return False
@@ -45,33 +42,20 @@ class WeightedReward(nn.Module):
             for k, v in (fn.pop_logged() if hasattr(fn, "pop_logged") else {}).items()
         }
 
-    def score_applies(self, inputs: RewardInputs) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``(weighted sum [B], applies [B], {name: the term's raw scores [B]})``. A term that
-        returns None for a response is left out of that response's sum, and its raw score there
-        is NaN (out of the term's statistics); ``applies`` is False where every term did."""
-        total = torch.zeros(len(inputs.responses))
-        applies = torch.zeros(len(inputs.responses), dtype=torch.bool)
+    def score(self, batch: RewardBatch) -> Scored:
+        """``Scored(weighted sum [B], applies [B], {name: the term's raw scores [B]})``. A term
+        that returns None for a response is left out of that response's sum, and its raw score
+        there is NaN (out of the term's statistics); ``applies`` is False where every term did."""
+        total = torch.zeros(len(batch))
+        applies = torch.zeros(len(batch), dtype=torch.bool)
         raw = {}
         for name, (fn, w) in self.terms.items():
-            if hasattr(fn, "score_applies"):
-                values, a = fn.score_applies(inputs)
-            else:
-                out = fn.score(inputs) if hasattr(fn, "score") else fn(inputs.prompt_texts, inputs.responses)
-                values = torch.as_tensor(out, dtype=torch.float32).flatten().cpu()
-                a = torch.ones(len(values), dtype=torch.bool)
+            values, a, _ = fn.score(batch)
+            values, a = values.cpu(), a.cpu()
             total += w * torch.where(a, values, torch.zeros_like(values))
             applies |= a
             raw[name] = torch.where(a, values, torch.full_like(values, float("nan")))
-        return total, applies, raw
-
-    def score_terms(self, inputs: RewardInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(weighted sum [B], {name: the term's raw scores [B]})``."""
-        total, _, raw = self.score_applies(inputs)
-        return total, raw
-
-    def score(self, inputs: RewardInputs) -> torch.Tensor:
-        total, applies, _ = self.score_applies(inputs)
-        return torch.where(applies, total, torch.full_like(total, float("nan")))
+        return Scored(total, applies, raw)
 
     def forward(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        return self.score(RewardInputs(prompts, responses))
+        return self.score_texts(prompts, responses)

@@ -16,32 +16,31 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
-
 import torch
 
 from ppo_lightning.envs import EpisodeRunner, SingleTurn
 from ppo_lightning.generation import GenerationBackend, SamplingParams
-from ppo_lightning.rewards import pop_reward_logs
-from ppo_lightning.rewards.dispatch import Scored
+from ppo_lightning.rewards import Reward, Scored, as_reward, pop_reward_logs
 from ppo_lightning.rollouts.records import Episodes, Prompts
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutWorker:
-    """Plays records through ``backend`` as ``params`` say and scores them with ``reward_fn``
-    (the texts ``tokenizer`` decodes). ``runner`` plays each record as an episode of the run's
+    """Plays records through ``backend`` as ``params`` say and scores them with ``reward_fn`` (a
+    ``rewards.Reward``; a plain ``(prompts, responses)`` callable is wrapped once, here), the
+    texts ``tokenizer`` decodes. ``runner`` plays each record as an episode of the run's
     environment (``envs.EpisodeRunner``, ``env``), or of the null environment, one response
     (``envs.SingleTurn``, the default). An evaluation or the normalisation's fit plays with other
     params or another backend: ``replace``."""
 
     backend: GenerationBackend
     params: SamplingParams
-    reward_fn: Callable
+    reward_fn: Reward
     tokenizer: object
     runner: EpisodeRunner | SingleTurn | None = None  # None: SingleTurn(tokenizer)
 
     def __post_init__(self):
+        object.__setattr__(self, "reward_fn", as_reward(self.reward_fn))
         if self.runner is None:
             object.__setattr__(self, "runner", SingleTurn(self.tokenizer))
 
@@ -86,10 +85,10 @@ class RolloutWorker:
         instances are live, since a TRL reward may read an environment's state)."""
         return played.scored_by(self.reward_fn, self.tokenizer, self.runner.error_reward)
 
-    def score(self, episodes: Episodes, reward_fn: Callable) -> Scored:
-        """Another scorer's ``Scored`` of episodes already played (``eval.metrics``): as the
+    def score(self, episodes: Episodes, reward: Reward) -> Scored:
+        """Another reward's ``Scored`` of episodes already played (``eval.metrics``): as the
         worker's own reward would see them, the environments no longer live."""
-        return episodes.played.scored_by(reward_fn, self.tokenizer, self.runner.error_reward)
+        return episodes.played.scored_by(reward, self.tokenizer, self.runner.error_reward)
 
     def sync_weights(self) -> float | None:
         """The backend takes the policy's new weights (``GenerationBackend.sync_weights``)."""

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ppo_lightning.rewards.base import as_reward
 from ppo_lightning.rollouts import Episodes, Prompts, RolloutWorker
 from ppo_lightning.rollouts.forward import Sequences, forward_logprobs
 
@@ -211,12 +212,12 @@ def due(eval_cfg, datamodule, step: int | None) -> bool:
 
 class Evaluation:
     """Evaluation during training, for a ``PPOModule``: the ``eval.*`` node (``cfg``, a
-    ``config.EvalConfig``; None: never), the ``eval.metrics`` scorers (name -> scorer, measured on
-    eval samples only), and every evaluation of this process in order (``history``: the recipes'
+    ``config.EvalConfig``; None: never), the ``eval.metrics`` rewards (name -> ``rewards.Reward``, a
+    plain callable wrapped once; measured on eval samples only), and every evaluation of this process in order (``history``: the recipes'
     before/after tables). It evaluates only when the data has eval prompts."""
 
     def __init__(self, cfg=None, metrics: dict | None = None):
-        self.cfg, self.metrics = cfg, metrics or {}
+        self.cfg, self.metrics = cfg, {name: as_reward(fn) for name, fn in (metrics or {}).items()}
         self.history: list[EvalPoint] = []
 
     def due(self, datamodule, step: int | None) -> bool:

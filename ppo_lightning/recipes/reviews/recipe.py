@@ -176,7 +176,7 @@ def pairs_against_broken_samples(
     from ppo_lightning.data.prompts import PadCollator
     from ppo_lightning.generation import SamplingParams
     from ppo_lightning.generation.hf import HFBackend
-    from ppo_lightning.rewards.dispatch import decode_prompts_and_responses
+    from ppo_lightning.rewards.base import decode_prompts_and_responses
 
     ps = reviews.prompts(rng, n_prompts)
     g = torch.Generator().manual_seed(rng.randrange(2**31))
