@@ -47,7 +47,13 @@ class SingleTurnBatch:
         """The reward's ``Scored`` of the responses (``rewards.dispatch.score_sequences``): each
         row's prompt as written and its columns reach a reward function."""
         return score_sequences(
-            reward_fn, tokenizer, self.query_responses, self.attention_mask, self.context_length, self.texts, self.columns
+            reward_fn,
+            tokenizer,
+            self.query_responses,
+            self.attention_mask,
+            self.context_length,
+            self.texts,
+            self.columns,
         )
 
     def metrics(self, turn_rewards: Tensor | None = None) -> dict[str, Tensor]:
