@@ -587,12 +587,10 @@ def samples(
 
 def finish(s: Played, logprobs, values, **kwargs):
     """``algo.rollout.finish_rollout`` of ``Played`` episodes."""
-    from ppo_lightning.algo.rollout import finish_rollout
-    from ppo_lightning.models.policy import position_ids_from_mask
+    from ppo_lightning.algo.rollout import Forwards, finish_rollout
 
-    return finish_rollout(
-        s.episodes, position_ids_from_mask(s.attention_mask), s.ref_logprobs, logprobs, values, **kwargs
-    )
+    forwards = Forwards(position_ids_from_mask(s.attention_mask), s.ref_logprobs, logprobs, values)
+    return finish_rollout(s.episodes, forwards, **kwargs)
 
 
 @torch.no_grad()

@@ -33,7 +33,7 @@ from ppo_lightning.algo.losses import (
     ppo_value_loss,
     token_mean,
 )
-from ppo_lightning.algo.rollout import EngineView, Rollout, ScoreShaping, finish_rollout
+from ppo_lightning.algo.rollout import EngineView, Forwards, Rollout, ScoreShaping, finish_rollout
 from ppo_lightning.algo.stats import masked_mean, masked_var
 from ppo_lightning.config import PPOConfig
 from ppo_lightning.config.choices import LOSS_AGGREGATIONS
@@ -112,10 +112,7 @@ class PPO:
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
             r = finish_rollout(
                 ep,
-                seq.position_ids,
-                ref_logprobs,
-                logprobs,
-                values,
+                Forwards(seq.position_ids, ref_logprobs, logprobs, values),
                 kl_coef=kl_coef,
                 kl_estimator=self.kl_estimator,
                 cfg=c,
@@ -125,32 +122,11 @@ class PPO:
                     c.mask_truncated_completions,
                     self.worker.params.stop_at_eos,
                 ),
-                engine=self._engine_view(ep, seq),
+                engine=engine_view(self.policy.lm, self.worker, ep, seq, c),
                 collect_time_s=time.perf_counter() - t0,
             )
         self._fused = None if fused is None else (r, fused)
         return r
-
-    def _engine_view(self, ep: Episodes, seq: Sequences) -> EngineView | None:
-        """An engine backend's own logprobs of its samples (each turn's, in place, for episodes;
-        None with the ``hf`` backend, and then no view), with the old policy's logprobs of the
-        same distribution when the sampling truncates it (top-k / top-p / min-p:
-        ``truncated_logprobs``, one more no-grad forward, in the engine's order). Runs in the
-        rollout's context (weights gathered, the update's numerics)."""
-        if ep.engine_logprobs is None:
-            return None
-        c, params = self.cfg, self.worker.params
-        sampling = None
-        if params.truncates:
-            sampling = truncated_logprobs(
-                self.policy.lm,
-                *seq,
-                params,
-                c.rollout_forward_batch_size,
-                c.remove_padding,
-                self.worker.backend.min_p_first,
-            )
-        return EngineView(ep.engine_logprobs, sampling, c.engine_correction, c.engine_correction_cap)
 
     def _old_logprobs_and_values(self, seq: Sequences) -> tuple[Tensor, Tensor | None, PolicyOutput | None]:
         """The old policy's logprobs and values ``[B, R]`` (values None without a value head), and
@@ -303,6 +279,30 @@ class PPO:
             stats["loss/kl_avg"] = kl_loss.detach()
         return loss, stats, new_logp
 
+    # ------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """What the algorithm carries across iterations, for a checkpoint: the KL controller, the
+        reward normalisation and every rank's sampling stream (a collective)."""
+        return {
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "reward_norm": list(self.reward_norm) if self.reward_norm is not None else None,
+            "generators": self.runtime.generator_states(self.generator),
+        }
+
+    def load_state_dict(self, state: dict, seed: int, step: int) -> tuple[int, bool] | None:
+        """Restore ``state_dict``'s entries that a checkpoint holds (an older one may hold one
+        ``generator``); with sampling streams, ``(how many, whether this rank resumed its own)``
+        (a run on another number of ranks starts new streams from ``seed`` and ``step``)."""
+        if "kl_ctl" in state:
+            self.kl_ctl.load_state_dict(state["kl_ctl"])
+        if state.get("reward_norm") is not None:
+            self.reward_norm = tuple(state["reward_norm"])
+        states = state.get("generators") or ([state["generator"]] if state.get("generator") is not None else None)
+        if not states:
+            return None
+        self.generator, resumed = self.runtime.restore_generator(states, seed, step)
+        return len(states), resumed
+
     # ------------------------------------------------------------------------- between iterations
     def end_iteration(self, kl: float, rows: int) -> float | None:
         """The KL controller steps from the measured KL (``rows`` episodes over all ranks; a
@@ -311,6 +311,23 @@ class PPO:
         if math.isfinite(kl):
             self.kl_ctl.update(kl, rows)
         return self.worker.sync_weights()
+
+
+def engine_view(lm, worker: RolloutWorker, ep: Episodes, seq: Sequences, c: PPOConfig) -> EngineView | None:
+    """An engine backend's own logprobs of its samples (each turn's, in place, for episodes;
+    None with the ``hf`` backend, and then no view), with the policy ``lm``'s logprobs of the same
+    distribution when the worker's sampling truncates it (top-k / top-p / min-p:
+    ``truncated_logprobs``, one more no-grad forward, in the engine's order), and ``c``'s
+    correction (``ppo.engine_correction``). Runs in the rollout's context (weights gathered, the
+    update's numerics)."""
+    if ep.engine_logprobs is None:
+        return None
+    params, sampling = worker.params, None
+    if params.truncates:
+        sampling = truncated_logprobs(
+            lm, *seq, params, c.rollout_forward_batch_size, c.remove_padding, worker.backend.min_p_first
+        )
+    return EngineView(ep.engine_logprobs, sampling, c.engine_correction, c.engine_correction_cap)
 
 
 def minibatch_rows(rows: int, c: PPOConfig, whole_groups: bool, generator, device=None) -> list[Tensor]:

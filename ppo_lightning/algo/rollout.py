@@ -146,13 +146,22 @@ class Rollout:
         return Rollout(**rows, episodes=None, reward_logs={}, records=None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Forwards:
+    """The trainer's forwards over a batch of episodes: their ``position_ids [B, T]``, the
+    reference's ``ref_logprobs [B, R]`` and the old policy's ``logprobs [B, R]`` and ``values
+    [B, R]`` (None without a value head)."""
+
+    position_ids: Tensor
+    ref_logprobs: Tensor
+    logprobs: Tensor
+    values: Tensor | None
+
+
 @torch.no_grad()
 def finish_rollout(
     ep,
-    position_ids: Tensor,
-    ref_logprobs: Tensor,
-    logprobs: Tensor,
-    values: Tensor | None,
+    forwards: Forwards,
     *,
     kl_coef: float,
     kl_estimator: str,
@@ -161,45 +170,30 @@ def finish_rollout(
     engine: EngineView | None = None,
     collect_time_s: float = 0.0,
 ) -> Rollout:
-    """The rollout of the episodes ``ep`` (``rollouts.Episodes``, their ``position_ids [B, T]``)
-    given the reference's and the old policy's ``logprobs`` and ``values`` ``[B, R]``: the training scores (``shaping``), the rows
-    kept in the loss, the per-token KL penalty (``-kl_coef`` x the ``kl_estimator`` KL), then the
-    advantages of the estimator ``cfg.advantage`` names (a ``config.PPOConfig``;
-    ``algo.advantages.ESTIMATORS``: GAE on the values, or a critic-free one, whose ``values`` are
-    None and the rollout's zeros), and with an ``engine`` its correction weights.
-    Multi-turn: the estimator sees the policy's tokens only, each row's gathered to its front (an
-    environment span is neither a step nor a discount); the results go back to their positions."""
+    """The rollout of the episodes ``ep`` (``rollouts.Episodes``) given the trainer's ``forwards``
+    over them: the training scores (``shaping``), the rows kept in the loss, the per-token KL
+    penalty (``-kl_coef`` x the ``kl_estimator`` KL), then the advantages of the estimator
+    ``cfg.advantage`` names (a ``config.PPOConfig``; ``algo.advantages.ESTIMATORS``: GAE on the
+    values, or a critic-free one, whose values are None and the rollout's zeros), and with an
+    ``engine`` its correction weights. The one place a ``Rollout`` is made from episodes."""
     keep = shaping.kept(ep.scored, ep.contains_eos)
     mask = ep.response_mask if keep.all() else ep.response_mask * keep[:, None]
     scores = shaping.scores(ep.raw_scores, ep.contains_eos)
     turn_rewards = None if ep.turn_rewards is None else ep.turn_rewards * shaping.gain * mask
-    values = torch.zeros_like(logprobs) if values is None else values
-    logprobs, ref_logprobs, values = logprobs * mask, ref_logprobs * mask, values * mask
+    values = torch.zeros_like(forwards.logprobs) if forwards.values is None else forwards.values
+    logprobs, ref_logprobs, values = forwards.logprobs * mask, forwards.ref_logprobs * mask, values * mask
     kl = kl_k1(logprobs, ref_logprobs) * mask  # k1, for the objective/kl metric
     per_token_kl = kl if kl_estimator == "k1" else kl_penalty(logprobs, ref_logprobs, kl_estimator, mask)
     kl_rewards = -kl_coef * per_token_kl  # [B, R]
-    order = policy_token_order(mask)
-    inputs = AdvantageInputs(
-        scores=scores,
-        kl_rewards=to_policy_tokens(kl_rewards, order),
-        mask=to_policy_tokens(mask, order),
-        values=to_policy_tokens(values, order),
-        turn_rewards=None if turn_rewards is None else to_policy_tokens(turn_rewards, order),
-        gamma=cfg.gamma,
-        lam=cfg.lam,
-        group_size=cfg.num_generations,
-        scale_by_std=cfg.scale_by_group_std,
-        whiten_rewards=cfg.whiten_rewards,
-    )
-    advantages, returns, rewards = (from_policy_tokens(x, order) for x in estimate(cfg.advantage, inputs))
-    weights = sampling = None
+    advantages, returns, rewards = advantages_of(scores, kl_rewards, mask, values, turn_rewards, cfg)
+    sampling = weights = None
     if engine is not None:
         sampling = logprobs if engine.sampling_logprobs is None else engine.sampling_logprobs
         weights = engine_weights(sampling, engine.logprobs, mask, engine.correction, engine.cap)
     return Rollout(
         query_responses=ep.query_responses,
         attention_mask=ep.attention_mask,
-        position_ids=position_ids,
+        position_ids=forwards.position_ids,
         response_mask=mask,
         logprobs=logprobs,
         ref_logprobs=ref_logprobs,
@@ -224,3 +218,25 @@ def finish_rollout(
         records=ep.records,
         collect_time_s=collect_time_s,
     )
+
+
+def advantages_of(
+    scores: Tensor, kl_rewards: Tensor, mask: Tensor, values: Tensor, turn_rewards: Tensor | None, cfg
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(advantages, returns, rewards)`` ``[B, R]`` of the estimator ``cfg.advantage``. Multi-turn:
+    the estimator sees the policy's tokens only, each row's gathered to its front (an environment
+    span is neither a step nor a discount); the results go back to their positions."""
+    order = policy_token_order(mask)
+    inputs = AdvantageInputs(
+        scores=scores,
+        kl_rewards=to_policy_tokens(kl_rewards, order),
+        mask=to_policy_tokens(mask, order),
+        values=to_policy_tokens(values, order),
+        turn_rewards=None if turn_rewards is None else to_policy_tokens(turn_rewards, order),
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        group_size=cfg.num_generations,
+        scale_by_std=cfg.scale_by_group_std,
+        whiten_rewards=cfg.whiten_rewards,
+    )
+    return tuple(from_policy_tokens(x, order) for x in estimate(cfg.advantage, inputs))

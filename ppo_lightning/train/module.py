@@ -129,13 +129,8 @@ class PPOModule(L.LightningModule):
         the reward (evaluation plays through it too)."""
         return self.algo.worker
 
-    @property
-    def tokenizer(self):
-        return self.algo.worker.tokenizer
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.algo.worker.params
+    tokenizer = property(lambda self: self.algo.worker.tokenizer, doc="The worker's tokenizer.")
+    sampling = property(lambda self: self.algo.worker.params, doc="How the worker samples (SamplingParams).")
 
     @torch.no_grad()
     def score(self, prompts: list[str], responses: list[str]) -> Tensor:
@@ -172,27 +167,19 @@ class PPOModule(L.LightningModule):
             self._eval_due = self._evaluate()
         self.rollout = self.algo.collect(batch, policy_version=self.global_step)
 
-    @torch.no_grad()
     def _fit_reward_normalization(self) -> None:
-        """Fix ``reward_norm`` from the reference's episodes on this rank's share of
-        ``reward.normalize_samples`` prompts (``normalization.fit``), played in the rollouts'
-        numerics with a stream of their own. A value head copied from the reward model's raw head
-        is mapped onto the new scale too."""
-        spec, world = self.reward_normalization, self.trainer.world_size
-        batches = self.trainer.datamodule.normalization_batches(normalization.samples_per_rank(spec, world))
-        with self.runtime.rollout_context(self.ref_lm):
-            generator = self.runtime.new_generator(self.seed + normalization.FIT_SEED_OFFSET, stride=1)
-            gain, bias = normalization.fit(
-                self.worker.replace(backend=self.ref_backend),
-                batches,
-                self.device,
-                generator,
-                self.runtime.reduce_sum if world > 1 else None,
-            )
-        self.algo.reward_norm = (gain, bias)
-        if spec.value_head_from_reward:
-            self.policy.v_head.weight.mul_(gain)
-            self.policy.v_head.bias.mul_(gain).add_(bias)
+        """Fix ``reward_norm`` from the reference's episodes (``normalization.fit_for_run``)."""
+        self.algo.reward_norm = normalization.fit_for_run(
+            self.reward_normalization,
+            self.worker.replace(backend=self.ref_backend),
+            self.ref_lm,
+            self.policy,
+            self.trainer.datamodule,
+            self.runtime,
+            self.seed,
+            self.trainer.world_size,
+            self.device,
+        )
 
     # ------------------------------------------------------------------------- part 2: learn
     def training_step(self, batch: dict, batch_idx: int) -> None:
@@ -305,33 +292,19 @@ class PPOModule(L.LightningModule):
         sd = checkpoint["state_dict"]
         for k in [k for k in sd if not self.checkpointed(k)]:
             del sd[k]
-        checkpoint["ppo_state"] = {
-            "kl_ctl": self.algo.kl_ctl.state_dict(),
-            "episode": self.episode,
-            "skipped_updates": self.skipped_updates,
-            "nonfinite_streak": self.nonfinite_streak,
-            "reward_norm": list(self.reward_norm) if self.reward_norm is not None else None,
-            "generators": self.runtime.generator_states(self.algo.generator),  # a collective
-        }
+        counters = {"episode": self.episode, "skipped_updates": self.skipped_updates}
+        checkpoint["ppo_state"] = {**self.algo.state_dict(), **counters, "nonfinite_streak": self.nonfinite_streak}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("ppo_state", {})
-        if "kl_ctl" in state:
-            self.algo.kl_ctl.load_state_dict(state["kl_ctl"])
         self.episode = int(state.get("episode", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
-        if state.get("reward_norm") is not None:
-            self.algo.reward_norm = tuple(state["reward_norm"])
-        states = state.get("generators") or ([state["generator"]] if state.get("generator") is not None else None)
-        if states:
-            self.algo.generator, resumed = self.runtime.restore_generator(
-                states, self.seed, int(checkpoint.get("global_step", 0))
+        streams = self.algo.load_state_dict(state, self.seed, int(checkpoint.get("global_step", 0)))
+        if streams is not None and not streams[1] and self.global_rank == 0:
+            log.warning(
+                "the checkpoint holds the sampling streams of %d rank(s); this run has %d, so each rank "
+                "starts a new stream (the trajectory differs from an uninterrupted run)",
+                streams[0],
+                self.trainer.world_size,
             )
-            if not resumed and self.global_rank == 0:
-                log.warning(
-                    "the checkpoint holds the sampling streams of %d rank(s); this run has %d, so each rank "
-                    "starts a new stream (the trajectory differs from an uninterrupted run)",
-                    len(states),
-                    self.trainer.world_size,
-                )

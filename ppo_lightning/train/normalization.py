@@ -65,3 +65,22 @@ def fit(worker: RolloutWorker, batches, device, generator: torch.Generator, redu
     gain, bias = fit_normalization(raw, reduce, source=getattr(worker.reward_fn, "name", "the reward"))
     log.info("reward normalisation from %d reference samples: gain %.4g, bias %.4g", len(raw), gain, bias)
     return gain, bias
+
+
+@torch.no_grad()
+def fit_for_run(
+    spec: NormalizedReward, worker: RolloutWorker, ref_lm, policy, datamodule, runtime, seed: int, world: int, device
+) -> tuple[float, float]:
+    """The run's ``(gain, bias)``, fitted once when it starts: ``fit`` on the reference's episodes
+    (``worker`` with the reference's backend) over this rank's share of ``spec.fit_samples``
+    prompts of ``datamodule`` (on ``device``), played in the rollouts' numerics (``runtime.rollout_context``) with
+    a stream of their own (``seed + FIT_SEED_OFFSET``). A value head copied from the reward
+    model's raw head (``spec.value_head_from_reward``) is mapped onto the new scale too."""
+    batches = datamodule.normalization_batches(samples_per_rank(spec, world))
+    with runtime.rollout_context(ref_lm):
+        generator = runtime.new_generator(seed + FIT_SEED_OFFSET, stride=1)
+        gain, bias = fit(worker, batches, device, generator, runtime.reduce_sum if world > 1 else None)
+    if spec.value_head_from_reward:
+        policy.v_head.weight.mul_(gain)
+        policy.v_head.bias.mul_(gain).add_(bias)
+    return gain, bias
