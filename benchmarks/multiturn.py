@@ -61,7 +61,8 @@ class IterationTimes(L.Callback):
 
 
 def run(overrides: list[str], out: Path) -> list[dict]:
-    from ppo_lightning.jobs.factory import build_module, build_trainer, compose_config
+    from ppo_lightning.jobs.factory import build_module, compose_config
+    from ppo_lightning.jobs.trainer import build_trainer
 
     cfg = compose_config(
         [

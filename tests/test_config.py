@@ -194,7 +194,7 @@ def test_two_nodes_of_two_processes_make_one_sharding_mesh_of_four(
     """The multi-node lines of docs/scaling.md: ``trainer=fsdp_cpu trainer.num_nodes=2`` under the
     environment torchrun or SLURM sets for rank 1 of 4. Lightning reads the ranks from it (no
     processes of its own), and the FSDP mesh spans all four processes."""
-    from ppo_lightning.jobs.factory import build_trainer
+    from ppo_lightning.jobs.trainer import build_trainer
 
     for k in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC_"))]:
         monkeypatch.delenv(k)

@@ -177,6 +177,6 @@ def test_the_rollout_keeps_turn_rewards_in_its_record_of_rewards():
     s, logprobs, values = _samples(3)
     r = finish(s, logprobs, values, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig())
     assert torch.allclose(r.rewards.sum(1), s.scores + s.turn_rewards.sum(1), atol=1e-6)
-    single = dataclasses.replace(s, turn_rewards=None)
+    single = dataclasses.replace(s, episodes=dataclasses.replace(s.episodes, turn_rewards=None))
     r1 = finish(single, logprobs, values, kl_coef=0.0, kl_estimator="k1", cfg=PPOConfig())
     assert torch.allclose(r1.rewards.sum(1), s.scores, atol=1e-6)

@@ -118,7 +118,7 @@ def test_cpu_bf16_probe_reads_what_proc_cpuinfo_lists():
     import platform
     from pathlib import Path
 
-    from ppo_lightning.jobs.factory import cpu_has_bf16_matmul
+    from ppo_lightning.jobs.trainer import cpu_has_bf16_matmul
 
     info = Path("/proc/cpuinfo")
     if platform.machine() != "x86_64" or not info.exists():
@@ -140,11 +140,11 @@ def test_bf16_on_a_cpu_without_bf16_matmuls_is_warned_of_before_the_run(
     both ways, since one machine has one CPU; its reading of the hardware is tested above."""
     import logging
 
-    from ppo_lightning.jobs import factory
+    from ppo_lightning.jobs import factory, trainer
 
-    monkeypatch.setattr(factory, "cpu_has_bf16_matmul", lambda: native)
+    monkeypatch.setattr(trainer, "cpu_has_bf16_matmul", lambda: native)
     cfg = compose_cfg(["trainer=cpu", f"trainer.precision={precision}"], tmp_path, cache_dir)
-    with caplog.at_level(logging.WARNING, logger=factory.log.name):
+    with caplog.at_level(logging.WARNING, logger=trainer.log.name):
         factory.check_inputs(cfg)
     warned = [r.getMessage() for r in caplog.records if "bf16 matmul" in r.getMessage()]
     assert bool(warned) == warns, warned

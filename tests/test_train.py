@@ -405,7 +405,7 @@ def test_a_ppo_run_gets_the_iteration_bar_unless_it_brings_a_bar_or_shows_none(t
     bar of the user's own replaces it; ``trainer.enable_progress_bar=false`` shows none."""
     from lightning.pytorch.callbacks import TQDMProgressBar
 
-    from ppo_lightning.jobs.factory import build_trainer
+    from ppo_lightning.jobs.trainer import build_trainer
     from ppo_lightning.train.callbacks import IterationProgressBar
 
     def bar(*overrides):
