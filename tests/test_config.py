@@ -13,7 +13,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from ppo_lightning import config as C
-from ppo_lightning.config.rules import SECTIONS
+from ppo_lightning.config.root import SECTIONS
 
 from ppo_lightning.algo.advantages import AdvantageInputs, estimate
 

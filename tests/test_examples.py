@@ -10,38 +10,39 @@ import pytest
 from ppo_lightning.recipes.arithmetic import data as arithmetic
 
 from ppo_lightning.recipes.reviews import data as reviews
+from ppo_lightning.recipes.reviews import grammar
 
 
 # ----------------------------------------------------------------------------- reviews
 def test_sampled_reviews_are_well_formed_and_sized():
     rng = random.Random(0)
-    texts = [reviews.sample_review(rng, rng.random()) for _ in range(1000)]
-    assert all(reviews.is_well_formed(t) for t in texts)
+    texts = [grammar.sample_review(rng, rng.random()) for _ in range(1000)]
+    assert all(grammar.is_well_formed(t) for t in texts)
     lengths = [len(t.split(" ")) for t in texts]
     assert min(lengths) >= 10 and max(lengths) <= 18 and 10 < sum(lengths) / len(lengths) < 14
     assert all(t.endswith(" .") and "  " not in t for t in texts)
-    vocab = set(reviews.VOCAB)
-    assert 150 <= len(vocab) <= 300 and len(vocab) == len(reviews.VOCAB)
+    vocab = set(grammar.VOCAB)
+    assert 150 <= len(vocab) <= 300 and len(vocab) == len(grammar.VOCAB)
     assert {w for t in texts for w in t.split()} <= vocab
 
 
 def test_grammar_is_deterministic():
     """Parsing in one pass relies on the word classes leaving each reachable state being disjoint."""
-    seen, todo = set(), [reviews.START]
+    seen, todo = set(), [grammar.START]
     while todo:
         state = todo.pop()
         if state in seen:
             continue
         seen.add(state)
-        arcs = reviews._arcs(state)
-        words = [w for cls, _, _ in arcs for w in reviews._CLASSES[cls]]
+        arcs = grammar._arcs(state)
+        words = [w for cls, _, _ in arcs for w in grammar._CLASSES[cls]]
         assert len(words) == len(set(words)), state
         todo += [nxt for _, nxt, _ in arcs]
-    assert reviews.END in seen
+    assert grammar.END in seen
 
 
 def test_sampling_is_reproducible():
-    assert reviews.sample_review(7, 0.3) == reviews.sample_review(random.Random(7), 0.3)
+    assert grammar.sample_review(7, 0.3) == grammar.sample_review(random.Random(7), 0.3)
     assert reviews.sft_corpus(3, 5) == reviews.sft_corpus(3, 5)
     assert arithmetic.sft_corpus(3, 5) == arithmetic.sft_corpus(3, 5)
 
@@ -58,7 +59,7 @@ def _corrupt(rng: random.Random, kind: str, words: list[str]) -> str:
     elif kind == "truncate":
         words = words[: rng.randrange(1, len(words))]
     elif kind == "junk":
-        words.append(rng.choice(reviews.VOCAB + ["xyzzy"]))
+        words.append(rng.choice(grammar.VOCAB + ["xyzzy"]))
     elif kind == "repeat":
         i = rng.randrange(len(words))
         words.insert(i, words[i])
@@ -73,8 +74,8 @@ def test_corrupted_reviews_are_rejected():
     rng = random.Random(1)
     rates = {}
     for kind in ("drop", "swap", "truncate", "junk", "repeat", "salad"):
-        corrupted = [_corrupt(rng, kind, reviews.sample_review(rng, rng.random()).split(" ")) for _ in range(500)]
-        rates[kind] = sum(not reviews.is_well_formed(t) for t in corrupted) / len(corrupted)
+        corrupted = [_corrupt(rng, kind, grammar.sample_review(rng, rng.random()).split(" ")) for _ in range(500)]
+        rates[kind] = sum(not grammar.is_well_formed(t) for t in corrupted) / len(corrupted)
     assert rates["drop"] >= 0.9 and rates["swap"] >= 0.9, rates
     assert rates["truncate"] == rates["junk"] == rates["repeat"] == 1.0, rates
     assert rates["salad"] >= 0.99, rates
@@ -91,7 +92,7 @@ def test_corrupted_reviews_are_rejected():
     ],
 )
 def test_handwritten_reviews_are_accepted(text):
-    assert reviews.is_well_formed(text)
+    assert grammar.is_well_formed(text)
 
 
 @pytest.mark.parametrize(
@@ -115,11 +116,11 @@ def test_handwritten_reviews_are_accepted(text):
     ],
 )
 def test_ill_formed_texts_are_rejected(text):
-    assert not reviews.is_well_formed(text)
+    assert not grammar.is_well_formed(text)
 
 
 def test_sentiment_ground_truth():
-    s = reviews.sentiment
+    s = grammar.sentiment
     assert s("the acting was brilliant and the plot felt fresh .") == 1.0
     assert s("the film was dull but the music was lovely .") == 0.0
     assert s("the film was very dull but the music was lovely .") == pytest.approx(-0.25)
@@ -130,7 +131,7 @@ def test_sentiment_ground_truth():
     assert s("") == 0.0 and s("xyzzy the plot") == 0.0
     # positivity steers the mean sentiment monotonically, from clearly negative to clearly positive
     rng = random.Random(2)
-    means = [sum(s(reviews.sample_review(rng, p)) for _ in range(300)) / 300 for p in (0, 0.5, 1)]
+    means = [sum(s(grammar.sample_review(rng, p)) for _ in range(300)) / 300 for p in (0, 0.5, 1)]
     assert means[0] < -0.6 and abs(means[1]) < 0.15 and means[2] > 0.6
 
 
@@ -140,29 +141,29 @@ def test_prompts_can_be_completed():
     assert all(2 <= len(p.split(" ")) <= 4 and p == p.strip() for p in ps)
     assert len(set(ps)) > 100
     for p in ps:
-        response = reviews.complete(rng, p, rng.random())
+        response = grammar.complete(rng, p, rng.random())
         assert response.startswith(" ") and not response.startswith("  ")
-        assert reviews.is_well_formed(p + response)
+        assert grammar.is_well_formed(p + response)
     with pytest.raises(ValueError):
-        reviews.complete(rng, "acting the", 0.5)
+        grammar.complete(rng, "acting the", 0.5)
     with pytest.raises(ValueError):
-        reviews.sample_review(rng, 1.5)
+        grammar.sample_review(rng, 1.5)
 
 
 def test_sft_corpus_and_preference_pairs():
     rng = random.Random(4)
     corpus = reviews.sft_corpus(rng, 300)
-    assert all(reviews.is_well_formed(ex["prompt"] + ex["response"]) for ex in corpus)
+    assert all(grammar.is_well_formed(ex["prompt"] + ex["response"]) for ex in corpus)
     assert all(ex["response"].startswith(" ") and not ex["prompt"].endswith(" ") for ex in corpus)
-    sentiments = [reviews.sentiment(ex["prompt"] + ex["response"]) for ex in corpus]
+    sentiments = [grammar.sentiment(ex["prompt"] + ex["response"]) for ex in corpus]
     assert min(sentiments) == -1.0 and max(sentiments) == 1.0  # mixed sentiment
 
     pairs = reviews.preference_pairs(rng, 200)
     assert len(pairs) == 200
     for ex in pairs:
         chosen, rejected = ex["prompt"] + ex["chosen"], ex["prompt"] + ex["rejected"]
-        assert reviews.is_well_formed(chosen) and reviews.is_well_formed(rejected)
-        assert reviews.sentiment(chosen) > reviews.sentiment(rejected)
+        assert grammar.is_well_formed(chosen) and grammar.is_well_formed(rejected)
+        assert grammar.sentiment(chosen) > grammar.sentiment(rejected)
 
 
 def test_reviews_reward_fn():
@@ -232,10 +233,10 @@ def arith_tok():
 def test_review_tokenizer_round_trip(review_tok):
     tok = review_tok
     assert tok.pad_token_id != tok.eos_token_id and tok.padding_side == "left"
-    assert len(tok) == len(reviews.VOCAB) + 3
+    assert len(tok) == len(grammar.VOCAB) + 3
     rng = random.Random(7)
     for _ in range(200):
-        text = reviews.sample_review(rng, rng.random())
+        text = grammar.sample_review(rng, rng.random())
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert len(ids) == len(text.split(" ")) and tok.unk_token_id not in ids
         assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == text
@@ -291,8 +292,8 @@ def test_reviews_end_to_end_split_decoding(review_tok):
         full = ex["prompt"] + ex["response"]
         p, r = _split_decode(review_tok, ex["prompt"], full)
         assert p == ex["prompt"] and r == ex["response"].lstrip()  # the leading space is lost
-        assert reviews.join_text(p, r) == full and reviews.is_well_formed(reviews.join_text(p, r))
-        assert reviews.reward_fn([p], [r]) == [reviews.sentiment(full)]
+        assert grammar.join_text(p, r) == full and grammar.is_well_formed(grammar.join_text(p, r))
+        assert reviews.reward_fn([p], [r]) == [grammar.sentiment(full)]
 
 
 def test_arithmetic_end_to_end_split_decoding(arith_tok):

@@ -31,7 +31,8 @@ from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import PPOConfig
 from ppo_lightning.config.reward import RewardConfig, RewardTermConfig
 from ppo_lightning.config.root import PathsConfig, TrainConfig
-from ppo_lightning.config.rules import ignored_keys, IGNORED_UNLESS, validate
+from ppo_lightning.config.ignored import ignored_keys, IGNORED_UNLESS
+from ppo_lightning.config.rules import validate
 from ppo_lightning.config.sampling import SamplingConfig
 from ppo_lightning.config.schema import check_fields, describe_check, param
 from ppo_lightning.config.task import RewardModelConfig, RewardModelTask, SFTConfig, SFTTask, StageConfig

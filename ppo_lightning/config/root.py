@@ -1,4 +1,5 @@
-"""The root config (``conf/train.yaml``): run-level keys and one node per group."""
+"""The root config (``conf/train.yaml``): run-level keys and one node per group; ``SECTIONS``, the
+schema class of each section."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any, Dict, Optional
 
 from ppo_lightning.config.data import DataConfig
 from ppo_lightning.config.eval import EvalConfig
-from ppo_lightning.config.model import ModelConfig, RefConfig
+from ppo_lightning.config.model import LoRAConfig, ModelConfig, RefConfig, TinyModelConfig
 from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import PPOConfig
 from ppo_lightning.config.reward import RewardConfig
@@ -108,3 +109,20 @@ class TrainConfig:
     optimized_metric: str = "objective/scores"
     """Metric whose last logged value ``train.py`` returns to Hydra sweepers (docs/metrics.md); an
     unknown name or a non-finite value returns None."""
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "model.lora": LoRAConfig,
+    "model.build_tiny": TinyModelConfig,
+    "ref": RefConfig,
+    "reward": RewardConfig,
+    "optimizer": OptimizerConfig,
+    "ppo": PPOConfig,
+    "sampling": SamplingConfig,
+    "eval": EvalConfig,
+    "data": DataConfig,
+    "trainer": TrainerConfig,
+}
+"""The root's sections that have a schema class, by their dotted key (nested ones included):
+what ``validate`` checks field by field, and where ``ignored_keys`` finds a key's default."""

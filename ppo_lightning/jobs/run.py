@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ppo_lightning.parallel.checkpoint import full_disk_error, last_good_checkpoint, OutputWriteError
 from ppo_lightning.config.errors import ConfigError
-from ppo_lightning.config.rules import user_set_keys
+from ppo_lightning.config.ignored import user_set_keys
 from ppo_lightning.jobs.factory import build, build_module, check_built_inputs, check_inputs
 from ppo_lightning.jobs.trainer import build_trainer
 from ppo_lightning.train.loggers import finish_wandb

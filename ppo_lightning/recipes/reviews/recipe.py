@@ -1,9 +1,9 @@
 """The default job: steer a small LM towards positive movie reviews, offline, in minutes.
 
 The offline analogue of the classic RLHF demo (GPT-2 + an IMDB sentiment classifier). Everything
-comes from this project (``ppo_lightning/recipes/reviews/data.py``): a grammar of short reviews, a
-word-level tokenizer over its vocabulary, an SFT policy trained on reviews of mixed sentiment,
-and a reward model trained on preference pairs (the more positive continuation wins), then
+comes from this project (``grammar.py`` and ``data.py`` beside this file): a grammar of short
+reviews, a word-level tokenizer over its vocabulary, an SFT policy trained on reviews of mixed
+sentiment, and a reward model trained on preference pairs (the more positive continuation wins), then
 hardened by ``RED_TEAM_ROUNDS`` rounds of online preference collection (``red_team_pairs``). PPO
 then raises the reward model's score; the ground-truth sentiment and the grammar check tell
 whether the gain is real or reward hacking.
@@ -24,6 +24,7 @@ from pathlib import Path
 from ppo_lightning.recipes.common import eval_report, fit_stage, save_base_model
 
 from . import data as reviews
+from . import grammar
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +188,11 @@ def pairs_against_broken_samples(
         batch = collate(tok(ps[s : s + batch_size], add_special_tokens=False)["input_ids"])
         resp, mask, _ = sampler.generate(batch["input_ids"], batch["attention_mask"], params, g)
         for p, r in zip(*decode_prompts_and_responses(tok, batch["input_ids"], resp, mask)):
-            if not reviews.is_well_formed(reviews.join_text(p, r)):
+            if not grammar.is_well_formed(grammar.join_text(p, r)):
                 pairs.append(
                     {
                         "prompt": p,
-                        "chosen": reviews.complete(rng, p, 0.5 + 0.5 * rng.random()),
+                        "chosen": grammar.complete(rng, p, 0.5 + 0.5 * rng.random()),
                         "rejected": " " + r.strip(),
                     }
                 )
