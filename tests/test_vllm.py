@@ -77,7 +77,7 @@ def test_greedy_tokens_stops_and_masks_equal_the_hf_backends_before_and_after_a_
     lm, tok = tiny_lm(cache_dir, arch)
     vb, hf = engine(lm, tok), HFBackend(lm, tok)
     plain = SamplingParams(max_new_tokens=12, greedy=True)
-    tokens, mask = greedy(hf, plain)
+    tokens, mask, _ = greedy(hf, plain)
     assert len(set(tokens.flatten().tolist())) > 4  # a test of something: not one token repeated
     got = greedy(vb, plain)
     assert torch.equal(got[0], tokens) and torch.equal(got[1], mask)
