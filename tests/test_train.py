@@ -159,16 +159,33 @@ def _tensorboard_scalars(directory, tag: str) -> dict[int, float]:
     return scalars
 
 
-def _wandb_history(path, key: str) -> dict[int, float]:
-    """``key``'s values by step from an offline W&B run's ``run-*.wandb`` file: a LevelDB-style log
-    (after a 7-byte ``:W&B`` header, 32 KiB blocks of records, each with a 7-byte header: CRC,
-    length, type 1 full / 2 first / 3 middle / 4 last piece) of ``Record`` protos."""
+def _wandb_history(path, key: str, timeout: float = 120) -> dict[int, float]:
+    """``key``'s values by step from an offline W&B run's ``run-*.wandb`` file, once the run's
+    ``exit`` record is in it. W&B's service process writes the file, and ``wandb.finish`` can
+    return before its last records land (seen on a loaded machine: the file then ended at the
+    run's config, with no history): the file is read again until the ``exit`` record, which the
+    service writes after the run's history, is there, for up to ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    history, exited = _wandb_records(path, key)
+    while not exited and time.monotonic() < deadline:
+        time.sleep(0.2)
+        history, exited = _wandb_records(path, key)
+    return history
+
+
+def _wandb_records(path, key: str) -> tuple[dict[int, float], bool]:
+    """``key``'s values by step in the ``run-*.wandb`` file as it is now, and whether the run's
+    ``exit`` record is among its records. The file is a LevelDB-style log (after a 7-byte ``:W&B``
+    header, 32 KiB blocks of records, each with a 7-byte header: CRC, length, type 1 full / 2 first
+    / 3 middle / 4 last piece) of ``Record`` protos."""
     import json
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    data, block, at, parts, history = path.read_bytes(), 32768, 7, b"", {}
+    data, block, at, parts, history, exited = path.read_bytes(), 32768, 7, b"", {}, False
     assert data[:4] == b":W&B"
     while at + 7 <= len(data):
         if block - at % block < 7:  # a block's last bytes are padding
@@ -181,10 +198,11 @@ def _wandb_history(path, key: str) -> dict[int, float]:
         if kind in (1, 4):
             record = wandb_internal_pb2.Record.FromString(parts)
             parts = b""
+            exited = exited or record.WhichOneof("record_type") == "exit"
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
             if record.WhichOneof("record_type") == "history" and key in items:
                 history[items["trainer/global_step"]] = items[key]
-    return history
+    return history, exited
 
 
 @pytest.mark.parametrize("logger", ["csv", "tensorboard", "wandb"])
