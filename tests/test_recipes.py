@@ -190,7 +190,8 @@ def test_a_copy_of_the_arithmetic_recipe_runs_under_its_new_name_and_raises_accu
     """docs/usage.md, "A recipe of your own", done as a user does it: ``recipes/arithmetic/`` copied
     into a package of their own (``my_recipes/countdown``) and its experiment file beside it, with
     ``arithmetic`` replaced by the new module path; nothing in ppo_lightning is edited. The copy
-    builds under its own name and raises the accuracy as the original does."""
+    builds under its own name and raises the accuracy as the original does (over 30 iterations:
+    from 0.45 to 0.59 here; the test asks for 0.05 more)."""
     import shutil
 
     from tests.helpers import ROOT
@@ -214,7 +215,7 @@ def test_a_copy_of_the_arithmetic_recipe_runs_under_its_new_name_and_raises_accu
             f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
             *QUIET,
             "logger=csv",
-            "trainer.max_steps=60",
+            "trainer.max_steps=30",
             f"paths.cache_dir={tmp_path / 'cache'}",
             f"hydra.run.dir={tmp_path / 'run'}",
         ],

@@ -239,11 +239,12 @@ def test_close_frees_the_engine_and_the_next_generate_starts_one_from_the_curren
 RUN = [*KV_CACHE, "generation=vllm", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
 
 
-@pytest.mark.slow  # 30 iterations each
+@pytest.mark.slow  # 20 iterations each
 @pytest.mark.parametrize("advantage", ["gae", "grpo"])
 def test_ppo_and_grpo_under_vllm_raise_the_reward(tmp_path, cache_dir, advantage):
-    """The tiny problem learns with the engine sampling: its weights follow every update (each
-    iteration logs the sync's time), and its logprobs stay the training forward's."""
+    """The tiny problem learns with the engine sampling (the mean score rises by 0.6 to 0.9 in 20
+    iterations here; the test asks for 0.1): its weights follow every update (each iteration logs
+    the sync's time), and its logprobs stay the training forward's."""
     from ppo_lightning.jobs.run import train
 
     extra = (
@@ -252,7 +253,7 @@ def test_ppo_and_grpo_under_vllm_raise_the_reward(tmp_path, cache_dir, advantage
         else ["data.batch_size=16"]
     )
     cfg = compose_cfg(
-        [*RUN, *extra, "optimizer.lr=1e-3", "ppo.minibatch_size=8", "trainer.max_steps=30", "callbacks=none"],
+        [*RUN, *extra, "optimizer.lr=1e-3", "ppo.minibatch_size=8", "trainer.max_steps=20", "callbacks=none"],
         tmp_path,
         cache_dir,
     )
