@@ -28,17 +28,29 @@ LONGEST_FIRST = (
     "test_recipes.py",
     "test_reliability.py",
     "test_estimators.py",
+    "test_precision.py",
+    "test_multiturn_train.py",
+    "test_fsdp.py",
+    "test_train.py",
+    "test_bad_input.py",
     "test_config.py",
     "test_padding.py",
-    "test_multiturn_train.py",
+    "test_shared_prompt.py",
+    "test_memory_switches.py",
+    "test_notebook.py",
+    "test_math_chat.py",
+    "test_lora.py",
+    "test_sweeps.py",
+    "test_benchmarks.py",
     "test_env_safety.py",
-    "test_fsdp.py",
     "test_vllm_distributed.py",  # make test-vllm: beside test_vllm.py, which must come last
 )
-"""The test files that take longest (``pytest --durations=0``), longest first. ``make test`` runs
-the suite on two workers, a file to a worker (``--dist loadfile --no-loadscope-reorder``), in
-collection order: starting with the longest files leaves only short ones to fill in at the end,
-so no worker runs a long file alone while the other is idle (longest-processing-time first)."""
+"""The test files that take longest, longest first: every file of more than about 15 CPU seconds
+(each test's CPU time, this process's and its children's, summed by file: a loaded machine
+stretches wall time unevenly). ``make test`` runs the suite on two workers, a file to a worker
+(``--dist loadfile --no-loadscope-reorder``), in collection order: starting with the longest
+files leaves only short ones to fill in at the end, so no worker runs a long file alone while the
+other is idle (longest-processing-time first)."""
 
 
 def pytest_addoption(parser):
