@@ -113,6 +113,18 @@ def run_two_iterations(tmp_path, cache_dir, name, overrides):
     return read_metrics(out / "metrics.csv"), load_file(str(out / "policy" / "model.safetensors"))
 
 
+_BASELINES: dict[tuple[str, ...], tuple] = {}
+
+
+def baseline(tmp_path, cache_dir, overrides: list[str]) -> tuple:
+    """``run_two_iterations`` of a reference run, run once in this process for the tests that
+    compare against the same one (its metrics rows and weights are only read)."""
+    key = tuple(overrides)
+    if key not in _BASELINES:
+        _BASELINES[key] = run_two_iterations(tmp_path, cache_dir, "whole", overrides)
+    return _BASELINES[key]
+
+
 def assert_same_run(base: tuple, other: tuple) -> None:
     """Two ``run_two_iterations`` results: the same weights within fp32 tolerance, the same metrics
     (the same samples, since the weights agree), and weights that moved."""
@@ -129,7 +141,7 @@ def test_micro_batches_give_the_whole_minibatch_update(tmp_path, cache_dir, mini
     the weights after two iterations equal the unsplit run's within fp32 tolerance, and so do the
     metrics (the same samples, since the weights agree). (16, 4): one minibatch, so the unsplit run
     fuses its first forward and the split one cannot."""
-    base = run_two_iterations(tmp_path, cache_dir, "whole", [f"ppo.minibatch_size={minibatch}"])
+    base = baseline(tmp_path, cache_dir, [f"ppo.minibatch_size={minibatch}"])  # shared by (8, 4) and (8, 2)
     micro_run = [f"ppo.minibatch_size={minibatch}", f"ppo.micro_batch_size={micro}"]
     assert_same_run(base, run_two_iterations(tmp_path, cache_dir, "micro", micro_run))
 
@@ -150,7 +162,7 @@ def test_chunked_rollout_forwards_leave_the_run_unchanged_and_generation_is_chun
     from ppo_lightning.generation import hf
 
     common = ["ppo.minibatch_size=8"]
-    base_rows, base_w = run_two_iterations(tmp_path, cache_dir, "whole", common)
+    base_rows, base_w = baseline(tmp_path, cache_dir, common)  # the micro-batch tests' (8, *) run
     rows, w = run_two_iterations(tmp_path, cache_dir, "chunked", [*common, "ppo.rollout_forward_batch_size=5"])
     for k in base_w:
         torch.testing.assert_close(w[k], base_w[k], rtol=1e-5, atol=1e-6, msg=k)
