@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from ppo_lightning.algo.algorithm import minibatch_rows
-from ppo_lightning.rollouts.forward import policy_forward, shares_prompts
+from ppo_lightning.rollouts.forward import layout_for, policy_forward
 from ppo_lightning.rollouts.forward import ForwardLayout, forward_logprobs
 from ppo_lightning.config import PPOConfig
 from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
-from ppo_lightning.models.shared_prompt import prompt_groups, shared_prompt_forward
+from ppo_lightning.models.shared_prompt import AUTO_MIN_PROMPT_TOKENS, prompt_groups, shared_prompt_forward
 from ppo_lightning.models.tiny import ARCHITECTURES, causal_lm_config
 from tests.conftest import compose_cfg
 from tests.test_memory_switches import assert_same_run, run_two_iterations
@@ -169,25 +169,31 @@ def test_minibatches_hold_whole_groups_when_prompts_are_shared():
 
 
 def test_auto_turns_it_on_only_where_it_applies(caplog):
-    """Groups, whole-group minibatches, no checkpointing and a covered architecture: on; one of
-    them missing: off, and an architecture it does not cover says so."""
+    """Groups, whole-group minibatches, no checkpointing and a covered architecture: on, for
+    prompts of at least ``AUTO_MIN_PROMPT_TOKENS`` (``true``: any); one of them missing: off, and
+    an architecture it does not cover says so."""
     from transformers import OPTConfig, OPTForCausalLM
 
+    def shares(cfg, policy, P=AUTO_MIN_PROMPT_TOKENS):
+        return layout_for(cfg, policy).shares(P)
+
     policy = PolicyWithValueHead(_lm("llama"), value_head=False)
-    assert shares_prompts(PPOConfig(num_generations=4, minibatch_size=8), policy)
-    assert not shares_prompts(PPOConfig(num_generations=1, minibatch_size=8), policy)
-    assert not shares_prompts(PPOConfig(num_generations=4, minibatch_size=6), policy)
-    assert not shares_prompts(PPOConfig(num_generations=4, minibatch_size=8, shared_prompt_forward=False), policy)
+    assert shares(PPOConfig(num_generations=4, minibatch_size=8), policy)
+    assert not shares(PPOConfig(num_generations=4, minibatch_size=8), policy, P=AUTO_MIN_PROMPT_TOKENS - 1)
+    assert layout_for(PPOConfig(num_generations=4, minibatch_size=8), policy).shared_prompt  # whole groups still
+    assert shares(PPOConfig(num_generations=4, minibatch_size=8, shared_prompt_forward=True), policy, P=1)
+    assert not shares(PPOConfig(num_generations=1, minibatch_size=8), policy)
+    assert not shares(PPOConfig(num_generations=4, minibatch_size=6), policy)
+    assert not shares(PPOConfig(num_generations=4, minibatch_size=8, shared_prompt_forward=False), policy)
+    assert not shares(PPOConfig(num_generations=4, minibatch_size=8), None)
     checkpointed = PolicyWithValueHead(_lm("llama"), value_head=False)
     checkpointed.enable_gradient_checkpointing()
-    assert checkpointed.checkpointing and not shares_prompts(
-        PPOConfig(num_generations=4, minibatch_size=8), checkpointed
-    )
+    assert checkpointed.checkpointing and not shares(PPOConfig(num_generations=4, minibatch_size=8), checkpointed)
     opt = OPTForCausalLM(
         OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2)
     )
     with caplog.at_level(logging.WARNING):
-        assert not shares_prompts(PPOConfig(num_generations=4, minibatch_size=8), PolicyWithValueHead(opt))
+        assert not shares(PPOConfig(num_generations=4, minibatch_size=8), PolicyWithValueHead(opt))
     assert "ppo.shared_prompt_forward: OPTForCausalLM (model_type 'opt') is not one of" in caplog.text
 
 

@@ -40,14 +40,13 @@ from ppo_lightning.config.choices import LOSS_AGGREGATIONS
 from ppo_lightning.rollouts import Episodes, Prompts, RolloutWorker
 from ppo_lightning.rollouts.engine import truncated_logprobs
 from ppo_lightning.rollouts.forward import (
-    ForwardLayout,
     PolicyOutput,
     Sequences,
     forward_logprobs,
+    layout_for,
     policy_forward,
     row_prompts,
     row_windows,
-    shares_prompts,
     split_to,
     token_budget_groups,
 )
@@ -77,7 +76,7 @@ class PPO:
         self.kl_estimator = kl_estimator_for(cfg.kl_in, cfg.kl_estimator)  # null: per placement
         self.reward_norm: tuple[float, float] | None = None  # set by the module: configured, fitted or restored
         self.generator: torch.Generator | None = None
-        self.layout = ForwardLayout(cfg.remove_padding, policy is not None and shares_prompts(cfg, policy))
+        self.layout = layout_for(cfg, policy)
         # seq_mean_token_sum_norm's constant: the most policy tokens an episode can hold (with an
         # environment, every turn's: env.max_turns x max_new_tokens, at most env.max_total_tokens)
         self.norm_length = worker.max_policy_tokens if worker is not None else 0

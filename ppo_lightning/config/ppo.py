@@ -127,8 +127,10 @@ class PPOConfig(_MovedPPOKeys):
     micro-batches sort rows by length and share little). ``auto``: on wherever it applies
     (``num_generations > 1``, ``minibatch_size`` a multiple of it, no
     ``model.gradient_checkpointing``, whose forward returns no cache, and an architecture it is
-    tested on: GPT-2, Llama, Qwen2, GPT-NeoX; any other warns); ``true``: on, refused where one of
-    the first three fails; ``false``: each row encodes its own prompt."""
+    tested on: GPT-2, Llama, Qwen2, GPT-NeoX; any other warns), in the forwards whose prompts span
+    at least ``models.shared_prompt.AUTO_MIN_PROMPT_TOKENS`` (16) columns: below, a second model
+    call costs more than the prompt positions it saves; ``true``: on at any prompt length, refused
+    where one of the first three fails; ``false``: each row encodes its own prompt."""
     micro_batch_tokens: Optional[int] = param(None, ge=1)
     """Dynamic micro-batches: a minibatch's rows sorted by length (their ``padding_window`` width)
     and grouped so that each group's rows x width stays within this many tokens (a row longer

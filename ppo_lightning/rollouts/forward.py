@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ppo_lightning.models.lean_head import head_outputs, use_lean_head
 from ppo_lightning.models.policy import PolicyWithValueHead, position_ids_from_mask
-from ppo_lightning.models.shared_prompt import prompt_groups, response_outputs
+from ppo_lightning.models.shared_prompt import AUTO_MIN_PROMPT_TOKENS, prompt_groups, response_outputs
 from ppo_lightning.models.shared_prompt import unsupported as shared_prompt_unsupported
 
 log = logging.getLogger("ppo_lightning.algo.algorithm")  # the name its warning has always had in the run log
@@ -50,10 +50,17 @@ class ForwardLayout:
     """How a scoring forward lays out its rows, each way giving the same numbers for less work:
     cut to the columns they use (``remove_padding``: ``padding_window``), and each distinct prompt
     encoded once, its responses attending to its keys and values (``shared_prompt``:
-    ``models.shared_prompt``; ``ppo.shared_prompt_forward``, resolved by ``PPO``)."""
+    ``models.shared_prompt``; ``ppo.shared_prompt_forward``, resolved by ``PPO``). With
+    ``shared_prompt`` minibatches hold whole groups; a forward shares its prompts where its prompt
+    columns are at least ``min_prompt_tokens`` (``auto``: ``AUTO_MIN_PROMPT_TOKENS``)."""
 
     remove_padding: bool = True
     shared_prompt: bool = False
+    min_prompt_tokens: int = 1
+
+    def shares(self, context_length: int) -> bool:
+        """Whether a forward whose prompts span ``context_length`` columns encodes each once."""
+        return self.shared_prompt and context_length >= self.min_prompt_tokens
 
 
 def padding_window(attention_mask: Tensor, context_length: int) -> tuple[int, int]:
@@ -188,7 +195,7 @@ def forward_logprobs(
     ):
         if policy is not None:
             logp, _, v = policy.score_responses(
-                ids, mask, pos, P, temperature, head_chunk, entropy_grad=False, shared=layout.shared_prompt
+                ids, mask, pos, P, temperature, head_chunk, entropy_grad=False, shared=layout.shares(P)
             )
             if v is not None:  # a policy without a value head (critic-free estimators) gives none
                 values.append(pad_responses(v, R))
@@ -202,26 +209,29 @@ def _lm_logprobs(lm, ids: Tensor, mask: Tensor, pos: Tensor, P: int, temperature
     """``forward_logprobs`` of a bare LM (the reference) on one chunk of rows."""
     responses, width = ids[:, P:], ids.shape[1] - P
     lean = use_lean_head(lm, head_chunk)
-    groups = prompt_groups(ids, mask, P) if layout.shared_prompt and width > 1 else None
+    groups = prompt_groups(ids, mask, P) if layout.shares(P) and width > 1 else None
     spec = (responses, temperature, head_chunk, mask[:, P:]) if lean else None  # real response tokens only
     out, _ = response_outputs(lm, ids, mask, pos, P, groups, spec)
     return head_outputs(out, lean, responses, temperature, False)[0]
 
 
-def shares_prompts(c, policy: PolicyWithValueHead) -> bool:
-    """``ppo.shared_prompt_forward`` resolved for this run (``c``, a ``config.PPOConfig``): whether each distinct prompt is
-    encoded once per forward (``models.shared_prompt``). ``auto`` turns it on wherever it
-    applies: groups of ``num_generations > 1``, minibatches of whole groups, no gradient
-    checkpointing (``true`` where one of these fails is refused by ``config.rules``), and an
-    architecture it is tested on (any other: a warning, and each row encodes its prompt)."""
+def layout_for(c, policy: PolicyWithValueHead | None) -> ForwardLayout:
+    """The forward layout of this run (``c``, a ``config.PPOConfig``): ``ppo.remove_padding``, and
+    ``ppo.shared_prompt_forward`` resolved. ``auto`` shares where it applies (groups of
+    ``num_generations > 1``, minibatches of whole groups, no gradient checkpointing; ``true``
+    where one of these fails is refused by ``config.rules``) on an architecture it is tested on
+    (any other: a warning, and each row encodes its prompt), in the forwards whose prompts span
+    at least ``AUTO_MIN_PROMPT_TOKENS`` columns; ``true`` in every forward."""
     n = c.num_generations
-    if c.shared_prompt_forward is False or n == 1 or c.minibatch_size % n or policy.checkpointing:
-        return False
+    off = ForwardLayout(c.remove_padding, shared_prompt=False)
+    if policy is None or c.shared_prompt_forward is False or n == 1 or c.minibatch_size % n or policy.checkpointing:
+        return off
     why = shared_prompt_unsupported(policy.lm)
     if why is not None:
         log.warning("ppo.shared_prompt_forward: %s; every row encodes its prompt itself", why)
-        return False
-    return True
+        return off
+    min_tokens = 1 if c.shared_prompt_forward is True else AUTO_MIN_PROMPT_TOKENS
+    return ForwardLayout(c.remove_padding, shared_prompt=True, min_prompt_tokens=min_tokens)
 
 
 def policy_forward(
@@ -235,7 +245,7 @@ def policy_forward(
     rows = (mb.query_responses, mb.attention_mask, mb.position_ids)
     ids, mask, pos, P = unpadded(*rows, mb.context_length) if layout.remove_padding else (*rows, mb.context_length)
     logp, entropy, values = policy.score_responses(
-        ids, mask, pos, P, temperature, head_chunk, entropy_grad=entropy_grad, shared=layout.shared_prompt
+        ids, mask, pos, P, temperature, head_chunk, entropy_grad=entropy_grad, shared=layout.shares(P)
     )
     R = mb.query_responses.shape[1] - mb.context_length
     return pad_responses(entropy, R), pad_responses(values, R), pad_responses(logp, R)
