@@ -578,7 +578,7 @@ def samples(
             played=None,
             records=None,
             reward_logs={},
-            policy_version=0,
+            token_versions=torch.where(response_mask > 0, 0, -1),
             play_time_s=0.0,
         ),
         ref_logprobs,

@@ -172,6 +172,40 @@ def test_an_engines_logprobs_sit_on_the_tokens_it_sampled_and_zero_under_the_env
         assert len(e.engine_logprobs) == len(e.response_ids), q
 
 
+def test_the_worker_tags_each_policy_token_with_the_version_that_sampled_it(bpe):
+    """``RolloutWorker.play(..., policy_version=v)``: every token the policy sampled carries ``v``
+    (``Episodes.token_versions``), the environment's tokens between its turns and the padding
+    ``-1``; episodes of one, two and three turns."""
+    from ppo_lightning.rollouts import Prompts, RolloutWorker
+    from ppo_lightning.rewards.function import FunctionReward
+
+    tok = bpe
+    renderer = _renderer(tok)
+    eos = [tok.eos_token_id]
+    script = {
+        "one": [_ids(tok, "4.") + eos],
+        "two": [_ids(tok, "let me see") + eos, _ids(tok, "9") + eos],
+        "three": [_ids(tok, "a") + eos, _ids(tok, "so the sum is") + eos, _ids(tok, "12") + eos],
+    }
+    prompts = {q: tuple(renderer.prompt_ids([{"role": "user", "content": q}])) for q in script}
+    runner = EpisodeRunner(CountedTurns, renderer, EnvConfig(max_turns=5, max_total_tokens=400), tok)
+    worker = RolloutWorker(
+        ScriptedBackend({prompts[q]: turns for q, turns in script.items()}, tok.pad_token_id),
+        SamplingParams(max_new_tokens=32),
+        FunctionReward("tests.helpers.constant_reward"),
+        tok,
+        runner,
+    )
+    ids = torch.zeros(3, 1, dtype=torch.long)  # the episodes render their own prompts from the texts
+    columns = [{"turns": len(turns)} for turns in script.values()]
+    ep = worker.play(Prompts(ids, torch.ones_like(ids), list(script), columns), policy_version=7)
+    policy = ep.response_mask > 0
+    environment = (ep.attention_mask[:, ep.context_length :] > 0) & ~policy
+    assert environment.any(), "the episodes must hold environment tokens"
+    assert bool((ep.token_versions[policy] == 7).all()) and bool((ep.token_versions[~policy] == -1).all())
+    assert ep.token_versions.shape == ep.response_mask.shape
+
+
 # ----------------------------------------------------------------------------- stops
 def test_the_environments_stop_strings_reach_the_sampler(bpe):
     """A tool environment's parser stops a turn at ``</tool_call>`` (``env.stop_at_tool_call``):

@@ -184,3 +184,18 @@ def test_lora_with_checkpointing_and_micro_batches_gives_the_same_adapters(tmp_p
     base = run_two_iterations(tmp_path, cache_dir, "lora", common)
     switches = [*common, "model.gradient_checkpointing=true", "ppo.micro_batch_size=4"]
     assert_same_run(base, run_two_iterations(tmp_path, cache_dir, "lora_switches", switches))
+
+
+def test_the_hf_samplers_own_logprobs_leave_the_run_unchanged_and_match_the_training_forward(tmp_path, cache_dir):
+    """``generation.logprobs=true``: the same run (the same samples; the engine correction's
+    weights are 1 to float32 rounding), and ``rollout/engine_*`` compare the sampler's logprobs
+    with the training forward's: the fast decode step's numbers are the forward's, so the
+    difference and the KL are ~0, the effective sample size 1 and nothing capped."""
+    common = ["ppo.minibatch_size=8"]
+    base = baseline(tmp_path, cache_dir, common)  # the micro-batch tests' (8, *) run
+    rows, w = run_two_iterations(tmp_path, cache_dir, "sampler_logprobs", [*common, "generation.logprobs=true"])
+    assert_same_run(base, (rows, w))
+    for row in rows:
+        assert 0 <= row["rollout/engine_logprob_diff"] < 1e-5 and abs(row["rollout/engine_kl"]) < 1e-5
+        assert row["rollout/engine_ess"] == pytest.approx(1.0, abs=1e-6) and row["rollout/engine_capped_frac"] == 0
+    assert "rollout/engine_logprob_diff" not in base[0][0]  # without it: no engine view

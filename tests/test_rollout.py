@@ -291,3 +291,48 @@ def test_truncated_logprobs_match_a_naive_truncation(tiny_lm_dir, top_k, top_p, 
         full, _ = forward_logprobs(None, lm, qr, mask, pos, P, T)
         response = mask[:, P:].bool()
         torch.testing.assert_close(got[response], full[response], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_hf_samplers_own_logprobs_are_the_forwards_of_the_distribution_it_drew_from(tiny_lm_dir, fast):
+    """``generation.logprobs``: the sampler returns each token's logprob under its truncated
+    distribution (temperature, top-k, top-p), equal to ``truncated_logprobs`` of the training
+    forward on the finished sequences, 0 after each stop; the same tokens as without it, whole
+    or in chunks, on the fast decode step and on the model's forward."""
+    from ppo_lightning.generation import SamplingParams
+    from ppo_lightning.generation.hf import HFBackend
+    from ppo_lightning.models.policy import position_ids_from_mask
+    from ppo_lightning.rollouts.engine import truncated_logprobs
+
+    tok, lm, _, _ = _setup(tiny_lm_dir)
+    enc = tok(PROMPTS * 2, return_tensors="pt", padding=True)
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.95)
+
+    def play(backend, chunk=None):
+        seeded = torch.Generator().manual_seed(3)
+        return backend.generate(enc.input_ids, enc.attention_mask, params.replace(chunk_size=chunk), seeded)
+
+    eos_row = lm.lm_head.weight.data[tok.eos_token_id].clone()
+    for scale in range(2, 40):  # make EOS likely enough that some rows stop early
+        lm.lm_head.weight.data[tok.eos_token_id] = eos_row * scale
+        if (play(HFBackend(lm, tok)).response_mask == 0).any():
+            break
+
+    plain = play(HFBackend(lm, tok, fast_decode=fast))
+    asked = play(HFBackend(lm, tok, fast_decode=fast, logprobs=True))
+    chunked = play(HFBackend(lm, tok, fast_decode=fast, logprobs=True), chunk=3)
+    assert plain.logprobs is None
+    assert torch.equal(asked.responses, plain.responses) and torch.equal(asked.response_mask, plain.response_mask)
+    assert (asked.response_mask == 0).any(), "some rows must stop early"
+    qr = torch.cat([enc.input_ids, asked.responses], 1)
+    am = torch.cat([enc.attention_mask, asked.response_mask.long()], 1)
+    P = enc.input_ids.shape[1]
+    want = truncated_logprobs(lm, qr, am, position_ids_from_mask(am), P, params) * asked.response_mask
+    torch.testing.assert_close(asked.logprobs, want, atol=2e-5, rtol=1e-5)
+    assert bool((asked.logprobs[asked.response_mask == 0] == 0).all())
+    assert bool((asked.logprobs[asked.response_mask > 0] < 0).any())
+    # chunks draw their uniforms in another order: their own tokens, each with its own logprob
+    qr3 = torch.cat([enc.input_ids, chunked.responses], 1)
+    am3 = torch.cat([enc.attention_mask, chunked.response_mask.long()], 1)
+    want3 = truncated_logprobs(lm, qr3, am3, position_ids_from_mask(am3), P, params) * chunked.response_mask
+    torch.testing.assert_close(chunked.logprobs, want3, atol=2e-5, rtol=1e-5)

@@ -313,8 +313,8 @@ class PPO:
 
 
 def engine_view(lm, worker: RolloutWorker, ep: Episodes, seq: Sequences, c: PPOConfig) -> EngineView | None:
-    """An engine backend's own logprobs of its samples (each turn's, in place, for episodes;
-    None with the ``hf`` backend, and then no view), with the policy ``lm``'s logprobs of the same
+    """A backend's own logprobs of its samples (each turn's, in place, for episodes; None where
+    the backend reports none, ``hf`` without ``generation.logprobs``, and then no view), with the policy ``lm``'s logprobs of the same
     distribution when the worker's sampling truncates it (top-k / top-p / min-p:
     ``truncated_logprobs``, one more no-grad forward, in the engine's order), and ``c``'s
     correction (``ppo.engine_correction``). Runs in the rollout's context (weights gathered, the

@@ -21,6 +21,7 @@ from ppo_lightning.algo.advantages import (
 )
 from ppo_lightning.algo.kl import kl_k1, kl_penalty
 from ppo_lightning.algo.losses import engine_weights
+from ppo_lightning.rollouts.records import PromptResponseRows
 
 Normalization = tuple[float, float]  # (gain, bias) of reward normalisation
 
@@ -77,7 +78,7 @@ class EngineView:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rollout:
+class Rollout(PromptResponseRows):
     """One PPO batch: the sampled episodes and the old policy's view of them. All tensors share B.
     What ``values``, ``advantages`` and ``returns`` hold depends on ``ppo.advantage``."""
 
@@ -110,14 +111,6 @@ class Rollout:
     records: tuple[list, list] | None  # each row's prompt as written and its columns (rollout dumps)
     collect_time_s: float  # wall time of sampling, scoring and the rollout's forwards
 
-    @property
-    def batch_size(self) -> int:
-        return self.query_responses.shape[0]
-
-    @property
-    def responses(self) -> Tensor:
-        return self.query_responses[:, self.context_length :]
-
     def is_finite(self) -> Tensor:
         """Whether every score, logprob, value and advantage is finite (a 0-dim bool tensor)."""
         return torch.stack(
@@ -139,11 +132,10 @@ class Rollout:
     def index(self, idx: Tensor | slice) -> "Rollout":
         """The rows ``idx`` of every tensor: a minibatch, or a micro-batch of one. What belongs to
         the whole iteration (the episodes as played, the reward's logs, the records) stays out."""
-        whole = ("episodes", "reward_logs", "records")
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        rows = {k: v[idx] if isinstance(v, Tensor) else v for k, v in fields.items() if k not in whole}
-        rows["term_scores"] = {k: v[idx] for k, v in self.term_scores.items()}
-        return Rollout(**rows, episodes=None, reward_logs={}, records=None)
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        rows = {k: v[idx] for k, v in values if isinstance(v, Tensor)}
+        term_scores = {k: v[idx] for k, v in self.term_scores.items()}
+        return dataclasses.replace(self, **rows, term_scores=term_scores, episodes=None, reward_logs={}, records=None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,13 +140,14 @@ class PPOConfig(_MovedPPOKeys):
     every rank runs as many groups as the rank that needs most (FSDP gathers weights per forward).
     Replaces ``micro_batch_size`` (set one of them)."""
     engine_correction: str = param("token_truncate", choices=choices.ENGINE_CORRECTIONS)
-    """With an engine backend (``generation=vllm``) the samples come from the engine's
+    """With an engine backend (``generation=vllm``; or ``hf`` with ``generation.logprobs``, whose
+    sampler reports its own numbers) the samples come from the engine's
     distribution, not exactly the trainer's old policy (kernels, precision, batching): each
     token's policy loss is weighed by the importance ratio ``rho = pi_old / pi_engine`` of the
     sampled token (``algo.losses.engine_weights``; truncated importance sampling, as verl, TRL
     and ms-swift expose it). ``token_truncate``: ``min(rho, cap)``; ``token_mask``: ``rho``, or 0
     past the cap; ``sequence_*``: the same on the response's product of ratios, for every token
-    of it. ``none``: no weights. With the ``hf`` backend there is no engine, and no weights. The
+    of it. ``none``: no weights. With the ``hf`` backend (without ``generation.logprobs``) there is no engine view, and no weights. The
     mismatch is logged either way (``rollout/engine_*``). The default, ``token_truncate``, was
     chosen by measurement (``benchmarks/engine_correction.py``; docs/benchmarks.md): with a bf16
     engine on math_chat it reweighs the 9% of tokens whose ratio is off by more than 1e-3 and

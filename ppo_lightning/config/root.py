@@ -69,7 +69,9 @@ class TrainConfig:
     model's forward (the LM head, on a CPU, in another summation order: the logits to float32
     rounding, the head 3-4x faster on few rows), about half the per-token overhead; the prefill
     and every logprob PPO learns from still go through the model's forward, and other models
-    always decode through it. ``vllm``: a colocated vLLM engine with its own copy of the
+    always decode through it; ``generation.logprobs`` (default false) has it return its own
+    logprobs of the tokens it draws, which ``rollout/engine_*`` compare with the training
+    forward's (a check of the sampler's numerics; ~1e-7 in float32). ``vllm``: a colocated vLLM engine with its own copy of the
     policy's weights, synced after every iteration
     (``ppo_lightning/generation/vllm.py``; architectures vLLM implements natively; with several
     processes, an engine per rank, a sharded policy gathered for each sync).

@@ -67,17 +67,29 @@ class Transcript:
         """The conversation after the prompt: assistant turns and the environment's messages."""
         return self.messages[len(self.prompt_messages) :]
 
-    def dump(self) -> dict:
-        """The episode as one JSON line of ``ppo.rollout_dump``."""
-        return {
-            "prompt_ids": self.prompt_ids,
-            "response_ids": self.response_ids,
-            "loss_mask": self.loss_mask,
-            "messages": self.messages,
-            "turns": self.turns,
-            "truncated": self.truncated,
-            **({"env_error": self.env_error} if self.env_error else {}),
-        }
+    def dump(self, reward: float | None = None, score: float | None = None) -> dict:
+        """The episode as one JSON line of ``ppo.rollout_dump`` (``dump_row``)."""
+        error = {"env_error": self.env_error} if self.env_error else {}
+        ids = (self.prompt_ids, self.response_ids, self.loss_mask)
+        return dump_row(
+            self.record.columns, *ids, self.messages, self.turns, reward, score, truncated=self.truncated, **error
+        )
+
+
+def dump_row(columns, prompt_ids, response_ids, loss_mask, messages, turns, reward, score, **extra) -> dict:
+    """One line of ``ppo.rollout_dump``, the layout single-turn and multi-turn episodes share: the
+    record's columns, the token ids, the policy's tokens, the conversation, the turns, what else
+    the episode says (``extra``), its raw return and its training score (left out where None)."""
+    row = {
+        "columns": jsonable(columns or {}),
+        "prompt_ids": prompt_ids,
+        "response_ids": response_ids,
+        "loss_mask": loss_mask,
+        "messages": messages,
+        "turns": turns,
+        **extra,
+    }
+    return row | {k: v for k, v in (("reward", reward), ("score", score)) if v is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +132,7 @@ class EpisodeBatch:
 
     def dump_rows(self, tokenizer, response_mask: Tensor, raw: list[float], scores: list[float]) -> list[dict]:
         """``ppo.rollout_dump``'s rows: each episode as played, its raw return and training score."""
-        return [
-            {"columns": jsonable(e.record.columns), **e.dump(), "reward": raw[i], "score": scores[i]}
-            for i, e in enumerate(self.episodes)
-        ]
+        return [e.dump(raw[i], scores[i]) for i, e in enumerate(self.episodes)]
 
     def metrics(self, turn_rewards: Tensor | None = None) -> dict[str, Tensor]:
         """This rank's ``env/*`` statistics, the same names on every rank: means over its

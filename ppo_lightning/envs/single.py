@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ppo_lightning.envs.template import jsonable
+from ppo_lightning.envs.batch import dump_row
 from ppo_lightning.generation import stopped_rows
 from ppo_lightning.rewards.base import Scored, decode_prompts_and_responses
 from ppo_lightning.rewards.dispatch import score_sequences
@@ -87,17 +87,19 @@ class SingleTurnBatch:
             prompt = prompts[i] if prompts[i] is not None else tokenizer.decode(prompt_ids, skip_special_tokens=True)
             messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             text = tokenizer.decode(response_ids, skip_special_tokens=True)
+            loss_mask = [int(x > 0) for x in response_mask[i, : len(response_ids)].tolist()]
+            messages = [*messages, {"role": "assistant", "content": text}]
             rows.append(
-                {
-                    "columns": jsonable((columns[i] if columns is not None else None) or {}),
-                    "prompt_ids": prompt_ids,
-                    "response_ids": response_ids,
-                    "loss_mask": [int(x > 0) for x in response_mask[i, : len(response_ids)].tolist()],
-                    "messages": [*messages, {"role": "assistant", "content": text}],
-                    "turns": 1,
-                    "reward": raw[i],
-                    "score": scores[i],
-                }
+                dump_row(
+                    columns[i] if columns is not None else None,
+                    prompt_ids,
+                    response_ids,
+                    loss_mask,
+                    messages,
+                    1,
+                    raw[i],
+                    scores[i],
+                )
             )
         return rows
 

@@ -10,7 +10,9 @@ passes sampling arguments of its own. A backend is chosen by the ``generation`` 
   weights, which receives the new ones through ``sync_weights`` after each iteration's updates.
 
 Old logprobs never come from a backend: they are the training forward's, so the first update's
-ratio is exactly 1 whatever the backend's numerics.
+ratio is exactly 1 whatever the backend's numerics. A backend's own logprobs of its samples
+(``Generated.logprobs``: vLLM's always, ``hf``'s with ``generation.logprobs=true``) measure how
+far its numerics are from the trainer's (``rollout/engine_*``) and feed ``ppo.engine_correction``.
 
 The reference is sampled (reward normalisation's samples, once per run) by the ``hf`` backend
 whatever the group says: an engine holds one model's weights, the policy's.
@@ -30,8 +32,9 @@ from ppo_lightning.generation.stops import StopChecker
 class Generated(NamedTuple):
     """What ``generate`` returns: ``responses [B, R]`` (pad after each row's stop, ``R <=
     params.max_new_tokens``), ``response_mask [B, R]`` (1 up to and including the stop), and the
-    backend's own ``logprobs [B, R]`` of the sampled tokens (0 after each stop), or None where the
-    backend samples the training module itself and has none of its own (``hf``)."""
+    backend's own ``logprobs [B, R]`` of the sampled tokens under the distribution it drew them
+    from (0 after each stop): vLLM's always, the ``hf`` sampler's with ``generation.logprobs``,
+    else None."""
 
     responses: Tensor
     response_mask: Tensor

@@ -24,7 +24,7 @@ from ppo_lightning.generation.fast_decode import decoder_for
 from ppo_lightning.generation.params import SamplingParams
 from ppo_lightning.generation.stops import StopChecker
 from ppo_lightning.models.policy import position_ids_from_mask
-from ppo_lightning.models.shared_prompt import prompt_groups
+from ppo_lightning.models.shared_prompt import AUTO_MIN_PROMPT_TOKENS, prompt_groups
 from ppo_lightning.models.signature import cache_kwarg, logits_to_keep
 from ppo_lightning.models.weights import is_sharded
 
@@ -37,8 +37,9 @@ class HFBackend(GenerationBackend):
 
     samples_live_module = True
 
-    def __init__(self, lm: nn.Module, tokenizer, fast_decode: bool = True):
+    def __init__(self, lm: nn.Module, tokenizer, fast_decode: bool = True, logprobs: bool = False):
         self.lm, self.fast_decode, self.tokenizer = lm, fast_decode, tokenizer
+        self.logprobs = logprobs
         self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def generate(
@@ -48,20 +49,22 @@ class HFBackend(GenerationBackend):
         params: SamplingParams,
         generator: torch.Generator | None = None,
     ) -> Generated:
-        """``Generated(responses, response_mask)`` for left-padded ``prompt_ids [B, P]``: no
-        logprobs of its own (the training forward's are the ones PPO uses)."""
-        return Generated(
-            *generate(
-                self.lm,
-                prompt_ids,
-                attention_mask,
-                params,
-                eos_token_id=self.eos_token_id,
-                pad_token_id=self.pad_token_id,
-                generator=generator,
-                fast_decode=self.fast_decode,
-                tokenizer=self.tokenizer,
-            )
+        """``Generated(responses, response_mask, logprobs)`` for left-padded ``prompt_ids [B, P]``.
+        ``logprobs`` (``generation.logprobs``): the sampler's own logprobs of the tokens it drew,
+        of the distribution it drew them from (``sampled_logprobs``), else None. PPO's old
+        logprobs are the training forward's either way; these are the behaviour policy's as the
+        sampler saw it, compared with the forward's by ``rollout/engine_*``."""
+        return sample(
+            self.lm,
+            prompt_ids,
+            attention_mask,
+            params,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            generator=generator,
+            fast_decode=self.fast_decode,
+            tokenizer=self.tokenizer,
+            logprobs=self.logprobs,
         )
 
 
@@ -85,6 +88,14 @@ def sample_next_token(
     if uniforms is None:
         uniforms = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64, device=probs.device)
     return inverse_cdf(probs, uniforms)
+
+
+def token_logprobs(probs: Tensor, token: Tensor) -> Tensor:
+    """``[B]``: the logprob of each row's ``token`` under ``probs [B, V]`` (``sampling_probs``),
+    renormalised over the tokens its truncation keeps: the distribution the sampler draws from,
+    what vLLM reports as its ``processed_logprobs`` and ``rollouts.engine.truncated_logprobs``
+    computes from the training forward."""
+    return (probs.gather(1, token[:, None]).squeeze(1) / probs.sum(-1)).log()
 
 
 CDF_BLOCK = 1024
@@ -184,12 +195,32 @@ def generate(
     tokenizer=None,
     **sampling,
 ) -> tuple[Tensor, Tensor]:
-    """Sample responses to left-padded prompts with a KV cache, as ``params`` say (or a
-    ``SamplingParams(**sampling)`` built from keywords, for a direct call).
+    """``(responses, response_mask)``: ``sample``'s, for a direct call with sampling keywords
+    (``SamplingParams(**sampling)``) where ``params`` is not given."""
+    params = params or SamplingParams(**sampling)
+    kw = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator, tokenizer=tokenizer)
+    return tuple(sample(lm, input_ids, attention_mask, params, fast_decode=fast_decode, **kw)[:2])
 
-    Returns ``responses [B, R]`` (pad after the first stop, ``R <= max_new_tokens``: the loop
+
+def sample(
+    lm,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    params: SamplingParams,
+    *,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    fast_decode: bool = True,
+    tokenizer=None,
+    logprobs: bool = False,
+) -> Generated:
+    """Sample responses to left-padded prompts with a KV cache, as ``params`` say.
+
+    Returns ``Generated``: ``responses [B, R]`` (pad after the first stop, ``R <= max_new_tokens``: the loop
     stops once every row has stopped) and ``response_mask [B, R]`` (1 up to and including the
-    stop). A row stops at EOS, at one of ``stop_token_ids``, or at the token that completes one of
+    stop), and with ``logprobs`` each sampled token's logprob under the distribution it was drawn
+    from (``token_logprobs``; 0 after the stop; else None). A row stops at EOS, at one of ``stop_token_ids``, or at the token that completes one of
     ``stop_strings`` in the decoded text (``tokenizer`` decodes; ``stops.StopChecker``). With
     ``stop_at_eos=False`` every row runs to ``max_new_tokens`` and neither stops it (benchmarks
     use this for a fixed workload).
@@ -209,7 +240,6 @@ def generate(
     The loop runs as ``_sampling_mode`` says; its outputs become ordinary tensors (``_joined``),
     since the training step feeds them back through autograd.
     """
-    params = params or SamplingParams(**sampling)
     B = input_ids.shape[0]
     chunk_size = params.chunk_size or B
     with _sampling_mode(lm):
@@ -224,22 +254,25 @@ def generate(
                 generator,
                 fast_decode,
                 tokenizer,
+                logprobs,
             )
             for s in range(0, B, chunk_size)
         ]
     return _joined(parts, pad_token_id)
 
 
-def _joined(parts: list[tuple[Tensor, Tensor]], pad_token_id: int) -> tuple[Tensor, Tensor]:
-    """The chunks' ``(responses, response_mask)`` as one batch, each padded to the longest, in
-    ordinary tensors (a lone chunk's cloned out of ``inference_mode``; ``torch.cat`` makes new ones)."""
+def _joined(parts: list[Generated], pad_token_id: int) -> Generated:
+    """The chunks' ``Generated`` as one batch, each padded to the longest, in ordinary tensors (a
+    lone chunk's cloned out of ``inference_mode``; ``torch.cat`` makes new ones)."""
     if len(parts) == 1:
-        responses, response_mask = parts[0]
-        return responses.clone(), response_mask.clone()
-    R = max(r.shape[1] for r, _ in parts)
-    responses = torch.cat([F.pad(r, (0, R - r.shape[1]), value=pad_token_id) for r, _ in parts])
-    response_mask = torch.cat([F.pad(m, (0, R - m.shape[1]), value=0.0) for _, m in parts])
-    return responses, response_mask
+        return Generated(*(None if t is None else t.clone() for t in parts[0]))
+    R = max(g.responses.shape[1] for g in parts)
+
+    def cat(ts: tuple[Tensor | None, ...], value: float) -> Tensor | None:
+        return None if ts[0] is None else torch.cat([F.pad(t, (0, R - t.shape[1]), value=value) for t in ts])
+
+    responses, masks, logprobs = zip(*parts)
+    return Generated(cat(responses, pad_token_id), cat(masks, 0.0), cat(logprobs, 0.0))
 
 
 @contextmanager
@@ -273,11 +306,13 @@ class _Decode:
         """``(logits [B, V] of the first response token, its position [B, 1])``. Rows with the same
         prompt (``shared_prompt.prompt_groups``) share one row of the forward: its cache and logits
         are then indexed out to each, the same numbers a row of its own would give (to float32
-        rounding: the forward's batch is smaller), at a group's share of the prefill's work."""
+        rounding: the forward's batch is smaller), at a group's share of the prefill's work.
+        Prompts shorter than ``AUTO_MIN_PROMPT_TOKENS`` save less than finding the groups and
+        copying the cache cost: each row is then its own."""
         from transformers import DynamicCache
 
         B, self.P = input_ids.shape
-        groups = prompt_groups(input_ids, attention_mask, self.P)
+        groups = prompt_groups(input_ids, attention_mask, self.P) if self.P >= AUTO_MIN_PROMPT_TOKENS else None
         first, inverse = groups if groups is not None else (None, None)
         self.cache = DynamicCache(config=self.lm.config)
         self.full_mask = torch.ones(
@@ -324,16 +359,22 @@ class _Decode:
 
 
 def _sample_loop(
-    lm, input_ids, attention_mask, params: SamplingParams, eos_token_id, pad_token_id, generator, fast_decode, tokenizer
-):
+    lm,
+    input_ids,
+    attention_mask,
+    params: SamplingParams,
+    eos_token_id,
+    pad_token_id,
+    generator,
+    fast_decode,
+    tokenizer,
+    logprobs: bool = False,
+) -> Generated:
     """One chunk of rows: the prefill, then a token a step until every row has stopped (with
-    ``stop_at_eos``) or ``max_new_tokens``; ``(responses [B, n], response_mask [B, n])``.
-
-    A row that stops leaves the decode batch (``_Decode.keep``): the steps after it run on the
-    rows still sampling, so a batch whose completions end at EOS anywhere up to the maximum costs
-    the sum of its lengths, not rows x the longest. Every step still draws a uniform for each of
-    the chunk's rows and hands each live row its own, so the tokens a seed gives do not depend on
-    when the other rows stopped."""
+    ``stop_at_eos``) or ``max_new_tokens``; ``Generated`` ``[B, n]``. A row that stops leaves
+    the decode batch (``_Decode.keep``), so a batch costs the sum of its lengths, not rows x the
+    longest; every step still draws a uniform for each of the chunk's rows and hands each live
+    row its own, so the tokens a seed gives do not depend on when the other rows stopped."""
     max_new_tokens, stop_at_eos = params.max_new_tokens, params.stop_at_eos
     stops = StopChecker(eos_token_id, params.stop_token_ids, params.stop_strings, tokenizer) if stop_at_eos else None
     B, device = input_ids.shape[0], input_ids.device
@@ -345,15 +386,16 @@ def _sample_loop(
     if params.row_max_new_tokens is not None and stop_at_eos:
         limits = torch.tensor(params.row_max_new_tokens, dtype=torch.long, device=device)
     rows = torch.arange(B, device=device)  # the chunk's rows still sampling, in the decode batch's order
+    sampled_lp = torch.zeros(B, max_new_tokens, device=device) if logprobs else None
     n = 0
     for t in range(max_new_tokens):
         uniforms = None
         if not params.greedy:
             uniforms = torch.rand(B, generator=generator, dtype=torch.float64, device=device)[rows]
-        token = sample_next_token(
-            logits, params.temperature, params.top_k, params.top_p, None, params.greedy, params.min_p, uniforms
-        )
+        token, logp = _draw(logits, params, uniforms, logprobs)
         responses[rows, t] = token
+        if logprobs:
+            sampled_lp[rows, t] = logp
         n = t + 1
         if stop_at_eos:  # a stop ending at this token, or a row at its own limit: this token its last
             now = stops.at_last(responses[rows, max(0, n - stops.window) : n])
@@ -372,8 +414,19 @@ def _sample_loop(
         logits = state.step(token, t, position)
         position = position + 1
     responses = responses[:, :n]
-    if stop_at_eos:  # 1 up to and including the first stop
-        response_mask = (torch.arange(n, device=device)[None, :] <= stopped_at[:, None]).to(torch.float32)
-    else:
-        response_mask = torch.ones_like(responses, dtype=torch.float32)
-    return responses, response_mask
+    # 1 up to and including the first stop (without stop_at_eos, stopped_at is the end: every token)
+    response_mask = (torch.arange(n, device=device)[None, :] <= stopped_at[:, None]).to(torch.float32)
+    return Generated(responses, response_mask, None if sampled_lp is None else sampled_lp[:, :n] * response_mask)
+
+
+def _draw(logits: Tensor, params: SamplingParams, uniforms: Tensor | None, logprobs: bool):
+    """``(token [B], its logprob [B] or None)``: ``sample_next_token``'s draw; with ``logprobs``
+    the same token and its ``token_logprobs`` from the same probabilities."""
+    if not logprobs:
+        token = sample_next_token(
+            logits, params.temperature, params.top_k, params.top_p, None, params.greedy, params.min_p, uniforms
+        )
+        return token, None
+    probs = sampling_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    token = logits.argmax(-1) if params.greedy else inverse_cdf(probs, uniforms)
+    return token, token_logprobs(probs, token)

@@ -51,8 +51,26 @@ class Prompts:
         )
 
 
+class PromptResponseRows:
+    """What a batch of rows of ``query_responses [B, T]`` says of itself: each row a prompt
+    left-padded to ``context_length`` columns, then what followed it (a response, or an episode's
+    turns). Shared by the worker's ``Episodes`` and the update's ``algo.rollout.Rollout``."""
+
+    query_responses: Tensor
+    context_length: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.query_responses.shape[0]
+
+    @property
+    def responses(self) -> Tensor:
+        """``[B, R]``: everything after the prompts."""
+        return self.query_responses[:, self.context_length :]
+
+
 @dataclasses.dataclass(frozen=True)
-class Episodes:
+class Episodes(PromptResponseRows):
     """A batch of records played and scored by a ``worker.RolloutWorker``: everything the update
     needs from the rollout side, and nothing it derives (logprobs of the trainer's models,
     values, advantages: ``algo.rollout.Rollout``).
@@ -73,16 +91,8 @@ class Episodes:
     played: object  # the envs.EpisodeBatch as played (metrics, dumps); None: single-turn
     records: tuple[list, list] | None  # each row's prompt as written and its columns (dumps); None: none
     reward_logs: dict[str, float]  # rewards/<term>/<name>: what the reward functions passed to log_metric
-    policy_version: int  # the policy's version that sampled every token (its iteration)
+    token_versions: Tensor  # [B, R] long: the policy version (iteration) that sampled each policy token; -1 elsewhere
     play_time_s: float  # wall time of sampling, stepping the environments and scoring
-
-    @property
-    def batch_size(self) -> int:
-        return self.query_responses.shape[0]
-
-    @property
-    def responses(self) -> Tensor:
-        return self.query_responses[:, self.context_length :]
 
     @property
     def returns(self) -> Tensor:
