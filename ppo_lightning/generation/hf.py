@@ -385,7 +385,7 @@ def _sample_loop(
     limits = None  # each row's own limit (an episode's room left)
     if params.row_max_new_tokens is not None and stop_at_eos:
         limits = torch.tensor(params.row_max_new_tokens, dtype=torch.long, device=device)
-    rows = torch.arange(B, device=device)  # the chunk's rows still sampling, in the decode batch's order
+    rows: Tensor | slice = slice(None)  # the rows still sampling, in the decode batch's order: all, until one stops
     sampled_lp = torch.zeros(B, max_new_tokens, device=device) if logprobs else None
     n = 0
     for t in range(max_new_tokens):
@@ -401,8 +401,8 @@ def _sample_loop(
             now = stops.at_last(responses[rows, max(0, n - stops.window) : n])
             if limits is not None:
                 now |= limits[rows] <= n
-            # .any() syncs with the device; on GPU checking every few steps would save a little
-            if bool(now.any()):
+            if bool(now.any()):  # a sync with the device; on GPU checking every few steps would save a little
+                rows = torch.arange(B, device=device)[rows]  # as indices
                 stopped_at[rows[now]] = t
                 live = (~now).nonzero()[:, 0]
                 if live.numel() == 0:
