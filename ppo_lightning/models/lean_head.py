@@ -67,20 +67,29 @@ def chunked_logp_and_entropy(
     B, R, H = hidden.shape
     flat_h, flat_t = hidden.reshape(B * R, H), tokens.reshape(B * R)
     keep = None if mask is None else mask.reshape(B * R).nonzero().squeeze(1)
+    if keep is not None and keep.numel() == B * R:
+        keep = None  # every position is real: no gather, no scatter
     if keep is not None:
         flat_h, flat_t = flat_h[keep], flat_t[keep]
     grad = torch.is_grad_enabled()
-    logps, entropies = [flat_h.new_zeros(0, dtype=torch.float32)], [flat_h.new_zeros(0, dtype=torch.float32)]
+    logps, entropies = [], []
     for s in range(0, flat_h.shape[0], chunk):
         args = (flat_h[s : s + chunk], flat_t[s : s + chunk], head.weight, head.bias, temperature)
         lp, ent = checkpoint(_logp_and_entropy, *args, use_reentrant=False) if grad else _logp_and_entropy(*args)
         logps.append(lp)
         entropies.append(ent)
-    logp, entropy = torch.cat(logps), torch.cat(entropies)
+    logp, entropy = _joined(logps, flat_h), _joined(entropies, flat_h)
     if keep is not None:
         zeros = logp.new_zeros(B * R)
         logp, entropy = zeros.scatter(0, keep, logp), zeros.scatter(0, keep, entropy)
     return logp.view(B, R), entropy.view(B, R)
+
+
+def _joined(chunks: list[Tensor], like: Tensor) -> Tensor:
+    """The chunks' values as one float32 vector (none: an empty one)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return torch.cat(chunks) if chunks else like.new_zeros(0, dtype=torch.float32)
 
 
 @contextmanager
