@@ -98,15 +98,8 @@ class PPO:
         with self.runtime.rollout_context(self.policy, self.ref_lm):
             ep = self.worker.play(prompts, self.generator, policy_version)
             seq = Sequences.of(ep.query_responses, ep.attention_mask, ep.context_length)
-            ref_logprobs, _ = forward_logprobs(
-                None,
-                self.ref_lm,
-                *seq,
-                self.temperature,
-                c.rollout_forward_batch_size,
-                c.lm_head_chunk_size,
-                self.layout,
-            )
+            chunks = (c.rollout_forward_batch_size, c.lm_head_chunk_size)
+            ref_logprobs, _ = forward_logprobs(None, self.ref_lm, *seq, self.temperature, *chunks, self.layout)
             logprobs, values, fused = self._old_logprobs_and_values(seq)
             kl_coef = self.kl_ctl.value if c.kl_in == "reward" else 0.0  # kl_in=loss: the update adds it
             r = finish_rollout(
@@ -121,7 +114,7 @@ class PPO:
                     c.mask_truncated_completions,
                     self.worker.params.stop_at_eos,
                 ),
-                engine=engine_view(self.policy.lm, self.worker, ep, seq, c),
+                engine=engine_view(self.policy.lm, self.worker, ep, seq, c, policy_version),
                 collect_time_s=time.perf_counter() - t0,
             )
         self._fused = None if fused is None else (r, fused)
@@ -282,10 +275,12 @@ class PPO:
     def state_dict(self) -> dict:
         """What the algorithm carries across iterations, for a checkpoint: the KL controller, the
         reward normalisation and every rank's sampling stream (a collective)."""
+        backend = self.worker.backend.state_dict()  # a lagging sampler's weights (rollout.staleness)
         return {
             "kl_ctl": self.kl_ctl.state_dict(),
             "reward_norm": list(self.reward_norm) if self.reward_norm is not None else None,
             "generators": self.runtime.generator_states(self.generator),
+            **({"backend": backend} if backend else {}),
         }
 
     def load_state_dict(self, state: dict, seed: int, step: int) -> tuple[int, bool] | None:
@@ -296,6 +291,8 @@ class PPO:
             self.kl_ctl.load_state_dict(state["kl_ctl"])
         if state.get("reward_norm") is not None:
             self.reward_norm = tuple(state["reward_norm"])
+        if state.get("backend"):
+            self.worker.backend.load_state_dict(state["backend"])
         states = state.get("generators") or ([state["generator"]] if state.get("generator") is not None else None)
         if not states:
             return None
@@ -312,13 +309,15 @@ class PPO:
         return self.worker.sync_weights()
 
 
-def engine_view(lm, worker: RolloutWorker, ep: Episodes, seq: Sequences, c: PPOConfig) -> EngineView | None:
+def engine_view(
+    lm, worker: RolloutWorker, ep: Episodes, seq: Sequences, c: PPOConfig, policy_version: int = 0
+) -> EngineView | None:
     """A backend's own logprobs of its samples (each turn's, in place, for episodes; None where
     the backend reports none, ``hf`` without ``generation.logprobs``, and then no view), with the policy ``lm``'s logprobs of the same
     distribution when the worker's sampling truncates it (top-k / top-p / min-p:
     ``truncated_logprobs``, one more no-grad forward, in the engine's order), and ``c``'s
     correction (``ppo.engine_correction``). Runs in the rollout's context (weights gathered, the
-    update's numerics)."""
+    update's numerics). ``policy_version``: the old policy's, which each token's staleness counts from."""
     if ep.engine_logprobs is None:
         return None
     params, sampling = worker.params, None
@@ -326,7 +325,8 @@ def engine_view(lm, worker: RolloutWorker, ep: Episodes, seq: Sequences, c: PPOC
         sampling = truncated_logprobs(
             lm, *seq, params, c.rollout_forward_batch_size, c.remove_padding, worker.backend.min_p_first
         )
-    return EngineView(ep.engine_logprobs, sampling, c.engine_correction, c.engine_correction_cap)
+    staleness = (policy_version - ep.token_versions).clamp(min=0) * (ep.response_mask > 0)
+    return EngineView(ep.engine_logprobs, sampling, c.engine_correction, c.engine_correction_cap, staleness)
 
 
 def minibatch_rows(rows: int, c: PPOConfig, whole_groups: bool, generator, device=None) -> list[Tensor]:

@@ -69,12 +69,14 @@ class EngineView:
     """An engine backend's samples as the update weighs them: its own ``logprobs [B, R]``, the old
     policy's under the sampling's truncation (``sampling_logprobs``: ``rollouts.engine.truncated_logprobs``,
     or the old logprobs when the sampling truncates nothing), and the correction mode
-    (``ppo.engine_correction``) with its cap."""
+    (``ppo.engine_correction``) with its cap; ``staleness [B, R]``, the updates between the policy
+    version that sampled each token and the old policy's (0 but with ``rollout.staleness``)."""
 
     logprobs: Tensor
     sampling_logprobs: Tensor | None
     correction: str
     cap: float
+    staleness: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,7 @@ class Rollout(PromptResponseRows):
     sampling_logprobs: Tensor | None  # [B, R] the old policy's under the sampling's truncation: what
     # engine_logprobs are compared with
     engine_weights: Tensor | None  # [B, R] ppo.engine_correction's weights of the policy loss
+    staleness: Tensor | None  # [B, R] updates since the policy that sampled each token (engine view only)
     episodes: object  # multi-turn: the envs.EpisodeBatch as played (metrics, dumps); None: single-turn
     reward_logs: dict[str, float]  # rewards/<term>/<name>: log_metric
     records: tuple[list, list] | None  # each row's prompt as written and its columns (rollout dumps)
@@ -205,6 +208,7 @@ def finish_rollout(
         engine_logprobs=None if engine is None else engine.logprobs,
         sampling_logprobs=sampling,
         engine_weights=weights,
+        staleness=None if engine is None else engine.staleness,
         episodes=ep.played,
         reward_logs=ep.reward_logs,
         records=ep.records,

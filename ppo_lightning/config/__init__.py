@@ -33,6 +33,7 @@ from ppo_lightning.config.reward import RewardConfig, RewardTermConfig
 from ppo_lightning.config.root import PathsConfig, TrainConfig
 from ppo_lightning.config.ignored import ignored_keys, IGNORED_UNLESS
 from ppo_lightning.config.rules import validate
+from ppo_lightning.config.rollout import RolloutConfig
 from ppo_lightning.config.sampling import SamplingConfig
 from ppo_lightning.config.schema import check_fields, describe_check, param
 from ppo_lightning.config.task import RewardModelConfig, RewardModelTask, SFTConfig, SFTTask, StageConfig
@@ -59,6 +60,7 @@ __all__ = [
     "RewardModelConfig",
     "RewardModelTask",
     "RewardTermConfig",
+    "RolloutConfig",
     "SFTConfig",
     "SFTTask",
     "SamplingConfig",

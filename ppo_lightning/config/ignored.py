@@ -40,6 +40,7 @@ IGNORED_UNLESS = (
         "ppo.clip_low or ppo.clip_high is null (each side defaults to ppo.clip)",
         lambda cfg: cfg.ppo.clip_low is None or cfg.ppo.clip_high is None,
     ),
+    IgnoredUnless("rollout.allow_uncorrected", "rollout.staleness>=1", lambda cfg: cfg.rollout.staleness >= 1),
     IgnoredUnless("ppo.kl_target", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
     IgnoredUnless("ppo.kl_horizon", "ppo.adaptive_kl=true", lambda cfg: cfg.ppo.adaptive_kl),
     IgnoredUnless("ppo.missing_eos_penalty", "sampling.stop_at_eos=true", _STOPS),

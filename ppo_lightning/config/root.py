@@ -12,6 +12,7 @@ from ppo_lightning.config.model import LoRAConfig, ModelConfig, RefConfig, TinyM
 from ppo_lightning.config.optimizer import OptimizerConfig
 from ppo_lightning.config.ppo import PPOConfig
 from ppo_lightning.config.reward import RewardConfig
+from ppo_lightning.config.rollout import RolloutConfig
 from ppo_lightning.config.sampling import SamplingConfig
 from ppo_lightning.config.trainer import TrainerConfig
 
@@ -47,6 +48,8 @@ class TrainConfig:
     """The algorithm (``PPOConfig``)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """How responses are sampled (``SamplingConfig``)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Which policy samples each rollout: ``rollout.staleness`` (``RolloutConfig``)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation during training on held-out prompts (``EvalConfig``)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -122,6 +125,7 @@ SECTIONS = {
     "optimizer": OptimizerConfig,
     "ppo": PPOConfig,
     "sampling": SamplingConfig,
+    "rollout": RolloutConfig,
     "eval": EvalConfig,
     "data": DataConfig,
     "trainer": TrainerConfig,

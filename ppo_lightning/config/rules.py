@@ -243,6 +243,36 @@ def _check_env(cfg) -> None:
         )
 
 
+HF_BACKEND = "ppo_lightning.generation.hf.HFBackend"
+
+
+def _check_staleness(cfg) -> None:
+    """``rollout.staleness >= 1``: corrected (unless allowed otherwise), on the backend and the
+    strategy the lagging copy of the policy runs on."""
+    K = cfg.rollout.staleness
+    if not K:
+        return
+    key = f"rollout.staleness={K}"
+    if cfg.ppo.engine_correction == "none" and not cfg.rollout.allow_uncorrected:
+        raise ConfigError(
+            f"{key} with ppo.engine_correction=none: the samples come from the policy up to {K} update(s) "
+            "back, and uncorrected each token trains as if the current policy had sampled it (the clip "
+            "then bounds nothing against the policy that did); set ppo.engine_correction=token_truncate "
+            "(the default), or rollout.allow_uncorrected=true to train uncorrected"
+        )
+    target = (cfg.get("generation") or {}).get("_target_", HF_BACKEND)
+    if target != HF_BACKEND:
+        raise ConfigError(
+            f"{key} with generation._target_={target}: a lagging sampler runs on generation=hf for now "
+            "(a copy of the policy's weights, K updates old); set generation=hf or rollout.staleness=0"
+        )
+    if "FSDP2Strategy" in strategy_name(cfg.trainer):
+        raise ConfigError(
+            f"{key} with trainer.strategy={strategy_name(cfg.trainer)}: the lagging copy of the policy needs "
+            "whole (unsharded) weights; use trainer=cpu, gpu or ddp, or rollout.staleness=0"
+        )
+
+
 def strategy_name(trainer) -> str:
     """``trainer.strategy`` as a name: a string as given (``ddp``), a class by its ``_target_``."""
     strategy = trainer.get("strategy", "auto")
@@ -296,6 +326,7 @@ RULES = (
     _check_precision,
     _check_lora_reference,
     _check_strategy,
+    _check_staleness,
 )
 """``validate``'s rules, in the order they run: each field's own check first, so that the rules
 after it read values of the right type and range."""

@@ -69,6 +69,20 @@ class GenerationBackend:
         """The responses to left-padded ``prompt_ids [B, P]`` as ``params`` say (``Generated``)."""
         raise NotImplementedError
 
+    def weights_version(self, policy_version: int) -> int:
+        """The policy version whose weights ``generate`` samples, when the policy is at
+        ``policy_version`` (its iteration): that one, unless the backend lags behind it
+        (``lagged.LaggedBackend``)."""
+        return policy_version
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold for the backend to sample as an uninterrupted run would:
+        nothing, unless it keeps weights of its own that the policy's do not restore."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict``'s entries."""
+
     def sync_weights(self) -> float | None:
         """Take the policy's new weights after an iteration's updates: the seconds it took, or
         None when there was nothing to take (the backend samples the live module, or its engine

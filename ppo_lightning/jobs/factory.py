@@ -310,6 +310,7 @@ def build_module(cfg: DictConfig, checked: bool = False) -> tuple[PPOModule, Pro
             build_backend(cfg.get("generation")),
             SamplingParams.from_config(OmegaConf.to_object(cfg.sampling), tokenizer),
             runner,
+            cfg.rollout.staleness,
         ),
         rollout_dir=str(Path(cfg.paths.output_dir) / "rollouts") if cfg.ppo.rollout_dump else None,
     )

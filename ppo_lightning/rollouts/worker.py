@@ -59,9 +59,10 @@ class RolloutWorker:
     def play(self, prompts: Prompts, generator: torch.Generator | None = None, policy_version: int = 0) -> Episodes:
         """One episode per row of ``prompts``, sampled from ``generator``'s stream and scored; the
         reward functions' ``log_metric`` calls of this batch go with it (``Episodes.reward_logs``).
-        Every policy token is tagged with ``policy_version``, the version of the weights the
-        backend sampled (``Episodes.token_versions``): the record an off-policy update reads its
-        staleness from, token by token."""
+        Every policy token is tagged with the version of the weights the backend sampled, when
+        the policy is at ``policy_version`` (``GenerationBackend.weights_version``;
+        ``Episodes.token_versions``): the record an off-policy update reads its staleness from,
+        token by token."""
         t0 = time.perf_counter()
         played = self.runner.play(prompts, self.backend, self.params, generator, score=self._score_live)
         scored = Scored(*played.scores)
@@ -79,7 +80,7 @@ class RolloutWorker:
             played=played,
             records=(prompts.texts, prompts.columns) if prompts.texts is not None else None,
             reward_logs=pop_reward_logs(self.reward_fn),
-            token_versions=torch.where(played.loss_mask > 0, policy_version, -1),
+            token_versions=torch.where(played.loss_mask > 0, self.backend.weights_version(policy_version), -1),
             play_time_s=time.perf_counter() - t0,
         )
 

@@ -139,17 +139,22 @@ def engine_mismatch(r: Rollout, cap: float) -> dict[str, Tensor]:
     whose ratio ``pi_old / pi_engine`` passes ``ppo.engine_correction_cap``, and the ratios'
     normalised effective sample size ``(sum rho)^2 / (n sum rho^2)`` (1: no mismatch). Both sides
     are of the distribution sampled from: under top-k / top-p / min-p, the trainer's logprobs
-    under the same truncation (``Rollout.sampling_logprobs``)."""
+    under the same truncation (``Rollout.sampling_logprobs``). With ``rollout.staleness``, the
+    staleness of the tokens (updates since the policy that sampled each): its mean and max."""
     mask = r.response_mask
     log_rho = (r.sampling_logprobs - r.engine_logprobs) * mask
     rho = torch.exp(log_rho.clamp(max=20.0)) * mask
     n = mask.sum().clamp(min=1)
-    return {
+    out = {
         "rollout/engine_logprob_diff": masked_mean(log_rho.abs(), mask),
         "rollout/engine_kl": masked_mean(-log_rho, mask),
         "rollout/engine_capped_frac": ((log_rho > math.log(cap)).float() * mask).sum() / n,
         "rollout/engine_ess": rho.sum() ** 2 / (n * (rho**2).sum()).clamp(min=1e-30),
     }
+    if r.staleness is not None:
+        out["rollout/staleness_mean"] = masked_mean(r.staleness.float(), mask)
+        out["rollout/staleness_max"] = (r.staleness * (mask > 0)).amax().float()
+    return out
 
 
 def term_moments(r: Rollout) -> dict[str, Tensor]:

@@ -31,6 +31,7 @@ from ppo_lightning.config import OptimizerConfig, PPOConfig
 from ppo_lightning.parallel.distributed import Runtime
 from ppo_lightning.train.dumps import episode_rows, write_rollout
 from ppo_lightning.generation import BackendFactory, SamplingParams, default_backend
+from ppo_lightning.generation.lagged import LaggedBackend
 from ppo_lightning.parallel.lightning_compat import count_iteration
 from ppo_lightning.train.optim import configure_optimizers
 from ppo_lightning.models.policy import PolicyWithValueHead
@@ -57,6 +58,17 @@ class Generation:
     backend: BackendFactory | None = None
     sampling: SamplingParams | None = None
     runner: object = None
+    staleness: int = 0  # rollout.staleness: the policy's backend lags this many updates behind
+
+    def backends(self, policy_lm: nn.Module, ref_lm: nn.Module, tokenizer):
+        """``(rollout, live, reference)`` backends: the rollout's samples the policy (with
+        ``staleness``, a copy ``staleness`` updates behind it: ``generation.lagged``); ``live``
+        samples the policy as it is now (evaluation); the reference's samples ``ref_lm``, through
+        the ``hf`` backend where the policy's is an engine with weights of its own."""
+        make = self.backend or default_backend()
+        live = make(policy_lm, tokenizer)
+        rollout = LaggedBackend(make, policy_lm, tokenizer, self.staleness) if self.staleness else live
+        return rollout, live, (make if live.samples_live_module else default_backend())(ref_lm, tokenizer)
 
 
 class PPOModule(L.LightningModule):
@@ -92,10 +104,7 @@ class PPOModule(L.LightningModule):
         # checkpoints them; the algorithm and its worker use the same objects
         self.policy, self.ref_lm, self.reward_fn = policy, ref_lm, reward.fn
         self.ppo_cfg, self.optim_cfg, self.seed = ppo_cfg, optim_cfg, seed
-        make = generation.backend or default_backend()
-        backend = make(policy.lm, tokenizer)
-        # an engine with weights of its own holds the policy's: the reference samples live (hf)
-        self.ref_backend = (make if backend.samples_live_module else default_backend())(ref_lm, tokenizer)
+        backend, self.live_backend, self.ref_backend = generation.backends(policy.lm, ref_lm, tokenizer)
         sampling = generation.sampling or SamplingParams(max_new_tokens=32)
         worker = RolloutWorker(backend, sampling, reward.fn, tokenizer, generation.runner)
         self.runtime = Runtime(self)
@@ -255,7 +264,7 @@ class PPOModule(L.LightningModule):
         first samples go to a W&B logger as a table."""
         point = self.evaluation(
             self.global_step,
-            self.worker,
+            self.worker.replace(backend=self.live_backend),
             self.policy,
             self.ref_lm,
             self.runtime,
