@@ -113,7 +113,9 @@ def mismatch(kept: list[tuple], cap: float) -> dict:
 
     old = torch.cat([o[mask.bool()] for o, _, mask in kept])  # every response token, end to end
     engine = torch.cat([e[mask.bool()] for _, e, mask in kept])
-    pooled = SimpleNamespace(sampling_logprobs=old, engine_logprobs=engine, response_mask=torch.ones_like(old))
+    pooled = SimpleNamespace(
+        sampling_logprobs=old, engine_logprobs=engine, response_mask=torch.ones_like(old), staleness=None
+    )
     figures = {k.removeprefix("rollout/"): v.item() for k, v in engine_mismatch(pooled, cap).items()}
     return {"tokens": len(old), **figures, "max_abs_log_rho": (old - engine).abs().max().item()}
 

@@ -87,7 +87,7 @@ def build_rollout(seed: int = 0):
     rows = torch.zeros(len(mask))
     r = Rollout(
         ids, mask, position_ids_from_mask(mask), mask[:, P:].float(), zeros, zeros, zeros, zeros, zeros, rows,
-        zeros, zeros, rows, rows, rows.bool(), P, {}, None, None, None, None, None, None, {}, None, 0.0,
+        zeros, zeros, rows, rows, rows.bool(), P, {}, None, None, None, None, None, None, None, {}, None, 0.0,
     )  # fmt: skip
     return r, prompt_lens, response_lens
 

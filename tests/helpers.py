@@ -774,10 +774,10 @@ class RecordingBackend(GenerationBackend):
     calls: list = []
     syncs: list = []
 
-    def __init__(self, lm, tokenizer, fast_decode: bool = True):
+    def __init__(self, lm, tokenizer, fast_decode: bool = True, logprobs: bool = False):
         from ppo_lightning.generation.hf import HFBackend
 
-        self.lm, self.inner = lm, HFBackend(lm, tokenizer, fast_decode)
+        self.lm, self.inner = lm, HFBackend(lm, tokenizer, fast_decode, logprobs)
 
     def generate(self, prompt_ids, attention_mask, params, generator=None):
         RecordingBackend.calls.append((self.lm, params))

@@ -323,7 +323,9 @@ def test_engine_mismatch_metrics_against_their_definitions():
     g = torch.Generator().manual_seed(4)
     old = -torch.rand(B, R, generator=g) * 3
     engine = old + torch.randn(B, R, generator=g) * 0.6
-    m = engine_mismatch(SimpleNamespace(sampling_logprobs=old, engine_logprobs=engine, response_mask=MASK), cap=2.0)
+    m = engine_mismatch(
+        SimpleNamespace(sampling_logprobs=old, engine_logprobs=engine, response_mask=MASK, staleness=None), cap=2.0
+    )
     tokens = [(b, t) for b in range(B) for t in range(R) if MASK[b, t]]
     rho = [math.exp(old[b, t] - engine[b, t]) for b, t in tokens]
     assert m["rollout/engine_logprob_diff"].item() == pytest.approx(
