@@ -51,6 +51,15 @@ SWITCHES = {
         "+env.turns=2",
         "env.max_total_tokens=48",
     ],
+    # a sampler two updates behind the policy (rollout.staleness: its copy, versions and waiting
+    # snapshots are in the checkpoint), on two-turn episodes (each turn's behaviour logprobs)
+    "staleness_episodes": [
+        "rollout.staleness=2",
+        "env=function",
+        "env._target_=tests.multiturn.Echo",
+        "+env.turns=2",
+        "env.max_total_tokens=48",
+    ],
     # tool calling under DDP (the tools' JSON schemas in the prompt; a parser that reads a call, a
     # malformed call or a failing call into the random policy's turns)
     "env_tools_ddp_cpu": [
@@ -126,6 +135,8 @@ def sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_
     if any(o.startswith("env=") for o in overrides):  # the episodes had several turns (and called tools)
         assert all(row["env/turns_mean"] > 1 for row in expected.values())
         assert "env=tools" not in overrides or sum(row["env/tool_calls_mean"] for row in expected.values()) > 0
+    if any(o.startswith("rollout.staleness=") for o in overrides):  # sampled two updates back
+        assert [expected[k]["rollout/staleness_max"] for k in sorted(expected)] == [0, 1] + [2] * 6
     killed = run_ranks(
         [
             *interruptible(switch),

@@ -19,7 +19,7 @@ from tests.resume import (
 
 
 @pytest.mark.slow  # runs in subprocesses, one of them killed
-@pytest.mark.parametrize("switch", ["full", "lora_schedule_episodes"])
+@pytest.mark.parametrize("switch", ["full", "lora_schedule_episodes", "staleness_episodes"])
 def test_sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_factory, cache_dir, switch):
     sigkill_then_resume_replays_the_uninterrupted_trajectory(tmp_path, tmp_path_factory, cache_dir, switch)
 

@@ -166,3 +166,71 @@ def test_a_resumed_lagging_run_replays_the_uninterrupted_trajectory(tmp_path, ca
     assert [int(r["step"]) for r in resumed] == [2, 3]
     assert_same_metrics(whole[2:], resumed, rel=1e-5, abs=1e-6)
     assert [row["rollout/staleness_max"] for row in whole] == [0.0, 1.0, 2.0, 2.0]
+
+
+def _naive_decoupled_loss(new, prox, behaviour, adv, mask, mode, agg, clip, high, dual, cap, norm_length):
+    """The decoupled PPO loss written from its definition, token by token in float64 Python: the
+    clip on ``pi_theta / pi_prox``, each token weighed by ``pi_prox / pi_behaviour`` as the
+    correction ``mode`` says (per token or per response, capped or dropped past ``cap``), the
+    tokens reduced as the aggregation ``agg`` says."""
+    import math
+
+    rows = []
+    for i in range(len(mask)):
+        tokens = [t for t in range(len(mask[i])) if mask[i][t]]
+        seq_log_rho = sum(prox[i][t] - behaviour[i][t] for t in tokens)
+        losses = []
+        for t in tokens:
+            log_rho = seq_log_rho if mode.startswith("sequence") else prox[i][t] - behaviour[i][t]
+            if mode == "none":
+                w = 1.0
+            elif mode.endswith("truncate"):
+                w = min(math.exp(log_rho), cap)
+            else:
+                w = 0.0 if log_rho > math.log(cap) else math.exp(log_rho)
+            r, a = math.exp(new[i][t] - prox[i][t]), adv[i][t]
+            loss = max(-a * r, -a * min(max(r, 1 - clip), 1 + high))
+            if dual is not None and a < 0:
+                loss = min(loss, -dual * a)
+            losses.append(w * loss)
+        rows.append(losses)
+    n_seq = len(rows)
+    if agg in ("token_mean", "token_mean_global"):
+        return sum(map(sum, rows)) / max(sum(map(len, rows)), 1)
+    if agg == "seq_mean_token_mean":
+        return sum(sum(r) / max(len(r), 1) for r in rows) / n_seq
+    if agg == "seq_mean_token_sum":
+        return sum(sum(r) for r in rows) / n_seq
+    return sum(sum(r) / norm_length for r in rows) / n_seq
+
+
+@pytest.mark.parametrize("mode", ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_the_decoupled_loss_equals_a_naive_one_for_every_correction_and_aggregation(mode):
+    """``ppo_policy_loss`` with ``engine_weights(pi_prox, pi_behaviour)`` (what ``finish_rollout``
+    and ``PPO._loss`` compute for a stale rollout) against the naive definition: behaviour,
+    proximal and current logprobs drawn at random, a row with an environment gap, a row with no
+    policy token, clip-higher and the dual clip, every ``ppo.loss_agg``."""
+    from ppo_lightning.algo.losses import Aggregation, engine_weights, ppo_policy_loss
+    from ppo_lightning.config.choices import LOSS_AGGREGATIONS
+
+    g = torch.Generator().manual_seed(0)
+    B, R = 5, 7
+    behaviour = -torch.rand(B, R, generator=g, dtype=torch.float64) * 3
+    prox = behaviour + 0.4 * torch.randn(B, R, generator=g, dtype=torch.float64)  # K updates apart
+    new = prox + 0.3 * torch.randn(B, R, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, R, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, R, dtype=torch.float64)
+    mask[1, 2:4] = 0  # an environment's tokens between two turns
+    mask[2] = 0  # a row with no policy token
+    mask[3, 5:] = 0  # a response that ended early
+    clip, high, dual, cap = 0.2, 0.28, 3.0, 2.0
+    weights = engine_weights(prox, behaviour, mask, mode, cap)
+    as_lists = [t.tolist() for t in (new, prox, behaviour, adv, mask)]
+    for agg in LOSS_AGGREGATIONS:
+        aggregation = Aggregation(agg, norm_length=R)
+        for d in (None, dual):
+            ours, _ = ppo_policy_loss(
+                new, prox, adv, mask, clip, aggregation, clip_high=high, dual_clip=d, weights=weights
+            )
+            want = _naive_decoupled_loss(*as_lists, mode, agg, clip, high, d, cap, R)
+            assert ours.item() == pytest.approx(want, rel=1e-12, abs=1e-12), (agg, d)
